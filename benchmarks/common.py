@@ -1,0 +1,132 @@
+"""Shared pieces of the benchmarks: timing, workloads, the report (table + JSON + PNG)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def mixed_workload(
+    tokenizer,
+    count: int,
+    seed: int = 0,
+    min_prompt: int = 32,
+    max_prompt: int = 256,
+    min_new: int = 32,
+    max_new: int = 256,
+) -> list[tuple[list[int], int]]:
+    """``count`` (prompt token ids, max new tokens) pairs with lengths drawn uniformly."""
+    rng = random.Random(seed)
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "his",
+        "her",
+        "an",
+        "were",
+        "are",
+        "which",
+        "this",
+        "be",
+        "or",
+        "has",
+        "had",
+        "not",
+        "but",
+        "what",
+        "all",
+        "when",
+        "can",
+        "there",
+        "been",
+        "one",
+        "who",
+        "so",
+        "time",
+        "people",
+        "river",
+        "mountain",
+        "history",
+        "science",
+        "music",
+        "garden",
+        "letter",
+    ]
+    out = []
+    for _ in range(count):
+        target = rng.randint(min_prompt, max_prompt)
+        text = " ".join(rng.choice(words) for _ in range(target * 2))
+        ids = tokenizer(text).input_ids[:target]
+        out.append((ids, rng.randint(min_new, max_new)))
+    return out
+
+
+def report(
+    name: str, rows: list[dict[str, Any]], meta: dict[str, Any], plot: Callable[[Any], None]
+) -> Path:
+    """Print a table, write ``results/<name>.json`` and ``results/<name>.png``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    keys = list(rows[0])
+    widths = [max(len(k), *(len(_fmt(r[k])) for r in rows)) for k in keys]
+    print("  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
+    for r in rows:
+        print("  ".join(_fmt(r[k]).ljust(w) for k, w in zip(keys, widths, strict=True)))
+    path = RESULTS / f"{name}.json"
+    path.write_text(
+        json.dumps({"benchmark": name, "machine": machine(), **meta, "rows": rows}, indent=2)
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plot(ax)
+    ax.set_title(name.replace("_", " "))
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return path
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)

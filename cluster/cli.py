@@ -1,0 +1,211 @@
+"""The ``tessera`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from workers.api import InvalidRequestError, SamplingParams
+from workers.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+)
+from workers.model.loader import DTYPES
+
+
+def _memory_size(text: str) -> int:
+    """Parse '512MiB', '2GiB', '1.5GB' or a plain number of bytes."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    text = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * units[suffix])
+    return int(text)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory or .gguf file "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="weights and KV cache dtype; bfloat16 is the fast path on CPUs "
+        "with AMX (default: float32)",
+    )
+    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    group.add_argument(
+        "--kv-cache-memory",
+        type=_memory_size,
+        default=None,
+        help="bytes for the paged KV pool, e.g. 512MiB or 2GiB (default: 10%% of free memory)",
+    )
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="token budget of one step; longer prefills are chunked "
+        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"most sequences in one batch (default: {DEFAULT_MAX_NUM_SEQS})",
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from workers.engine import Engine
+
+    try:
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop or ()),
+        )
+        config = _engine_config(args)
+    except (InvalidRequestError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("loading model ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        engine = Engine(config)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    try:
+        engine.add_request("cli", prompt, sampling)
+    except InvalidRequestError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    first_token_at = None
+    while engine.has_work():
+        for output in engine.step():
+            if first_token_at is None and output.token_ids:
+                first_token_at = time.perf_counter()
+            sys.stdout.write(output.text)
+            sys.stdout.flush()
+            if output.finished:
+                elapsed = time.perf_counter() - start
+                sys.stdout.write("\n")
+                print(
+                    f"[{output.completion_tokens} tokens in {elapsed:.2f} s, "
+                    f"{output.completion_tokens / elapsed:.1f} tok/s, "
+                    f"time to first token {(first_token_at or time.perf_counter()) - start:.3f} s, "
+                    f"finish reason: {output.finish_reason.value}]",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tessera",
+        description="Tessera: an LLM serving engine with a paged KV cache and continuous batching.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser(
+        "generate",
+        help="generate a completion for one prompt and stream it",
+        description="Load the model, generate a completion for --prompt and stream it to "
+        "stdout (timing on stderr). Greedy when --temperature is 0.",
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the model's chat template as a user message",
+    )
+    gen.add_argument(
+        "--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)"
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: 0)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest set of tokens whose "
+        "probability sums to P (default: 1.0, off)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="keep only the K most likely tokens (default: -1, off)",
+    )
+    gen.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for sampling; the same seed gives the same text",
+    )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        help="stop when this string appears (repeatable); it is not printed",
+    )
+    _add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Shared fixtures: one SmolLM2 load per session (ours and transformers'), reference outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import TransformersReference
+from workers.model.loader import builtin_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return builtin_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """Our load of the built-in model, float32, shared by every engine in the session."""
+    from workers.model.loader import load_model
+
+    return load_model(smollm2_path, "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm2_path) -> TransformersReference:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    model.eval()
+    return TransformersReference(model)
+
+
+@pytest.fixture
+def make_engine(smollm2):
+    """Build an engine over the session's model; pass EngineConfig fields as keywords."""
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+
+    def make(**kwargs):
+        kwargs.setdefault("num_kv_blocks", 256)
+        return Engine(EngineConfig(**kwargs), loaded=smollm2)
+
+    return make

