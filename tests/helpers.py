@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass
 
@@ -31,25 +30,22 @@ class TransformersReference:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - one instance per session
     def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Reference:
-        # No EOS at all (rather than min_new_tokens, which would mask EOS's logit): the
-        # engine's ignore_eos keeps generating past EOS with the logits unchanged.
-        config = copy.deepcopy(self.model.generation_config)
-        config.eos_token_id = None
-        out = self.model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            generation_config=config,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=2,
-        )
-        gaps = []
-        for logits in out.logits:
-            top2 = logits[0].float().topk(2).values
-            gaps.append(float(top2[0] - top2[1]))
-        return Reference(tuple(out.sequences[0, len(prompt_ids) :].tolist()), tuple(gaps))
+        # A plain greedy loop over transformers' forward with its KV cache: generate()
+        # would stop at EOS or mask it (min_new_tokens), while ignore_eos keeps going.
+        tokens, gaps = [], []
+        with torch.no_grad():
+            out = self.model(torch.tensor([prompt_ids]), use_cache=True)
+            for _ in range(max_new_tokens):
+                logits = out.logits[0, -1].float()
+                top2 = logits.topk(2).values
+                gaps.append(float(top2[0] - top2[1]))
+                tokens.append(int(logits.argmax()))
+                out = self.model(
+                    torch.tensor([[tokens[-1]]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
+        return Reference(tuple(tokens), tuple(gaps))
 
 
 def assert_greedy_matches(ours: list[int] | tuple[int, ...], ref: Reference) -> None:

@@ -45,7 +45,7 @@ def test_seeded_sampling_survives_preemption(make_engine):
     engine = make_engine()
     engine.add_request("s", "Write a poem about the sea.", SEEDED)
     alone = tokens_of(run_engine(engine)["s"])
-    tight = make_engine(num_kv_blocks=8)
+    tight = make_engine(num_kv_blocks=12)
     tight.add_request("s", "Write a poem about the sea.", SEEDED)
     for i, prompt in enumerate(FILLER[:4]):
         tight.add_request(f"f{i}", prompt, SamplingParams(max_tokens=40, temperature=0))

@@ -80,12 +80,12 @@ def test_bad_requests_do_not_disturb_a_running_one(engine):
     engine.add_request("alone", "The capital of France is", greedy)
     alone = tokens_of(run_engine(engine)["alone"])
     engine.add_request("good", "The capital of France is", greedy)
-    engine.step()
+    first = engine.step()
     for bad in ("", [10**9]):
         with pytest.raises(InvalidRequestError):
             engine.add_request("bad", bad, greedy)
     outputs = run_engine(engine)
-    assert tokens_of(outputs["good"]) == alone
+    assert tokens_of(first + outputs["good"]) == alone
     assert set(outputs) == {"good"}
 
 
