@@ -12,9 +12,12 @@ The batch layout (one row per new token, several rows per sequence allowed)::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from workers.attention.metadata import AttentionMetadata
+from workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
+from workers.attention.paged import plan_decode
 from workers.kv.manager import KVCacheManager
 from workers.model.llama import LlamaModel
 from workers.sequence import Sequence
@@ -30,11 +33,13 @@ class ModelRunner:
 
     def execute(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute ``n`` new tokens of each (sequence, n); return logits of the sequences
-        that reached their last token ([S, vocab], float32) and those sequences."""
+        that reached their last token ([S, vocab], float32) and those sequences.
+
+        Single-token sequences must come first (the batcher orders them so).
+        """
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
@@ -45,37 +50,49 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             input_ids.extend(seq.token_ids[start:end])
-            table = self.kv.block_ids(seq.seq_id)
-            pos = torch.arange(start, end)
-            positions.append(pos)
-            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, end))
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
-            tables.append(table)
+            tables.append(self.kv.block_ids(seq.seq_id))
             if n == 1 and num_decodes == len(seq_lens) - 1:
                 num_decodes += 1
             if end == seq.num_tokens:
                 logits_rows.append(query_start[-1] - 1)
                 sampled.append(seq)
         width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int64)
-        for i, table in enumerate(tables):
-            block_tables[i, : len(table)] = torch.tensor(table)
         dev = self.device
+        block_tables = torch.tensor(
+            [t + [PAD_BLOCK_ID] * (width - len(t)) for t in tables], device=dev
+        )
+        query_lens = torch.tensor([b - a for a, b in itertools.pairwise(query_start)], device=dev)
+        positions_t = torch.tensor(positions, device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(items), device=dev), query_lens)
+        slot_mapping = block_tables[seq_index, positions_t // bs] * bs + positions_t % bs
+        seq_lens_t = torch.tensor(seq_lens, device=dev)
+        decode_plan = None
+        if num_decodes:
+            decode_plan = plan_decode(
+                block_tables[:num_decodes],
+                seq_lens_t[:num_decodes],
+                seq_lens[:num_decodes],
+                bs,
+                self.kv_cache.dtype,
+            )
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            query_start_loc=torch.tensor(query_start).to(dev),
-            seq_lens=torch.tensor(seq_lens).to(dev),
-            block_tables=block_tables.to(dev),
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(query_start, device=dev),
+            seq_lens=seq_lens_t,
+            block_tables=block_tables,
             num_decodes=num_decodes,
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
+            decode_plan=decode_plan,
         )
         logits = self.model(
-            torch.tensor(input_ids).to(dev),
-            torch.cat(positions).to(dev),
+            torch.tensor(input_ids, device=dev),
+            positions_t,
             self.kv_cache,
             meta,
-            torch.tensor(logits_rows, dtype=torch.int64).to(dev),
+            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
         return logits, sampled

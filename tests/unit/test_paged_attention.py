@@ -26,10 +26,11 @@ DECODE_SEQ_LENS = [1, 15, 16, 17, 300, 700]
 # in the multi-token group, and a chunk ending exactly on a block boundary.
 MULTI_TOKEN = [(37, 37), (20, 75), (1, 50), (16, 48)]
 FP32_ATOL = 1e-5
-# bf16: both sides read the same bf16 cache and compute in >= float32, then round the output to
-# bf16; values near a rounding boundary can land one ulp apart (<= 2^-7 relative). atol covers
-# SDPA's internal bf16 rounding (observed <= 2.5e-4 here).
-BF16_ATOL, BF16_RTOL = 1e-3, 2**-7
+# bf16: both sides read the same bf16 cache. torch's CPU flash kernel (the decode path) rounds
+# the probabilities to bf16 before multiplying by V, so outputs can sit a few bf16 ulps from a
+# float64 reference (observed <= 2e-3 absolute, 2% relative near zero); float32 is the exact
+# path and is held to 1e-5.
+BF16_ATOL, BF16_RTOL = 4e-3, 2**-5
 
 
 def make_batch(

@@ -13,8 +13,12 @@ occupy the last ``q_len`` of its ``seq_len`` cache positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.attention.paged import DecodeTile
 
 #: Value for unused entries of ``block_tables``. Attention reads whole blocks and masks by
 #: ``seq_lens``, so a pad entry is gathered but never contributes; it only has to be a valid
@@ -46,6 +50,9 @@ class AttentionMetadata:
     # Per non-decode sequence: None (causal by token order) or a bool [q_len, seq_len] mask,
     # True = may attend. None for the whole field means every such sequence is causal.
     attn_masks: tuple[torch.Tensor | None, ...] | None = None
+    # The decode sequences' gather indices and masks (``paged.plan_decode``): the same for
+    # every layer, so the model runner builds them once per step. None: built per call.
+    decode_plan: tuple[DecodeTile, ...] | None = None
 
     def __post_init__(self) -> None:
         # Host-side checks only: this runs every step and must not touch device memory.

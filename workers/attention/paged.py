@@ -73,16 +73,17 @@ def paged_attention(
     nd = meta.num_decodes
     if nd:
         # Decode sequence i owns row i: one token each, and they come first.
-        out[:nd] = _decode_attention(
-            q[:nd],
-            k_cache,
-            v_cache,
-            meta.block_tables[:nd],
-            meta.seq_lens[:nd],
-            meta.seq_lens_list[:nd],
-            scale,
-            tile_tokens,
-        )
+        tiles = meta.decode_plan
+        if tiles is None:
+            tiles = plan_decode(
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                meta.seq_lens_list[:nd],
+                block_size,
+                q.dtype,
+                tile_tokens,
+            )
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, tiles, scale)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
         mask = None if meta.attn_masks is None else meta.attn_masks[i - nd]
@@ -92,99 +93,116 @@ def paged_attention(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeTile:
+    """One tile of the decode context, the same for every layer of a step.
+
+    ``slots`` [B * tile] are the cache rows to gather; positions past a sequence's end
+    are redirected to its first slot (always written, so finite: stale or never-written
+    slots may hold NaN, and 0 * NaN = NaN) and get a -inf score ``bias`` [B, 1, 1, tile].
+    ``bias`` is None when the tile lies inside every sequence. ``empty`` [B, 1, 1] marks
+    sequences that end before the tile starts: their (masked-out) result must not count.
+    """
+
+    slots: torch.Tensor
+    bias: torch.Tensor | None
+    tokens: int
+    empty: torch.Tensor | None = None
+
+
+def plan_decode(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_list: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    tile_tokens: int = DEFAULT_TILE_TOKENS,
+) -> tuple[DecodeTile, ...]:
+    """Gather indices and masks of the decode tiles; computed once per step, not per layer."""
+    if tile_tokens <= 0 or tile_tokens % block_size:
+        raise ValueError(f"tile_tokens={tile_tokens} must be a positive multiple of {block_size}")
+    num_seqs = len(seq_lens_list)
+    device = block_tables.device
+    blocks_needed = math.ceil(max(seq_lens_list) / block_size)
+    blocks_per_tile = min(tile_tokens // block_size, blocks_needed)
+    min_len = min(seq_lens_list)
+    slot_in_block = torch.arange(block_size, device=device)
+    first_slot = block_tables[:, :1] * block_size  # [B, 1]
+    tiles = []
+    for first_block in range(0, blocks_needed, blocks_per_tile):
+        last_block = min(first_block + blocks_per_tile, blocks_needed)
+        tokens = (last_block - first_block) * block_size
+        start = first_block * block_size
+        slots = block_tables[:, first_block:last_block, None] * block_size + slot_in_block
+        slots = slots.view(num_seqs, tokens)
+        bias = empty = None
+        if start >= min_len:
+            empty = (seq_lens <= start)[:, None, None]
+        if start + tokens > min_len:  # only tiles reaching past the shortest sequence
+            positions = torch.arange(start, start + tokens, device=device)
+            past_end = positions[None, :] >= seq_lens[:, None]  # [B, tile]
+            slots = torch.where(past_end, first_slot, slots)
+            bias = torch.zeros(past_end.shape, dtype=dtype, device=device)
+            bias = bias.masked_fill_(past_end, -math.inf)[:, None, None, :]
+        tiles.append(DecodeTile(slots.reshape(-1), bias, tokens, empty))
+    return tuple(tiles)
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_list: list[int],
+    tiles: tuple[DecodeTile, ...],
     scale: float,
-    tile_tokens: int,
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once, online softmax over context tiles.
+    """One query per sequence, all sequences at once, tile by tile ("flash decoding").
 
-    Per tile only [B, tile, H_kv, D] of K and V and [H_kv, B, group, tile] scores exist, so
-    memory is O(B * tile), not O(B * context). The loop bound comes from host-side seq_lens_list.
+    Per tile only [B, tile, H_kv, D] of K and V exist, so memory is O(B * tile), not
+    O(B * context). Grouped-query attention needs no repeated K/V: the ``group`` query
+    heads that share a KV head are that head's queries, q viewed as [B, H_kv, group, D].
+    Each tile yields its output and log-sum-exp; tiles combine by softmax over the LSEs
+    (the online-softmax rescaling, done once at the end).
     """
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    device = q.device
-    blocks_needed = math.ceil(max(seq_lens_list) / block_size)
-    blocks_per_tile = min(tile_tokens // block_size, blocks_needed)
-    min_len = min(seq_lens_list)
-    # Query head h reads KV head h // group: per KV head, a batch of [group, D] query matrices.
-    q_heads = q.reshape(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
-    q_heads = (q_heads.to(ACCUM_DTYPE) * scale).contiguous()  # [H_kv, B, group, D]
+    q_heads = q.view(num_seqs, num_kv_heads, group, head_dim)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    slot_in_block = torch.arange(block_size, device=device)
-    positions = torch.arange(blocks_per_tile * block_size, device=device)
-    # Token 0 is always written (seq_len >= 1). Positions past a sequence's end are read from its
-    # slot instead of their own, which may be stale or never written (NaN, and 0 * NaN = NaN):
-    # finite K/V there plus a -inf score bias contribute exactly 0.
-    first_slot = block_tables[:, :1] * block_size  # [B, 1]
-    # One gather buffer for all tiles: a fresh multi-MB tensor per tile costs page faults.
-    gathered = torch.empty(
-        (2, num_seqs * positions.numel(), num_kv_heads, head_dim),
-        dtype=k_cache.dtype,
-        device=device,
-    )
-    converted = (
-        gathered if k_cache.dtype == ACCUM_DTYPE else torch.empty_like(gathered, dtype=ACCUM_DTYPE)
-    )
-    row_max = row_sum = acc = None
-    for first_block in range(0, blocks_needed, blocks_per_tile):
-        last_block = min(first_block + blocks_per_tile, blocks_needed)
-        tile = (last_block - first_block) * block_size
-        start = first_block * block_size
-        slots = block_tables[:, first_block:last_block, None] * block_size + slot_in_block
-        slots = slots.view(num_seqs, tile)  # [B, tile]
-        bias = None  # [B, 1, tile]: 0 where the position exists, -inf past the end
-        if start + tile > min_len:  # only tiles that reach past the shortest sequence need it
-            past_end = (start + positions[:tile]) >= seq_lens[:, None]  # [B, tile]
-            slots = torch.where(past_end, first_slot, slots)
-            bias = torch.zeros(past_end.shape, dtype=ACCUM_DTYPE, device=device)
-            bias = bias.masked_fill_(past_end, -math.inf)[:, None, :]
-        rows = num_seqs * tile
-        torch.index_select(flat_k, 0, slots.view(-1), out=gathered[0, :rows])
-        torch.index_select(flat_v, 0, slots.view(-1), out=gathered[1, :rows])
-        if converted is not gathered:
-            converted[:, :rows].copy_(gathered[:, :rows])
-        k = converted[0, :rows].view(num_seqs, tile, num_kv_heads, head_dim)
-        v = converted[1, :rows].view(num_seqs, tile, num_kv_heads, head_dim)
-        # Per KV head, k[:, :, h] is a strided [B, tile, D] batch that bmm reads in place: no
-        # transposing copy of K/V, no repeat for GQA.
-        s = torch.empty((num_kv_heads, num_seqs, group, tile), dtype=ACCUM_DTYPE, device=device)
-        for h in range(num_kv_heads):
-            k_t = k[:, :, h].transpose(1, 2)  # [B, D, tile]
-            if bias is None:
-                torch.bmm(q_heads[h], k_t, out=s[h])
-            else:
-                torch.baddbmm(bias, q_heads[h], k_t, out=s[h])
-        tile_max = s.amax(dim=-1)  # [H_kv, B, group]
-        if row_max is None:
-            row_max = tile_max  # finite: every sequence has position 0 in the first tile
-            p = s.sub_(row_max[..., None]).exp_()
-            row_sum = p.sum(dim=-1)
-            acc = torch.empty(
-                (num_kv_heads, num_seqs, group, head_dim), dtype=ACCUM_DTYPE, device=device
-            )
-            for h in range(num_kv_heads):
-                torch.bmm(p[h], v[:, :, h], out=acc[h])
-            continue
-        new_max = torch.maximum(row_max, tile_max)
-        # Rescale what was accumulated against the old max to the new one.
-        alpha = torch.exp(row_max - new_max)
-        p = s.sub_(new_max[..., None]).exp_()
-        row_sum = row_sum * alpha + p.sum(dim=-1)
-        acc.mul_(alpha[..., None])
-        for h in range(num_kv_heads):
-            acc[h].baddbmm_(p[h], v[:, :, h])
-        row_max = new_max
-    out = acc / row_sum[..., None]  # [H_kv, B, group, D]
-    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    outs, lses = [], []
+    for tile in tiles:
+        shape = (num_seqs, tile.tokens, num_kv_heads, head_dim)
+        k = flat_k.index_select(0, tile.slots).view(shape).transpose(1, 2)  # [B, H_kv, tile, D]
+        v = flat_v.index_select(0, tile.slots).view(shape).transpose(1, 2)
+        out, lse = _attend(q_heads, k, v, tile.bias, scale)
+        if tile.empty is not None:  # fully masked rows come back as out 0, lse 0: drop them
+            lse = lse.masked_fill(tile.empty, -math.inf)
+        outs.append(out)
+        lses.append(lse)
+    if len(outs) == 1:
+        out = outs[0]
+    else:
+        lse = torch.stack(lses)  # [tiles, B, H_kv, group]
+        weights = torch.softmax(lse.to(ACCUM_DTYPE), dim=0)[..., None]
+        out = (torch.stack(outs).to(ACCUM_DTYPE) * weights).sum(dim=0)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [B, H, G, D] over k/v [B, H, S, D]; returns (out, logsumexp)."""
+    if q.device.type == "cpu":
+        # torch's CPU flash kernel: tiled online softmax in float32, and it returns the LSE.
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias, scale=scale
+        )
+    scores = torch.matmul(q.to(ACCUM_DTYPE), k.to(ACCUM_DTYPE).transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias.to(ACCUM_DTYPE)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.to(ACCUM_DTYPE))
+    return out.to(q.dtype), lse
 
 
 def _sequence_attention(

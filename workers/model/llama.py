@@ -16,7 +16,7 @@ from torch import nn
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.paged import paged_attention, write_kv
 from workers.model.config import ModelConfig
-from workers.model.rope import RotaryEmbedding
+from workers.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +30,25 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class Linear(nn.Module):
+    """``x @ weight + bias`` with ``weight`` stored pre-transposed, ``[in, out]``.
+
+    MKL's sgemm runs the skinny batches of decoding (1-64 rows) up to 4x faster with the
+    weight in this layout than ``F.linear`` with Hugging Face's ``[out, in]`` (2 cores:
+    16 x 576 -> 3072 took 0.56 ms vs 2.3 ms).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.bias is None:
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -47,24 +66,22 @@ class DecoderLayer(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.intermediate_size = config.intermediate_size
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rope: RotaryEmbedding,
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -72,11 +89,11 @@ class DecoderLayer(nn.Module):
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        # q and k heads side by side, rotated together: [T, H + H_kv, D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
@@ -95,7 +112,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.requires_grad_(False)
         self.to(device=device, dtype=dtype)
@@ -112,16 +129,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab]."""
         hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rope.lookup(positions)
         for index, layer in enumerate(self.layers):
-            hidden = layer(
-                hidden, positions, self.rope, kv_cache[index, 0], kv_cache[index, 1], meta
-            )
+            hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
         hidden = self.norm(hidden.index_select(0, logits_indices))
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
+        return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+        """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v
+        and gate/up and transposing for ``Linear``."""
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -140,7 +159,7 @@ class LlamaModel(nn.Module):
             put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
             put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
             if self.lm_head is not None:
-                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+                put(self.lm_head.weight, take("lm_head.weight").t(), "lm_head.weight")
             else:
                 state.pop("lm_head.weight", None)
             for i, layer in enumerate(self.layers):
@@ -154,7 +173,7 @@ class LlamaModel(nn.Module):
                 attn = p + "self_attn."
                 put(
                     layer.qkv_proj.weight,
-                    torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                    torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]).t(),
                     attn + "qkv",
                 )
                 if layer.qkv_proj.bias is not None:
@@ -163,16 +182,16 @@ class LlamaModel(nn.Module):
                         torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]),
                         attn + "qkv.bias",
                     )
-                put(layer.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj")
+                put(layer.o_proj.weight, take(attn + "o_proj.weight").t(), attn + "o_proj")
                 if layer.o_proj.bias is not None:
                     put(layer.o_proj.bias, take(attn + "o_proj.bias"), attn + "o_proj.bias")
                 mlp = p + "mlp."
                 put(
                     layer.gate_up_proj.weight,
-                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).t(),
                     mlp,
                 )
-                put(layer.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj")
+                put(layer.down_proj.weight, take(mlp + "down_proj.weight").t(), mlp + "down_proj")
                 if layer.gate_up_proj.bias is not None:
                     put(
                         layer.gate_up_proj.bias,
