@@ -88,7 +88,9 @@ def main() -> None:
             path.parent, gguf_file=path.name, dtype=DTYPES[dtype]
         ).eval()
         pad = loaded.tokenizer.pad_token_id or 2
-        run_ours(engine, mixed_workload(loaded.tokenizer, 2, seed=99, max_new=8))  # warm-up
+        run_ours(
+            engine, mixed_workload(loaded.tokenizer, 2, seed=99, min_new=4, max_new=8)
+        )  # warm-up
         for batch in args.batches:
             if batch == 1:
                 workload = mixed_workload(

@@ -1,0 +1,96 @@
+"""The batcher's decisions, exactly: budget, chunking, admission order, preemption victims."""
+
+from __future__ import annotations
+
+from workers.api import Phase, Request
+from workers.batcher import Batcher
+from workers.kv.manager import KVCacheManager
+from workers.sequence import Sequence
+
+
+def _seq(name: str, num_tokens: int, priority: int = 0, order: int = 0) -> Sequence:
+    prompt = tuple(range(1, num_tokens + 1))
+    return Sequence(
+        Request(name, prompt, priority=priority),
+        seed=0,
+        order=order,
+        token_ids=list(prompt),
+        detokenizer=None,
+        stop_matcher=None,
+    )
+
+
+def _finish_step(batch) -> None:
+    """What the engine does after a step: count computed tokens, append a sampled token."""
+    for seq, n in batch.items:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+
+
+def test_budget_chunks_prefills_and_decodes_go_first():
+    batcher = Batcher(
+        KVCacheManager(num_blocks=16, block_size=4), max_num_batched_tokens=8, max_num_seqs=4
+    )
+    a, b = _seq("a", 3, order=0), _seq("b", 10, order=1)
+    batcher.add(a)
+    batcher.add(b)
+    batch = batcher.schedule()
+    assert [(s.seq_id, n) for s, n in batch.items] == [("a", 3), ("b", 5)]
+    assert (a.phase, b.phase) == (Phase.PREFILL, Phase.PREFILL)
+    _finish_step(batch)
+    batch = batcher.schedule()  # a decodes (1 token, first), b gets its last 5
+    assert [(s.seq_id, n) for s, n in batch.items] == [("a", 1), ("b", 5)]
+    assert a.phase is Phase.DECODE
+    assert batcher.kv.block_ids("a") == [0] and batcher.kv.block_ids("b") == [1, 2, 3]
+    batcher.kv.check_integrity()
+
+
+def test_admission_follows_priority_then_arrival():
+    batcher = Batcher(
+        KVCacheManager(num_blocks=16, block_size=4), max_num_batched_tokens=64, max_num_seqs=2
+    )
+    for name, priority, order in (("late", 0, 2), ("low", 5, 0), ("first", 0, 1)):
+        batcher.add(_seq(name, 4, priority, order))
+    batch = batcher.schedule()
+    assert [s.seq_id for s, _ in batch.items] == ["first", "late"]  # max_num_seqs = 2
+    assert [s.seq_id for s in batcher.waiting] == ["low"]
+
+
+def test_preemption_takes_lowest_priority_newest_first_and_frees_its_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    batcher = Batcher(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    seqs = [
+        _seq("keep", 4, 0, 0),
+        _seq("old", 4, 1, 1),
+        _seq("new", 4, 1, 2),
+        _seq("vip", 4, -1, 3),
+    ]
+    for seq in seqs:
+        batcher.add(seq)
+    _finish_step(batcher.schedule())  # all four prefilled, one block each, pool full
+    assert kv.num_free_blocks == 0
+    batch = batcher.schedule()  # each now needs a second block
+    # "vip" (priority -1) and "keep" go first; "new" is the lowest-priority newest: evicted
+    # first, then "old"; that frees one block each for "vip" and "keep".
+    assert [s.seq_id for s in batch.preempted] == ["new", "old"]
+    assert [(s.seq_id, n) for s, n in batch.items] == [("vip", 1), ("keep", 1)]
+    # admitted vip, keep, old, new -> blocks 0..3; new's block 3 goes to vip, old's 2 to keep
+    assert kv.block_ids("vip") == [0, 3] and kv.block_ids("keep") == [1, 2]
+    assert [s.seq_id for s in batcher.waiting] == ["old", "new"]
+    assert all(s.num_computed_tokens == 0 and s.num_tokens == 5 for s in batcher.waiting)
+    assert batcher.num_preemptions == 2
+    kv.check_integrity()
+
+
+def test_a_sequence_preempts_itself_when_it_is_the_lowest():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    batcher = Batcher(kv, max_num_batched_tokens=64, max_num_seqs=8)
+    first, second = _seq("first", 4, 0, 0), _seq("second", 4, 0, 1)
+    batcher.add(first)
+    batcher.add(second)
+    _finish_step(batcher.schedule())
+    batch = batcher.schedule()
+    assert [s.seq_id for s in batch.preempted] == ["second"]
+    assert [(s.seq_id, n) for s, n in batch.items] == [("first", 1)]
+    assert kv.block_ids("first") == [0, 1]
