@@ -1,0 +1,131 @@
+"""GGUF loading for each weight type: a tiny Llama written as GGUF, read by us and by
+transformers (which dequantises with its own code), logits compared in float32.
+
+The tokenizer fields are copied from the built-in SmolLM2 file, so both loaders see a
+complete GGUF. Tolerance: atol = rtol = 1e-4 (both sides hold the same dequantised
+values; differences are summation order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+
+from workers.api import Request
+from workers.kv.kv_cache import allocate_kv_cache
+from workers.kv.manager import KVCacheManager
+from workers.model.loader import load_model
+from workers.model_runner import ModelRunner
+from workers.sequence import Sequence
+
+pytestmark = pytest.mark.slow
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 64, 96, 2, 4, 2, 49152
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k layout (what its converter writes), the inverse of our loader's."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _gguf_name(hf_name: str) -> str:
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    _, _, layer, *rest = hf_name.split(".")
+    base, kind = ".".join(rest[:-1]), rest[-1]
+    return f"blk.{layer}.{_LAYER_NAMES[base]}.{kind}"
+
+
+def _write_gguf(path, model, qtype: GGMLQuantizationType, source: GGUFReader) -> None:
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, tensor in model.state_dict().items():
+        data = tensor.float().numpy().copy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _permute_rotary(data, HEADS if "q_proj" in name else KV_HEADS)
+        kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
+        if kind == GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), data)
+        else:
+            packed = quants.quantize(data, kind)
+            writer.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_weight_type_matches_transformers(qtype, tmp_path, smollm2_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    _write_gguf(path, model, GGMLQuantizationType[qtype], GGUFReader(str(smollm2_path)))
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ours = load_model(path, "float32")
+    prompt = ours.tokenizer("Quantised weights, read two ways.").input_ids
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    kv = KVCacheManager(num_blocks=4, block_size=16)
+    runner = ModelRunner(
+        ours.model, kv, allocate_kv_cache(ours.config, 4, 16, torch.float32, torch.device("cpu"))
+    )
+    seq = Sequence(Request("s", tuple(prompt)), 0, 0, list(prompt), None, None)
+    assert kv.allocate("s", len(prompt))
+    logits, _ = runner.execute([(seq, len(prompt))])
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    if qtype != "F32":  # the quantisation really happened: weights differ from the originals
+        assert not torch.equal(
+            ours.model.layers[0].down_proj.weight.t(), model.model.layers[0].mlp.down_proj.weight
+        )
