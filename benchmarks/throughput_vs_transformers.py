@@ -134,7 +134,8 @@ def main() -> None:
         del hf, engine, loaded
 
     def plot(ax):
-        labels = [f"{r['dtype'][:4]} x{r['concurrency']}" for r in rows]
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+        labels = [f"{short[r['dtype']]} x{r['concurrency']}" for r in rows]
         xs = range(len(rows))
         ax.bar([x - 0.2 for x in xs], [r["tessera_tok_s"] for r in rows], 0.4, label="tessera")
         ax.bar(

@@ -37,10 +37,11 @@ class AsyncEngine:
                 await self._wakeup.wait()
             try:
                 outputs = await asyncio.to_thread(self.engine.step)
-            except Exception as error:  # a failed step fails every request in it
-                logger.exception("engine step failed")
-                for queue in self._streams.values():
+            except Exception as error:  # fail the requests in flight, not the loop
+                logger.exception("engine step failed; aborting the requests in flight")
+                for request_id, queue in list(self._streams.items()):
                     queue.put_nowait(error)
+                    self.engine.abort(request_id)
                 self._streams.clear()
                 continue
             for output in outputs:

@@ -311,7 +311,8 @@ class Engine:
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
-        phases = collections.Counter(seq.phase.value for seq in self.sequences.values())
+        # list() copies under the GIL: stats may be read while another thread runs step().
+        phases = collections.Counter(seq.phase.value for seq in list(self.sequences.values()))
         steps = max(self._steps, 1)
         return EngineStats(
             steps=self._steps,

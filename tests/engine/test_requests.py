@@ -189,3 +189,28 @@ async def test_async_api_streams_and_abort_on_early_exit(make_engine):
     assert engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks
     assert "z" not in engine.engine.sequences
     await engine.close()
+
+
+async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine):
+    inner = make_engine()
+    engine = AsyncEngine(inner)
+    execute = inner.runner.execute
+    calls = {"n": 0}
+
+    def fail_once(items):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return execute(items)
+
+    inner.runner.execute = fail_once
+    stream = await engine.add_request("doomed", "Hello", SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        async for _ in stream:
+            pass
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    deltas = [d async for d in await engine.add_request("after", "Hello", greedy)]
+    assert deltas[-1].finished and len(tokens_of(deltas)) == 3
+    assert inner.kv.num_free_blocks == inner.kv.pool.num_blocks
+    assert "doomed" not in inner.sequences
+    await engine.close()
