@@ -1,9 +1,10 @@
 """The worker's engine: validate requests, run batching steps, emit output deltas.
 
-``Engine`` is synchronous and single-threaded in its step: ``add_request`` and
-``abort`` may be called from another thread (the async wrapper's event loop) and only
-queue the change; ``step`` applies queued changes first, so the batch, the pool and
-the block tables are only ever touched by the thread running ``step``.
+``Engine`` is synchronous; ``add_request`` and ``abort`` may be called from another
+thread (the async wrapper's event loop). The batch, the pool and the block tables are
+only touched under ``_step_lock``: ``step`` holds it throughout, ``add_request`` only
+queues, and ``abort`` applies at once when no step is running (else the step that is
+running applies it as soon as it ends, before the next one).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class Engine:
         self.sequences: dict[str, Sequence] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._lock = threading.Lock()  # guards request-id bookkeeping across threads
+        self._step_lock = threading.Lock()  # held while the batch or the pool changes
+        self._ready: list[RequestOutput] = []  # produced outside step(), returned by the next
         self._known_ids: set[str] = set()
         self._order = 0
         self._steps = 0
@@ -170,16 +173,30 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks are freed at the start of the next step."""
+        """Abort a request and free its blocks: now if no step is running, else right
+        after it. Its final delta (``finish_reason`` abort) comes from the next ``step``."""
         self._inbox.append(("abort", request_id))
+        if self._step_lock.acquire(blocking=False):
+            try:
+                self._ready.extend(self._drain_inbox())
+            finally:
+                self._step_lock.release()
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.batcher.has_work()
+        return bool(self._inbox or self._ready) or self.batcher.has_work()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Apply queued adds/aborts, run one batch, return the deltas it produced."""
-        outputs = self._drain_inbox()
+        with self._step_lock:
+            outputs, self._ready = self._ready, []
+            outputs += self._drain_inbox()
+            outputs += self._run_batch()
+            outputs += self._drain_inbox()  # aborts that arrived during the batch
+            return outputs
+
+    def _run_batch(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         batch = self.batcher.schedule()
         if not batch.items:
             return outputs

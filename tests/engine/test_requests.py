@@ -145,9 +145,17 @@ def test_abort_frees_blocks_and_reports(make_engine):
     engine.add_request("b", "Tell me another.", SamplingParams(max_tokens=5, temperature=0))
     for _ in range(3):
         engine.step()
-    assert engine.kv.block_ids("a")
-    engine.abort("a")
+    held = len(engine.kv.block_ids("a"))
+    free_before = engine.kv.num_free_blocks
+    assert held
+    engine.abort("a")  # no step running: the blocks come back at once
+    assert engine.kv.block_ids("a") == []
+    assert engine.kv.num_free_blocks == free_before + held
+    engine.check_integrity()
+    engine.add_request("c", "Never runs.", SamplingParams(max_tokens=5))
+    engine.abort("c")  # aborted before any step admitted it
     outputs = run_engine(engine)
+    assert [(d.finish_reason, d.token_ids) for d in outputs["c"]] == [(FinishReason.ABORT, ())]
     assert outputs["a"][-1].finish_reason is FinishReason.ABORT
     assert outputs["b"][-1].finish_reason is FinishReason.LENGTH
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
