@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from workers.model.config import ModelConfig
@@ -169,7 +170,9 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         hf["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
     config = ModelConfig.from_hf(hf)
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(
+        reader.tensors, desc=f"dequantising {path.name}", unit="tensor", leave=False
+    ):
         weights = dequantize(tensor.data, tensor.tensor_type)
         name = tensor.name
         if name in _GGUF_GLOBAL_NAMES:
