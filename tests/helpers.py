@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.api import RequestOutput
+from workers.api import Request, RequestOutput
+from workers.kv.kv_cache import allocate_kv_cache
+from workers.kv.manager import KVCacheManager
+from workers.model_runner import ModelRunner
+from workers.sequence import Sequence
 
 #: DESIGN.md's exactness rule: a greedy divergence from transformers is acceptable only
 #: at a step where the reference's top-2 logit gap is below this.
@@ -82,3 +86,27 @@ def tokens_of(deltas: list[RequestOutput]) -> list[int]:
 
 def text_of(deltas: list[RequestOutput]) -> str:
     return "".join(d.text for d in deltas)
+
+
+def prefill_logits(loaded, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    """Our float32 next-token logits after prefilling ``prompt`` in one step through the
+    paged KV cache (no engine, no sampling): the model layer alone."""
+    num_blocks = -(-len(prompt) // block_size)
+    kv = KVCacheManager(num_blocks, block_size)
+    cache = allocate_kv_cache(
+        loaded.config, num_blocks, block_size, torch.float32, torch.device("cpu")
+    )
+    runner = ModelRunner(loaded.model, kv, cache)
+    seq = Sequence(
+        Request("s", tuple(prompt)),
+        seed=0,
+        order=0,
+        token_ids=list(prompt),
+        detokenizer=None,
+        stop_matcher=None,
+    )
+    assert kv.allocate("s", len(prompt))
+    logits, sampled = runner.execute([(seq, len(prompt))])
+    assert sampled == [seq]
+    kv.check_integrity()
+    return logits[0]

@@ -25,6 +25,7 @@ from workers.api import (
     Request,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 from workers.batcher import Batcher
 from workers.config import EngineConfig
@@ -270,7 +271,7 @@ class Engine:
             suppressed_token_ids=suppressed,
         )
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         params = seq.request.sampling
         seq.token_ids.append(token_id)
         seq.phase = Phase.DECODE

@@ -14,12 +14,8 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from workers.api import Request
-from workers.kv.kv_cache import allocate_kv_cache
-from workers.kv.manager import KVCacheManager
+from tests.helpers import prefill_logits
 from workers.model.loader import load_model
-from workers.model_runner import ModelRunner
-from workers.sequence import Sequence
 
 pytestmark = pytest.mark.slow
 
@@ -117,14 +113,7 @@ def test_gguf_weight_type_matches_transformers(qtype, tmp_path, smollm2_path):
     prompt = ours.tokenizer("Quantised weights, read two ways.").input_ids
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, -1]
-    kv = KVCacheManager(num_blocks=4, block_size=16)
-    runner = ModelRunner(
-        ours.model, kv, allocate_kv_cache(ours.config, 4, 16, torch.float32, torch.device("cpu"))
-    )
-    seq = Sequence(Request("s", tuple(prompt)), 0, 0, list(prompt), None, None)
-    assert kv.allocate("s", len(prompt))
-    logits, _ = runner.execute([(seq, len(prompt))])
-    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
     if qtype != "F32":  # the quantisation really happened: weights differ from the originals
         assert not torch.equal(
             ours.model.layers[0].down_proj.weight.t(), model.model.layers[0].mlp.down_proj.weight

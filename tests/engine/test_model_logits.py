@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+from tests.helpers import prefill_logits
 from workers.api import Request
 from workers.kv.kv_cache import allocate_kv_cache
 from workers.kv.manager import KVCacheManager
@@ -136,17 +137,4 @@ def test_smollm2_logits_match_transformers(smollm2, hf_reference):
     prompt = smollm2.tokenizer("The quick brown fox jumps over the lazy dog. " * 3).input_ids
     with torch.no_grad():
         expected = hf_reference.model(torch.tensor([prompt])).logits[0]
-    kv = KVCacheManager(num_blocks=8, block_size=16)
-    cache = allocate_kv_cache(smollm2.config, 8, 16, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(smollm2.model, kv, cache)
-    seq = Sequence(
-        request=Request("s", tuple(prompt)),
-        seed=0,
-        order=0,
-        token_ids=list(prompt),
-        detokenizer=None,
-        stop_matcher=None,
-    )
-    assert kv.allocate("s", len(prompt))
-    out, _ = runner.execute([(seq, len(prompt))])
-    torch.testing.assert_close(out[0], expected[-1], atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(prefill_logits(smollm2, prompt), expected[-1], atol=1e-3, rtol=1e-4)
