@@ -1,12 +1,17 @@
 """Iteration-level continuous batching: what each step computes.
 
-Every step has a budget of ``max_num_batched_tokens`` and at most ``max_num_seqs``
-running sequences. Running sequences go first, in (priority, arrival) order, each
-asking for all the tokens it has not computed yet (1 for a decode, a chunk for a
-prefill); then waiting sequences are admitted with what is left. When the pool has
-no block for a running sequence, the lowest-priority, newest running sequence is
-preempted by recompute: its blocks are freed and it waits again with its tokens
-kept, to be recomputed later (its output does not change).
+The batcher schedules ``SequenceGroup``s (a request and its forks or beams), each
+step within a budget of ``max_num_batched_tokens`` and ``max_num_seqs`` sequences.
+Running groups go first, in (priority, arrival) order, each asking for all the tokens
+its sequences have not computed (1 per decode, a chunk for a prefill); then waiting
+groups are admitted with what is left, after taking the longest run of their prompt
+that the prefix cache holds. A group with several sequences advances in lockstep: when
+the budget cannot take every sequence to its end, none of them reaches it (their last
+tokens wait for a step that fits them all), so a beam step always sees every beam.
+
+When the pool has no block for a running group, the lowest-priority, newest running
+group is preempted by recompute: its blocks are freed and it waits again with its
+tokens kept, to be recomputed later (its output does not change).
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from workers.api import Phase
-from workers.kv.manager import KVCacheManager
-from workers.sequence import Sequence
+from workers.kv.manager import KVCacheManager, Write
+from workers.sequence import Sequence, SequenceGroup
 
 
 @dataclass(slots=True)
@@ -24,11 +29,15 @@ class ScheduledBatch:
     """This step's work: (sequence, number of new tokens), decodes first."""
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+
+def _key(group: SequenceGroup) -> tuple[int, int]:
+    return group.sort_key
 
 
 class Batcher:
@@ -36,56 +45,66 @@ class Batcher:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.waiting: list[Sequence] = []  # sorted by sort_key
-        self.running: list[Sequence] = []  # sorted by sort_key
+        self.waiting: list[SequenceGroup] = []  # sorted by sort_key
+        self.running: list[SequenceGroup] = []  # sorted by sort_key
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        seq.phase = Phase.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+    def add(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.phase = Phase.WAITING
+        bisect.insort(self.waiting, group, key=_key)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+    def remove(self, group: SequenceGroup) -> None:
+        """Drop a finished or aborted group and free its sequences' blocks."""
         for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
-        self.kv.free(seq.seq_id)
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            self.kv.free(seq.seq_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(group.seqs) for group in self.running)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
-                victim = self.running[-1]  # lowest priority, newest; never one scheduled already
+            group = self.running[index]
+            writes = self._plan(group, budget)
+            if writes is None:
+                index += 1  # its lockstep step does not fit what is left of the budget
+                continue
+            while self.kv.blocks_for(writes) > self.kv.num_free_blocks:
+                victim = self.running[-1]  # lowest priority, newest; never one scheduled
                 self._preempt(victim)
                 batch.preempted.append(victim)
-                if victim is seq:
+                if victim is group:
                     break
             else:
-                batch.items.append((seq, n))
-                budget -= n
+                budget -= self._apply(group, writes, batch)
                 index += 1
         # Admitting new work right after preempting would only thrash.
-        while (
-            not batch.preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.kv.allocate(seq.seq_id, seq.num_computed_tokens + n):
+        width = sum(group.width for group in self.running)
+        while not batch.preempted and self.waiting and budget > 0:
+            group = self.waiting[0]
+            if width + group.width > self.max_num_seqs:
+                break
+            writes = self._plan(group, budget)
+            if writes is not None and self.kv.blocks_for(writes) > self.kv.num_free_blocks:
+                # A group recomputing after preemption whose shared prompt left the
+                # cache: its first sequence goes alone, the others then hit its blocks.
+                writes = self._plan(group, budget, first_only=True)
+            if writes is None or self.kv.blocks_for(writes) > self.kv.num_free_blocks:
                 break
             self.waiting.pop(0)
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
-            batch.items.append((seq, n))
-            budget -= n
+            bisect.insort(self.running, group, key=_key)
+            width += group.width
+            budget -= self._apply(group, writes, batch)
         for seq, n in batch.items:
             reaches_end = seq.num_computed_tokens + n == seq.num_tokens
             seq.phase = Phase.DECODE if reaches_end and seq.num_output_tokens else Phase.PREFILL
@@ -93,10 +112,54 @@ class Batcher:
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
+    def _plan(
+        self, group: SequenceGroup, budget: int, first_only: bool = False
+    ) -> list[Write] | None:
+        """This step's writes for ``group`` within ``budget`` tokens, or None. A sequence
+        with no blocks yet starts with the longest cached run of its tokens."""
+        bs = self.kv.block_size
+        writes = []
+        reaches_end = True
+        for i, seq in enumerate(group.seqs):
+            hits, query = (), 0
+            if seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.tables:
+                hits = self.kv.find_cached(seq.block_hashes, seq.num_tokens)
+                query = seq.num_tokens
+            start = seq.num_computed_tokens + len(hits) * bs
+            n = 0 if first_only and i > 0 else min(seq.num_tokens - start, budget)
+            budget -= n
+            reaches_end &= start + n == seq.num_tokens
+            writes.append(Write(seq.seq_id, start, start + n, hits, query))
+        if len(group.seqs) > 1 and not reaches_end:
+            # lockstep: nobody reaches the end unless everybody does
+            seqs = {seq.seq_id: seq for seq in group.seqs}
+            writes = [
+                Write(
+                    w.seq_id,
+                    w.start,
+                    min(w.end, seqs[w.seq_id].num_tokens - 1),
+                    w.hits,
+                    w.query_tokens,
+                )
+                for w in writes
+            ]
+        writes = [w for w in writes if w.end > w.start]
+        return writes or None
+
+    def _apply(self, group: SequenceGroup, writes: list[Write], batch: ScheduledBatch) -> int:
+        by_id = {seq.seq_id: seq for seq in group.seqs}
+        self.kv.write(writes)
+        for w in writes:
+            seq = by_id[w.seq_id]
+            seq.num_computed_tokens = w.start  # a prefix hit skips ahead
+            batch.items.append((seq, w.end - w.start))
+        return sum(w.end - w.start for w in writes)
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        self.running.remove(group)
+        for seq in group.seqs:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(seq)
+        self.add(group)

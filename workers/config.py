@@ -18,6 +18,9 @@ class EngineConfig:
     The KV pool holds ``num_kv_blocks`` blocks if given (tests use it to force
     preemption), else as many as ``kv_cache_memory`` bytes hold, else
     ``kv_cache_memory_fraction`` of the device's free memory.
+
+    ``enable_block_sharing=False`` exists to measure what sharing saves: n > 1 children
+    and beams then get private copies of their parent's blocks instead of references.
     """
 
     model: str | None = None  # HF directory or .gguf; None = built-in SmolLM2
@@ -30,6 +33,8 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True  # reuse cached blocks of earlier prompts
+    enable_block_sharing: bool = True  # forks share blocks (off: each fork copies them)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -42,6 +47,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_block_sharing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
             raise ValueError(
                 f"kv_cache_memory_fraction: must be in (0, 0.95], got "

@@ -36,7 +36,10 @@ class ModelRunner:
         that reached their last token ([S, vocab], float32) and those sequences.
 
         Single-token sequences must come first (the batcher orders them so).
+        Pending copy-on-write block copies are applied first, in the order recorded.
         """
+        for src, dst in self.kv.take_copies():
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

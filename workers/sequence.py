@@ -1,33 +1,46 @@
-"""One sequence's state inside the engine.
+"""Sequences and the groups the batcher schedules.
 
 Scheduling is in tokens: ``num_computed_tokens`` chases ``num_tokens``. A prefill,
-a chunk of one, a decode step and a recompute after preemption all compute
-``token_ids[num_computed_tokens : num_computed_tokens + n]``; when that reaches
+a chunk of one, a prefix-cache hit, a decode step and a recompute after preemption all
+compute ``token_ids[num_computed_tokens : num_computed_tokens + n]``; when that reaches
 ``num_tokens`` the last row's logits pick the next token.
+
+A request is one ``SequenceGroup``. It starts as one sequence; ``n > 1`` (or
+``best_of``) forks it into children once its prompt is computed, and beam search
+forks it into beams. A group's live sequences are scheduled, preempted and aborted
+together, so a beam step always sees every beam's logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workers.api import FinishReason, Phase, Request, TokenLogprob
 from workers.detokenizer import IncrementalDetokenizer
 from workers.stop import StopStringMatcher
 
+if TYPE_CHECKING:
+    from workers.beam import BeamSearch
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its contents
 class Sequence:
     request: Request
-    seed: int  # the request's seed, or one the engine drew for it
+    seed: int  # this sequence's sampling seed: the request's (or a drawn one) + its index
     order: int  # admission counter: ties in priority go to the older request
     token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    stop_matcher: StopStringMatcher
+    detokenizer: IncrementalDetokenizer | None
+    stop_matcher: StopStringMatcher | None
+    index: int = 0  # child or beam index within its group
     num_computed_tokens: int = 0
     phase: Phase = Phase.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    cumulative_logprob: float = 0.0
+    # Content hashes of the full blocks of token_ids (empty when prefix caching is off).
+    block_hashes: list[bytes] = field(default_factory=list)
     # What the next output delta carries; cleared when the delta is emitted.
     pending_text: str = ""
     pending_token_ids: list[int] = field(default_factory=list)
@@ -35,7 +48,9 @@ class Sequence:
 
     @property
     def seq_id(self) -> str:
-        return self.request.request_id
+        """The request id for index 0, ``request_id#index`` for forks."""
+        rid = self.request.request_id
+        return rid if self.index == 0 else f"{rid}#{self.index}"
 
     @property
     def num_tokens(self) -> int:
@@ -61,3 +76,37 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True, eq=False)  # identity, so groups can key dicts and sets
+class SequenceGroup:
+    """One request's live sequences, scheduled as a unit.
+
+    ``width`` is how many sequences the group can grow to (``best_of``, ``n`` or the
+    beam width); admission reserves that many of ``max_num_seqs``.
+    """
+
+    request: Request
+    seqs: list[Sequence]  # live (not finished), in index order
+    width: int
+    order: int
+    beam: BeamSearch | None = None
+    forked: bool = False  # n > 1: the children exist
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    num_final_outputs: int = 0  # finished outputs emitted so far (the request ends at n)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def streams(self) -> bool:
+        """Whether outputs go out as deltas; beam search and ``best_of > n`` send each
+        output whole when the group ends."""
+        params = self.request.sampling
+        return params.beam_width == 1 and (params.best_of is None or params.best_of == params.n)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first and is preempted last."""
+        return (self.request.priority, self.order)

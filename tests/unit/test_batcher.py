@@ -5,19 +5,17 @@ from __future__ import annotations
 from workers.api import Phase, Request
 from workers.batcher import Batcher
 from workers.kv.manager import KVCacheManager
-from workers.sequence import Sequence
+from workers.sequence import Sequence, SequenceGroup
 
 
-def _seq(name: str, num_tokens: int, priority: int = 0, order: int = 0) -> Sequence:
+def _seq(name: str, num_tokens: int, priority: int = 0, order: int = 0) -> SequenceGroup:
+    """A one-sequence group (a plain request)."""
     prompt = tuple(range(1, num_tokens + 1))
-    return Sequence(
-        Request(name, prompt, priority=priority),
-        seed=0,
-        order=order,
-        token_ids=list(prompt),
-        detokenizer=None,
-        stop_matcher=None,
+    request = Request(name, prompt, priority=priority)
+    seq = Sequence(
+        request, seed=0, order=order, token_ids=list(prompt), detokenizer=None, stop_matcher=None
     )
+    return SequenceGroup(request, [seq], width=1, order=order)
 
 
 def _finish_step(batch) -> None:
@@ -37,11 +35,11 @@ def test_budget_chunks_prefills_and_decodes_go_first():
     batcher.add(b)
     batch = batcher.schedule()
     assert [(s.seq_id, n) for s, n in batch.items] == [("a", 3), ("b", 5)]
-    assert (a.phase, b.phase) == (Phase.PREFILL, Phase.PREFILL)
+    assert (a.seqs[0].phase, b.seqs[0].phase) == (Phase.PREFILL, Phase.PREFILL)
     _finish_step(batch)
     batch = batcher.schedule()  # a decodes (1 token, first), b gets its last 5
     assert [(s.seq_id, n) for s, n in batch.items] == [("a", 1), ("b", 5)]
-    assert a.phase is Phase.DECODE
+    assert a.seqs[0].phase is Phase.DECODE
     assert batcher.kv.block_ids("a") == [0] and batcher.kv.block_ids("b") == [1, 2, 3]
     batcher.kv.check_integrity()
 
@@ -54,7 +52,7 @@ def test_admission_follows_priority_then_arrival():
         batcher.add(_seq(name, 4, priority, order))
     batch = batcher.schedule()
     assert [s.seq_id for s, _ in batch.items] == ["first", "late"]  # max_num_seqs = 2
-    assert [s.seq_id for s in batcher.waiting] == ["low"]
+    assert [g.request_id for g in batcher.waiting] == ["low"]
 
 
 def test_preemption_takes_lowest_priority_newest_first_and_frees_its_blocks():
@@ -73,12 +71,14 @@ def test_preemption_takes_lowest_priority_newest_first_and_frees_its_blocks():
     batch = batcher.schedule()  # each now needs a second block
     # "vip" (priority -1) and "keep" go first; "new" is the lowest-priority newest: evicted
     # first, then "old"; that frees one block each for "vip" and "keep".
-    assert [s.seq_id for s in batch.preempted] == ["new", "old"]
+    assert [g.request_id for g in batch.preempted] == ["new", "old"]
     assert [(s.seq_id, n) for s, n in batch.items] == [("vip", 1), ("keep", 1)]
     # admitted vip, keep, old, new -> blocks 0..3; new's block 3 goes to vip, old's 2 to keep
     assert kv.block_ids("vip") == [0, 3] and kv.block_ids("keep") == [1, 2]
-    assert [s.seq_id for s in batcher.waiting] == ["old", "new"]
-    assert all(s.num_computed_tokens == 0 and s.num_tokens == 5 for s in batcher.waiting)
+    assert [g.request_id for g in batcher.waiting] == ["old", "new"]
+    assert all(
+        g.seqs[0].num_computed_tokens == 0 and g.seqs[0].num_tokens == 5 for g in batcher.waiting
+    )
     assert batcher.num_preemptions == 2
     kv.check_integrity()
 
@@ -91,6 +91,6 @@ def test_a_sequence_preempts_itself_when_it_is_the_lowest():
     batcher.add(second)
     _finish_step(batcher.schedule())
     batch = batcher.schedule()
-    assert [s.seq_id for s in batch.preempted] == ["second"]
+    assert [g.request_id for g in batch.preempted] == ["second"]
     assert [(s.seq_id, n) for s, n in batch.items] == [("first", 1)]
     assert kv.block_ids("first") == [0, 1]

@@ -1,14 +1,19 @@
-"""Fixed-size KV blocks with ref counts and an O(1) free list.
+"""Fixed-size KV blocks with ref counts, an O(1) LRU free list and a prefix-cache index.
 
 Invariants (``check_integrity`` asserts them):
 - every block is either free (ref count 0, in the free queue) or used (ref count > 0,
   not in the queue): ``num_free + num_used == num_blocks``;
-- a used block's ref count equals the number of block tables holding it.
+- a used block's ref count equals the number of block tables holding it;
+- ``cached`` maps each content hash to exactly one block carrying that hash. A block
+  gets a hash only once it is full and computed, and is never written while it has one
+  (writes go to positions past a sequence's computed tokens, and a hashed block is
+  entirely before them), so a hash always describes the block's contents.
 
-The free queue is an intrusive doubly linked list: allocation takes from the head,
-freeing appends to the tail, and a block can be unlinked from the middle in O(1)
-(prefix-cache hits on free blocks need that). Callers free a sequence's blocks tail
-first, so the blocks that are reused first are the ends of sequences.
+The free queue is an intrusive doubly linked list and doubles as the LRU order of the
+prefix cache: allocation takes from the head, freeing appends to the tail, and a cache
+hit on a free block unlinks it from the middle in O(1). A free block keeps its hash, so
+it stays findable until allocation reuses it (an eviction). Callers free a sequence's
+blocks tail first, so a sequence's last blocks are reused (evicted) before its first.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from collections.abc import Iterable
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        self.block_hash: bytes | None = None  # set once full and computed, if caching
         self.prev_free: Block | None = None
         self.next_free: Block | None = None
 
@@ -84,6 +90,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -94,17 +102,28 @@ class BlockPool:
         return self.num_blocks - self.free_queue.size
 
     def allocate(self, count: int) -> list[Block]:
+        """Take ``count`` blocks from the head of the free queue (least recently freed
+        first), evicting any cached contents they hold."""
         if count > self.free_queue.size:
             raise MemoryError(f"asked for {count} KV blocks, {self.free_queue.size} free")
         blocks = [self.free_queue.popleft() for _ in range(count)]
         for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_count = 1
         return blocks
 
+    def _evict(self, block: Block) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
+
     def share(self, blocks: Iterable[Block]) -> None:
-        """Add one reference to each block (a fork now holds them too)."""
+        """Add one reference to each block (a fork or a cache hit now holds it too);
+        a free block leaves the free queue."""
         for block in blocks:
-            assert block.ref_count > 0, f"sharing free block {block.block_id}"
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
             block.ref_count += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -114,6 +133,17 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+
+    # ------------------------------------------------------------ prefix cache
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Make a full, computed block findable by its content hash. If another block
+        already holds that hash, this one stays private (the first copy wins)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
 
     def check_integrity(self, tables: Iterable[list[Block]]) -> None:
         holders = Counter(block.block_id for table in tables for block in table)
@@ -130,3 +160,7 @@ class BlockPool:
                     f"{block}: held by {holders[block.block_id]} tables"
                 )
                 assert block.ref_count > 0, f"{block} is neither free nor used"
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"{block}: stale hash"
+        for block_hash, block in self.cached.items():
+            assert block.block_hash == block_hash, f"{block}: cached under another hash"

@@ -1,25 +1,52 @@
-"""Per-sequence block tables over one ``BlockPool``.
+"""Per-sequence block tables over one ``BlockPool``: prefix hits, forks, copy-on-write.
 
 A sequence's table covers its first ``len(table) * block_size`` token slots; token
 ``i`` lives in slot ``table[i // block_size].block_id * block_size + i % block_size``.
+
+Sharing: a prefix-cache hit or a fork puts the same block in several tables (its ref
+count says how many). Before a sequence writes into a block it shares, ``write``
+gives it a private copy (copy-on-write) and records ``(src, dst)`` in ``copies``; the
+model runner copies those blocks' K/V before the forward pass that writes them.
+Only partly computed blocks are ever copied: hits are full computed blocks, which no
+write touches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from workers.kv.block_pool import Block, BlockPool
+from workers.kv.prefix_cache import PrefixCacheStats
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class Write:
+    """A sequence about to compute tokens ``[start, end)``; ``hits`` are cached blocks
+    it takes first (only for a sequence with no table yet, ``start == len(hits) * bs``)."""
+
+    seq_id: str
+    start: int
+    end: int
+    hits: tuple[Block, ...] = ()
+    query_tokens: int = 0  # tokens the prefix cache was asked for (0: not asked)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[Block]] = {}
+        self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet applied
+        self.num_queries = 0
+        self.num_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -30,21 +57,144 @@ class KVCacheManager:
         """Fraction of blocks in use, 0..1."""
         return self.pool.num_used / self.pool.num_blocks
 
+    # ------------------------------------------------------------------ growth
     def num_new_blocks(self, seq_id: str, num_tokens: int) -> int:
         """Blocks ``seq_id`` still lacks to hold ``num_tokens`` tokens."""
         have = len(self.tables.get(seq_id, ()))
         return max(0, blocks_needed(num_tokens, self.block_size) - have)
 
     def allocate(self, seq_id: str, num_tokens: int) -> bool:
-        """Grow ``seq_id``'s table to hold ``num_tokens``; False (and no change) if short."""
+        """Grow ``seq_id``'s table to hold ``num_tokens``; False (and no change) if short.
+        Does not copy shared blocks: callers that may write into one use ``write``."""
         need = self.num_new_blocks(seq_id, num_tokens)
         if need > self.pool.num_free:
             return False
-        if need:
-            self.tables.setdefault(seq_id, []).extend(self.pool.allocate(need))
-        else:
-            self.tables.setdefault(seq_id, [])
+        self.tables.setdefault(seq_id, []).extend(self.pool.allocate(need))
         return True
+
+    def find_cached(self, block_hashes: list[bytes], num_tokens: int) -> tuple[Block, ...]:
+        """The longest run of cached blocks starting a sequence of ``num_tokens`` tokens,
+        leaving at least its last token to compute (its logits are needed)."""
+        if not self.enable_prefix_caching:
+            return ()
+        hits = []
+        for block_hash in block_hashes[: (num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return tuple(hits)
+
+    def blocks_for(self, writes: Iterable[Write]) -> int:
+        """Free blocks that applying ``writes`` in order takes: new blocks, private
+        copies of shared blocks, and cache hits that are now free."""
+        bs = self.block_size
+        refs: dict[int, int] = {}  # ref counts as the writes before this one leave them
+        count = 0
+        for w in writes:
+            for block in w.hits:
+                ref = refs.get(block.block_id, block.ref_count)
+                count += ref == 0
+                refs[block.block_id] = ref + 1
+            table = self.tables.get(w.seq_id, [])
+            have = len(w.hits) + len(table)
+            for block in table[w.start // bs : blocks_needed(w.end, bs)]:
+                ref = refs.get(block.block_id, block.ref_count)
+                if ref > 1:
+                    count += 1
+                    refs[block.block_id] = ref - 1
+            count += max(0, blocks_needed(w.end, bs) - have)
+        return count
+
+    def write(self, writes: list[Write]) -> None:
+        """Make each table ready to compute its ``[start, end)``: take the hits (all of
+        them first, so no allocation below can evict a block a later write hits), then
+        copy-on-write any shared block in range and add new blocks. The caller has
+        checked ``blocks_for(writes)`` against the free count."""
+        bs = self.block_size
+        for w in writes:
+            table = self.tables.setdefault(w.seq_id, [])
+            if self.enable_prefix_caching:
+                self.num_queries += w.query_tokens
+                self.num_hits += len(w.hits) * bs
+            if w.hits:
+                assert not table and w.start == len(w.hits) * bs, "hits only start a table"
+                self.pool.share(w.hits)
+                table.extend(w.hits)
+        for w in writes:
+            table = self.tables[w.seq_id]
+            for i in range(w.start // bs, min(len(table), blocks_needed(w.end, bs))):
+                block = table[i]
+                if block.ref_count > 1:
+                    assert block.block_hash is None, f"{block} is cached and must not change"
+                    (copy,) = self.pool.allocate(1)
+                    self.copies.append((block.block_id, copy.block_id))
+                    self.pool.free([block])
+                    table[i] = copy
+            table.extend(self.pool.allocate(max(0, blocks_needed(w.end, bs) - len(table))))
+
+    def cache_blocks(self, seq_id: str, block_hashes: list[bytes], start: int, end: int) -> None:
+        """Register the table's blocks ``start..end-1`` (full and computed) by hash."""
+        if self.enable_prefix_caching:
+            table = self.tables[seq_id]
+            for i in range(start, end):
+                self.pool.cache(table[i], block_hashes[i])
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    # ---------------------------------------------------------------- sharing
+    def fork(self, parent_id: str, child_id: str, share: bool = True) -> bool:
+        """``child_id`` gets ``parent_id``'s blocks: shared (ref count + 1 each), or
+        with ``share=False`` private copies; False (child gets nothing) if short."""
+        assert child_id not in self.tables, f"{child_id} already has blocks"
+        table = self._fork_table(self.tables[parent_id], share)
+        if table is None:
+            return False
+        self.tables[child_id] = table
+        return True
+
+    def reassign(
+        self, targets: list[str], parents: list[str], released: list[str], share: bool = True
+    ) -> set[str]:
+        """Beam step: ``targets[j]`` continues ``parents[j]``; then every table in
+        ``released`` drops its blocks, so the blocks no target kept are freed.
+
+        With ``share=False`` the first target of each parent takes its table over and
+        the others get private copies. Returns the targets left with no blocks (the
+        pool was short for their copy)."""
+        tables: list[list[Block] | None] = []
+        taken: set[str] = set()
+        for parent in parents:
+            if not share and parent not in taken and parent in released:
+                taken.add(parent)
+                tables.append(self.tables[parent])
+            else:
+                tables.append(self._fork_table(self.tables[parent], share))
+        for seq_id in released:
+            if seq_id in taken:
+                del self.tables[seq_id]
+            else:
+                self.free(seq_id)
+        missing = set()
+        for seq_id, table in zip(targets, tables, strict=True):
+            assert seq_id not in self.tables, f"{seq_id} still holds blocks"
+            if table is None:
+                missing.add(seq_id)
+            else:
+                self.tables[seq_id] = table
+        return missing
+
+    def _fork_table(self, table: list[Block], share: bool) -> list[Block] | None:
+        if share:
+            self.pool.share(table)
+            return list(table)
+        if len(table) > self.pool.num_free:
+            return None
+        copy = self.pool.allocate(len(table))
+        self.copies += [(a.block_id, b.block_id) for a, b in zip(table, copy, strict=True)]
+        return copy
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks, tail first (so its tail is reused first)."""
@@ -54,6 +204,15 @@ class KVCacheManager:
 
     def block_ids(self, seq_id: str) -> list[int]:
         return [block.block_id for block in self.tables.get(seq_id, ())]
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            enabled=self.enable_prefix_caching,
+            queries=self.num_queries,
+            hits=self.num_hits,
+            evictions=self.pool.num_evictions,
+            cached_blocks=len(self.pool.cached),
+        )
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.tables.values())
