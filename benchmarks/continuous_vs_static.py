@@ -33,8 +33,8 @@ def run(engine: Engine, workload, batch: int, static: bool) -> dict[str, float]:
     finished_at: list[float] = []
     generated = 0
     while pending or engine.has_work():
-        room = batch - len(engine.sequences)
-        if static and engine.sequences:
+        room = batch - len(engine.groups)
+        if static and engine.groups:
             room = 0  # static: wait until the whole batch is done
         for _ in range(min(room, len(pending))):
             i, (ids, new) = pending.pop(0)

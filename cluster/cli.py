@@ -68,6 +68,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_NUM_SEQS,
         help=f"most sequences in one batch (default: {DEFAULT_MAX_NUM_SEQS})",
     )
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not reuse the KV blocks of earlier prompts (default: reuse them)",
+    )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -79,7 +85,15 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.prefix_caching,
     )
+
+
+def _early_stopping(text: str) -> bool | str:
+    value = {"true": True, "false": False, "never": "never"}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be true, false or never, got {text!r}")
+    return value
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -93,6 +107,11 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
             stop=tuple(args.stop or ()),
+            n=args.n,
+            best_of=args.best_of,
+            beam_width=args.beam_width,
+            length_penalty=args.length_penalty,
+            early_stopping=args.early_stopping,
         )
         config = _engine_config(args)
     except (InvalidRequestError, ValueError) as error:
@@ -116,6 +135,8 @@ def _generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if sampling.num_samples > 1:
+        return _print_whole(engine)
     start = time.perf_counter()
     first_token_at = None
     while engine.has_work():
@@ -134,6 +155,30 @@ def _generate(args: argparse.Namespace) -> int:
                     f"finish reason: {output.finish_reason.value}]",
                     file=sys.stderr,
                 )
+    return 0
+
+
+def _print_whole(engine) -> int:
+    """n > 1 and beam search: print each output whole, in index order."""
+    start = time.perf_counter()
+    texts: dict[int, list[str]] = {}
+    finals = {}
+    while engine.has_work():
+        for output in engine.step():
+            texts.setdefault(output.index, []).append(output.text)
+            if output.finished:
+                finals[output.index] = output
+    for index in sorted(finals):
+        final = finals[index]
+        score = f", score {final.score:.4f}" if final.score is not None else ""
+        logprob = final.cumulative_logprob
+        print(
+            f"--- output {index}: {final.completion_tokens} tokens, "
+            f"cumulative logprob {logprob:.4f}{score}, finish reason: "
+            f"{final.finish_reason.value} ---"
+        )
+        print("".join(texts[index]))
+    print(f"[{len(finals)} outputs in {time.perf_counter() - start:.2f} s]", file=sys.stderr)
     return 0
 
 
@@ -193,6 +238,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--stop",
         action="append",
         help="stop when this string appears (repeatable); it is not printed",
+    )
+    gen.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="how many completions to return; they share the prompt's KV blocks, and "
+        "completion i samples with seed + i (default: 1)",
+    )
+    gen.add_argument(
+        "--best-of",
+        type=int,
+        default=None,
+        help="sample this many and return the --n with the highest cumulative logprob",
+    )
+    gen.add_argument(
+        "--beam-width",
+        type=int,
+        default=1,
+        help="beam search with this many beams, returning the --n best (default: 1, off)",
+    )
+    gen.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="beam search: score = logprob sum / length ** this (default: 1.0)",
+    )
+    gen.add_argument(
+        "--early-stopping",
+        type=_early_stopping,
+        default=False,
+        help="beam search: true stops at --beam-width finished beams, false when no "
+        "running beam can win, never runs the canonical search (default: false)",
     )
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)

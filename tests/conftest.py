@@ -46,3 +46,28 @@ def make_engine(smollm2):
         return Engine(EngineConfig(**kwargs), loaded=smollm2)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, smollm2):
+    """A tiny random Llama (GQA, vocab 512) saved as a Hugging Face directory, with the
+    transformers model that wrote it: (path, model)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return path, model.eval()

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 #: The most top-N logprobs a request may ask for (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+#: The most sequences one request may fork into (n, best_of, beam_width).
+MAX_WIDTH = 64
+EARLY_STOPPING_VALUES = (True, False, "never")
 
 
 class InvalidRequestError(ValueError):
@@ -54,6 +57,18 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k`` of -1 or 0 disables top-k. With no
     ``seed`` the engine draws one, so every request's randomness is keyed by
     (seed, token index) and reproducible across batch mixes, preemption and failover.
+
+    ``n > 1`` returns n samples of one prompt, computed once and forked (the children
+    share its KV blocks). Child ``i`` samples with seed ``seed + i`` (mod 2**63), so it
+    gives exactly what a lone request with that seed gives. ``best_of`` samples that
+    many and returns the ``n`` with the highest cumulative logprob (at the end, not
+    streamed).
+
+    ``beam_width > 1`` runs beam search in the engine, as ``transformers``'
+    ``generate(num_beams=beam_width, num_return_sequences=n, length_penalty=...,
+    early_stopping=...)`` does; it returns the ``n`` best beams with their scores at
+    the end. It is deterministic: temperature, top-p/k, min-p and seed do not apply,
+    and stop strings, penalties and logprobs are refused with it.
     """
 
     max_tokens: int = 16
@@ -71,6 +86,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, integer=True)
@@ -128,10 +148,59 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
                 )
+        self._check_forks()
+
+    def _check_forks(self) -> None:
+        for name in ("n", "beam_width"):
+            value = getattr(self, name)
+            _check_number(name, value, integer=True)
+            if not 1 <= value <= MAX_WIDTH:
+                raise InvalidRequestError(name, f"must be in [1, {MAX_WIDTH}], got {value}")
+        if self.best_of is not None:
+            _check_number("best_of", self.best_of, integer=True)
+            if not self.n <= self.best_of <= MAX_WIDTH:
+                raise InvalidRequestError(
+                    "best_of", f"must be in [n ({self.n}), {MAX_WIDTH}], got {self.best_of}"
+                )
+        _check_number("length_penalty", self.length_penalty)
+        if math.isinf(self.length_penalty):
+            raise InvalidRequestError("length_penalty", "must be finite")
+        if self.early_stopping not in EARLY_STOPPING_VALUES or not isinstance(
+            self.early_stopping, (bool, str)
+        ):
+            raise InvalidRequestError(
+                "early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if self.beam_width == 1:
+            return
+        if self.n > self.beam_width:
+            raise InvalidRequestError(
+                "n", f"must be <= beam_width ({self.beam_width}) with beam search, got {self.n}"
+            )
+        refused = {
+            "best_of": self.best_of is not None,
+            "stop": bool(self.stop),
+            "logprobs": self.logprobs is not None,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+        }
+        for name, given in refused.items():
+            if given:
+                raise InvalidRequestError(
+                    name, "is not supported with beam search (beam_width > 1)"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the request forks into: best_of, n, or the beam width."""
+        if self.beam_width > 1:
+            return self.beam_width
+        return self.best_of or self.n
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +221,9 @@ class RequestOutput:
     """One delta of a request's output stream.
 
     ``text`` and ``token_ids`` hold only what is new since the previous delta. The
-    last delta has ``finished`` set, a ``finish_reason`` and the usage counts.
+    last delta of each output has ``finished`` set, a ``finish_reason`` and the usage
+    counts; a request with ``n`` outputs is over after ``n`` finished deltas (one per
+    ``index``). Beam search and ``best_of`` send each output whole, in one delta.
     """
 
     request_id: str
@@ -164,6 +235,10 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    index: int = 0  # which of the request's n outputs (sample or beam) this delta is for
+    cumulative_logprob: float | None = None  # n > 1 and beam search: sum of token logprobs
+    score: float | None = None  # beam search: cumulative_logprob / length ** length_penalty
+    seed: int | None = None  # the seed this output sampled with (None for beam search)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +246,8 @@ class Request:
     """A generation request: a prompt (text or token ids), sampling, and a priority.
 
     Lower ``priority`` values are scheduled first and preempted last (as in vLLM).
+    ``cache_salt`` joins the prefix-cache hash of every block: only requests with the
+    same salt share cached blocks (a tenant boundary).
     """
 
     request_id: str
@@ -178,6 +255,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     arrival_time: float = 0.0
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -185,3 +263,9 @@ class Request:
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError("prompt", "must not be empty")
         _check_number("priority", self.priority, integer=True)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise InvalidRequestError(
+                "cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}"
+            )

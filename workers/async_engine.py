@@ -3,7 +3,8 @@
 The step loop runs each ``Engine.step`` in a worker thread so the event loop stays
 free to take new requests and aborts; outputs are routed to one queue per request.
 Leaving a stream early (``break``, cancellation, a closed connection) aborts the
-request, which frees its KV blocks on the next step.
+request, which frees its KV blocks on the next step. A request with ``n`` outputs
+ends after ``n`` finished deltas.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._open: dict[str, int] = {}  # request id -> outputs not finished yet
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -43,13 +45,16 @@ class AsyncEngine:
                     queue.put_nowait(error)
                     self.engine.abort(request_id)
                 self._streams.clear()
+                self._open.clear()
                 continue
             for output in outputs:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
                     if output.finished:
-                        del self._streams[output.request_id]
+                        self._open[output.request_id] -= 1
+                        if not self._open[output.request_id]:
+                            del self._streams[output.request_id], self._open[output.request_id]
 
     async def add_request(
         self,
@@ -57,30 +62,33 @@ class AsyncEngine:
         prompt: str | list[int],
         sampling: SamplingParams | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and start a request (errors raise here, before any output), then
-        return an async iterator over its output deltas."""
-        self.engine.add_request(request_id, prompt, sampling, priority)
+        return an async iterator over its output deltas (of all ``n`` outputs)."""
+        request = self.engine.add_request(request_id, prompt, sampling, priority, cache_salt)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
+        self._open[request_id] = request.sampling.n
         self._ensure_loop()
         self._wakeup.set()
-        return self._stream(request_id, queue)
+        return self._stream(request_id, request.sampling.n, queue)
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+        self, request_id: str, n: int, queue: asyncio.Queue[RequestOutput | BaseException]
     ) -> AsyncIterator[RequestOutput]:
-        finished = False
+        unfinished = n
         try:
-            while not finished:
+            while unfinished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
                 yield item
         finally:
-            if not finished:
+            if unfinished:
                 self._streams.pop(request_id, None)
+                self._open.pop(request_id, None)
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:

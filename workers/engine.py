@@ -4,7 +4,11 @@
 thread (the async wrapper's event loop). The batch, the pool and the block tables are
 only touched under ``_step_lock``: ``step`` holds it throughout, ``add_request`` only
 queues, and ``abort`` applies at once when no step is running (else the step that is
-running applies it as soon as it ends, before the next one).
+running applies it as soon as it ends, before the next one). No path frees a block
+without holding that lock, so a block cannot be freed twice by racing callers.
+
+Each request is a ``SequenceGroup``: one sequence, forked into ``n``/``best_of``
+children once its prompt is computed (``workers.forks``), or into beams.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ from workers.api import (
 from workers.batcher import Batcher
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.forks import Forks
 from workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
-from workers.kv.manager import KVCacheManager, blocks_needed
+from workers.kv.manager import KVCacheManager
+from workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
 from workers.model.loader import DTYPES, LoadedModel, load_model
 from workers.model_runner import ModelRunner
+from workers.outputs import aborted_outputs, beam_outputs, sequence_output
 from workers.sampling import Sampler, SamplingRow
-from workers.sequence import Sequence
+from workers.sequence import Sequence, SequenceGroup
 from workers.stop import StopStringMatcher
+from workers.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +52,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     steps: int
-    running: int
-    waiting: int
+    running: int  # sequences
+    waiting: int  # sequences
     phases: dict[str, int]
     preemptions: int
     total_blocks: int
@@ -57,6 +65,8 @@ class EngineStats:
     mean_tokens_per_step: float
     prompt_tokens: int
     generated_tokens: int
+    prefix_cache: PrefixCacheStats
+    peak_used_blocks: int
 
 
 class Engine:
@@ -79,14 +89,17 @@ class Engine:
             config.kv_cache_memory,
             config.kv_cache_memory_fraction,
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_cache = allocate_kv_cache(
             self.model_config, num_blocks, config.block_size, dtype, device
         )
         self.runner = ModelRunner(self.loaded.model, self.kv, kv_cache)
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
-        self.sequences: dict[str, Sequence] = {}
+        self.forks = Forks(self.kv, self.tokenizer, config.enable_block_sharing)
+        # What changes a block's K/V besides its tokens (the request's salt is added).
+        self._hash_keys = (self.loaded.model_id, config.dtype)
+        self.groups: dict[str, SequenceGroup] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._lock = threading.Lock()  # guards request-id bookkeeping across threads
         self._step_lock = threading.Lock()  # held while the batch or the pool changes
@@ -99,11 +112,13 @@ class Engine:
         self._last = (0, 0)
         self._prompt_tokens = 0
         self._generated_tokens = 0
+        self._peak_used_blocks = 0
         logger.info(
-            "engine ready: %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
             config.block_size,
             self.max_model_len,
+            "on" if config.enable_prefix_caching else "off",
         )
 
     # ----------------------------------------------------------------- requests
@@ -114,46 +129,15 @@ class Engine:
         self, prompt: str | list[int] | tuple[int, ...], sampling: SamplingParams
     ) -> tuple[int, ...]:
         """Check a prompt against the model and pool; return its token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            token_ids = tuple(self.tokenize(prompt))
-        else:
-            token_ids = tuple(prompt)
-            vocab = self.model_config.vocab_size
-            for token_id in token_ids:
-                if isinstance(token_id, bool) or not isinstance(token_id, int):
-                    raise InvalidRequestError(
-                        "prompt", f"token ids must be integers, got {token_id!r}"
-                    )
-                if not 0 <= token_id < vocab:
-                    raise InvalidRequestError(
-                        "prompt", f"token id {token_id} is out of the vocabulary [0, {vocab})"
-                    )
-        if not token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        for token_id in sampling.stop_token_ids:
-            if token_id >= self.model_config.vocab_size:
-                raise InvalidRequestError(
-                    "stop_token_ids",
-                    f"token id {token_id} is out of the vocabulary "
-                    f"[0, {self.model_config.vocab_size})",
-                )
-        total = len(token_ids) + sampling.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
-                f"{total} exceeds the model's context length of {self.max_model_len} tokens",
-            )
-        need = blocks_needed(total, self.kv.block_size)
-        if need > self.kv.pool.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt + max_tokens = {total} tokens needs {need} KV blocks, but the "
-                f"KV pool has only {self.kv.pool.num_blocks}",
-            )
-        return token_ids
+        return validate_request(
+            prompt,
+            sampling,
+            tokenize=self.tokenize,
+            model=self.model_config,
+            config=self.config,
+            max_model_len=self.max_model_len,
+            num_blocks=self.kv.pool.num_blocks,
+        )
 
     def add_request(
         self,
@@ -161,11 +145,12 @@ class Engine:
         prompt: str | list[int] | tuple[int, ...],
         sampling: SamplingParams | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` naming the field."""
         sampling = sampling or SamplingParams()
         token_ids = self.validate(prompt, sampling)
-        request = Request(request_id, token_ids, sampling, priority, time.monotonic())
+        request = Request(request_id, token_ids, sampling, priority, time.monotonic(), cache_salt)
         with self._lock:
             if request_id in self._known_ids:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -175,7 +160,7 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request and free its blocks: now if no step is running, else right
-        after it. Its final delta (``finish_reason`` abort) comes from the next ``step``."""
+        after it. Its final deltas (``finish_reason`` abort) come from the next ``step``."""
         self._inbox.append(("abort", request_id))
         if self._step_lock.acquire(blocking=False):
             try:
@@ -197,22 +182,42 @@ class Engine:
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
         batch = self.batcher.schedule()
         if not batch.items:
-            return outputs
+            return []
+        self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
         logits, sampled = self.runner.execute(batch.items)
+        bs = self.kv.block_size
         for seq, n in batch.items:
+            first_full = seq.num_computed_tokens // bs
             seq.num_computed_tokens += n
             if seq.num_output_tokens == 0:
                 self._prompt_tokens += n
-        rows = [self._sampling_row(seq) for seq in sampled]
-        results = self.sampler.sample(logits, rows) if sampled else []
-        for seq, result in zip(sampled, results, strict=True):
-            self._append_token(seq, result.token_id, result.logprob)
-            output = self._emit(seq)
-            if output is not None:
-                outputs.append(output)
+            self.kv.cache_blocks(
+                seq.seq_id, seq.block_hashes, first_full, seq.num_computed_tokens // bs
+            )
+        outputs: list[RequestOutput] = []
+        rows: dict[int, int] = {id(seq): i for i, seq in enumerate(sampled)}
+        targets: list[tuple[SequenceGroup, Sequence]] = []
+        logit_rows: list[int] = []
+        for group in dict.fromkeys(self.groups[s.request.request_id] for s in sampled):
+            if group.beam is not None:
+                outputs += self._beam_step(group, logits[[rows[id(s)] for s in group.seqs]])
+                continue
+            sampled_here = [s for s in group.seqs if id(s) in rows]
+            if not group.forked and group.width > 1:
+                children = self.forks.fork(group)
+                rows.update({id(child): rows[id(group.seqs[0])] for child in children})
+                sampled_here += children
+            targets += [(group, s) for s in sampled_here]
+            logit_rows += [rows[id(s)] for s in sampled_here]
+        if targets:
+            if logit_rows != list(range(len(sampled))):
+                logits = logits[logit_rows]
+            results = self.sampler.sample(logits, [self._sampling_row(s) for _, s in targets])
+            for (group, seq), result in zip(targets, results, strict=True):
+                self._append_token(group, seq, result.token_id, result.logprob)
+                outputs += self._emit(group, seq)
         self._steps += 1
         self._batch_size_sum += len(batch.items)
         self._tokens_sum += batch.num_tokens
@@ -222,8 +227,8 @@ class Engine:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         held = set(self.kv.tables)
-        running = {seq.seq_id for seq in self.batcher.running}
-        waiting = {seq.seq_id for seq in self.batcher.waiting}
+        running = {seq.seq_id for group in self.batcher.running for seq in group.seqs}
+        waiting = {seq.seq_id for group in self.batcher.waiting for seq in group.seqs}
         assert not running & waiting, "a sequence is both running and waiting"
         assert held <= running, f"blocks held by sequences that are not running: {held - running}"
 
@@ -233,9 +238,8 @@ class Engine:
             kind, payload = self._inbox.popleft()
             if kind == "add":
                 self._admit(payload)
-            elif (seq := self.sequences.get(payload)) is not None:
-                self._finish(seq, FinishReason.ABORT)
-                outputs.append(self._emit(seq))
+            elif (group := self.groups.get(payload)) is not None:
+                outputs += self._abort_group(group)
         return outputs
 
     def _admit(self, request: Request) -> None:
@@ -251,17 +255,28 @@ class Engine:
             ),
             stop_matcher=StopStringMatcher(sampling.stop),
         )
+        self._update_hashes(seq)
+        group = SequenceGroup(request, [seq], sampling.num_samples, self._order)
+        if sampling.beam_width > 1:
+            group.beam = self.forks.new_beam_search(sampling, self._end_token_ids(sampling))
         self._order += 1
-        self.sequences[request.request_id] = seq
-        self.batcher.add(seq)
+        self.groups[request.request_id] = group
+        self.batcher.add(group)
+
+    def _update_hashes(self, seq: Sequence) -> None:
+        if self.config.enable_prefix_caching:
+            keys = (*self._hash_keys, seq.request.cache_salt or "")
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.kv.block_size, keys)
+
+    def _end_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        return tuple(dict.fromkeys(eos + tuple(params.stop_token_ids)))
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.request.sampling
         suppressed: tuple[int, ...] = ()
         if seq.num_output_tokens < params.min_tokens:
-            suppressed = tuple(params.stop_token_ids) + (
-                () if params.ignore_eos else self.model_config.eos_token_ids
-            )
+            suppressed = self._end_token_ids(params)
         return SamplingRow(
             params=params,
             seed=seq.seed,
@@ -271,71 +286,107 @@ class Engine:
             suppressed_token_ids=suppressed,
         )
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+    def _append_token(
+        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: TokenLogprob | None
+    ) -> None:
         params = seq.request.sampling
         seq.token_ids.append(token_id)
+        self._update_hashes(seq)
         seq.phase = Phase.DECODE
         self._generated_tokens += 1
         seq.pending_token_ids.append(token_id)
         if logprob is not None:
-            seq.pending_logprobs.append(logprob)
+            seq.cumulative_logprob += logprob.logprob
+            if params.logprobs is not None:
+                seq.pending_logprobs.append(logprob)
         if not params.ignore_eos and token_id in self.model_config.eos_token_ids:
-            self._finish(seq, FinishReason.STOP, token_id)
+            self._finish(group, seq, FinishReason.STOP, token_id)
             return
         if token_id in params.stop_token_ids:
-            self._finish(seq, FinishReason.STOP, token_id)
+            self._finish(group, seq, FinishReason.STOP, token_id)
             return
         text, matched = seq.stop_matcher.feed(seq.detokenizer.push(token_id))
         seq.pending_text += text
         if matched is not None:
-            self._finish(seq, FinishReason.STOP, matched)
+            self._finish(group, seq, FinishReason.STOP, matched)
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, FinishReason.LENGTH)
+            self._finish(group, seq, FinishReason.LENGTH)
 
     def _finish(
-        self, seq: Sequence, reason: FinishReason, stop_reason: str | int | None = None
+        self,
+        group: SequenceGroup,
+        seq: Sequence,
+        reason: FinishReason,
+        stop_reason: str | int | None = None,
     ) -> None:
+        """End one sampled sequence: its blocks go back at once; the group ends with
+        its last sequence."""
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.phase = Phase.FINISHED
         if not isinstance(stop_reason, str):  # a stop string drops the held-back text
             seq.pending_text += seq.stop_matcher.feed(seq.detokenizer.flush())[0]
             seq.pending_text += seq.stop_matcher.flush()
-        self.batcher.remove(seq)
+        group.seqs.remove(seq)
+        group.finished_seqs.append(seq)
+        self.kv.free(seq.seq_id)
+        if not group.seqs:
+            self._end_group(group)
 
-    def _emit(self, seq: Sequence) -> RequestOutput | None:
-        if not (seq.pending_text or seq.pending_token_ids or seq.finished):
-            return None
-        params = seq.request.sampling
-        output = RequestOutput(
-            request_id=seq.seq_id,
-            text=seq.pending_text,
-            token_ids=tuple(seq.pending_token_ids),
-            logprobs=tuple(seq.pending_logprobs) if params.logprobs is not None else None,
-            finished=seq.finished,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-            stop_reason=seq.stop_reason,
-        )
-        seq.pending_text = ""
-        seq.pending_token_ids = []
-        seq.pending_logprobs = []
-        if seq.finished:
-            del self.sequences[seq.seq_id]
-            with self._lock:
-                self._known_ids.discard(seq.seq_id)
-        return output
+    def _end_group(self, group: SequenceGroup) -> None:
+        self.batcher.remove(group)
+        del self.groups[group.request_id]
+        with self._lock:
+            self._known_ids.discard(group.request_id)
+
+    def _abort_group(self, group: SequenceGroup) -> list[RequestOutput]:
+        """Finish every live sequence with ``abort`` and free the group's blocks."""
+        live = group.seqs
+        for seq in live:
+            seq.finish_reason = FinishReason.ABORT
+            seq.phase = Phase.FINISHED
+        self.batcher.remove(group)  # frees the live sequences' blocks
+        group.seqs = []
+        self._end_group(group)
+        if group.streams:
+            return [sequence_output(seq) for seq in live]
+        return aborted_outputs(group.request)
+
+    def _emit(self, group: SequenceGroup, seq: Sequence) -> list[RequestOutput]:
+        if group.streams:
+            if seq.pending_text or seq.pending_token_ids or seq.finished:
+                return [sequence_output(seq)]
+            return []
+        if group.seqs:
+            return []  # best_of: the n best are sent whole when the last one finishes
+        ranked = sorted(group.finished_seqs, key=lambda s: -s.cumulative_logprob)
+        n = group.request.sampling.n
+        return [sequence_output(s, index) for index, s in enumerate(ranked[:n])]
+
+    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor) -> list[RequestOutput]:
+        """Score every beam's next token; re-point the beams, or end the search."""
+        params = group.request.sampling
+        end_ids = self._end_token_ids(params)
+        self._generated_tokens += len(group.seqs)
+        if not self.forks.beam_step(group, logits, end_ids):
+            for seq in group.seqs:
+                self._update_hashes(seq)
+            return []
+        self.batcher.remove(group)
+        group.seqs = []
+        self._end_group(group)
+        return beam_outputs(group.request, group.beam.best(params.n), end_ids, self.tokenizer)
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
         # list() copies under the GIL: stats may be read while another thread runs step().
-        phases = collections.Counter(seq.phase.value for seq in list(self.sequences.values()))
+        seqs = [seq for group in list(self.groups.values()) for seq in list(group.seqs)]
+        phases = collections.Counter(seq.phase.value for seq in seqs)
         steps = max(self._steps, 1)
         return EngineStats(
             steps=self._steps,
-            running=len(self.batcher.running),
-            waiting=len(self.batcher.waiting),
+            running=sum(len(group.seqs) for group in list(self.batcher.running)),
+            waiting=sum(len(group.seqs) for group in list(self.batcher.waiting)),
             phases=dict(phases),
             preemptions=self.batcher.num_preemptions,
             total_blocks=self.kv.pool.num_blocks,
@@ -347,4 +398,6 @@ class Engine:
             mean_tokens_per_step=self._tokens_sum / steps,
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated_tokens,
+            prefix_cache=self.kv.prefix_cache_stats(),
+            peak_used_blocks=self._peak_used_blocks,
         )

@@ -11,7 +11,7 @@ Each row of the ``[B, V]`` logits goes through, in this order (vLLM v1's order):
 Sampling is exact, not an approximation: with ``E_i ~ Exp(1)`` independent,
 ``argmax_i p_i / E_i`` is token ``j`` with probability ``p_j`` (the exponential race;
 Gumbel-max in another guise), up to float32 rounding of ``p`` and of the uniform draws
-behind ``E``. A row's noise comes from a generator keyed by (seed, stream, token_index)
+behind ``E``. A row's noise comes from a generator keyed by (seed, token_index)
 alone, so a request samples the same tokens whatever batch it shares and whichever row
 it sits in. Generators are device-specific: CPU and CUDA streams differ for one key.
 
@@ -50,15 +50,15 @@ def _splitmix64(x: int) -> int:
 
 
 def random_generator(
-    seed: int, token_index: int, stream: int = 0, *, device: torch.device | str = "cpu"
+    seed: int, token_index: int, *, device: torch.device | str = "cpu"
 ) -> torch.Generator:
-    """A generator keyed by (seed, stream, token_index) only, on ``device``.
+    """A generator keyed by (seed, token_index) only, on ``device``.
 
-    Each mixing step is a bijection, so for one (seed, stream) distinct token indices get
+    Each mixing step is a bijection, so for one seed distinct token indices get
     distinct 64-bit keys. torch's CPU generator (mt19937) keeps only the low 32 bits of
     its seed, so on CPU two keys collide with probability 2**-32 (they would share noise).
     """
-    key = _splitmix64(_splitmix64(_splitmix64(seed) ^ stream) ^ token_index)
+    key = _splitmix64(_splitmix64(seed) ^ token_index)
     generator = torch.Generator(device=device)
     generator.manual_seed(key)
     return generator
@@ -74,13 +74,12 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated before this one
     suppressed_token_ids: tuple[int, ...] = ()  # e.g. EOS and stop ids below min_tokens
-    stream: int = 0  # separates the random streams of n > 1 siblings
 
 
 @dataclass(frozen=True, slots=True)
 class SampleResult:
     token_id: int
-    logprob: TokenLogprob | None  # set only when the row's params ask for logprobs
+    logprob: TokenLogprob | None  # set when the row asks for logprobs or has n > 1
 
 
 def _penalties(params: SamplingParams) -> tuple[float, float, float]:
@@ -269,7 +268,7 @@ class Sampler:
             noise = torch.empty_like(probs)  # [R, V], one keyed stream per row
             for j, i in enumerate(prepared.random_rows):
                 row = rows[i]
-                gen = random_generator(row.seed, row.token_index, row.stream, device=probs.device)
+                gen = random_generator(row.seed, row.token_index, device=probs.device)
                 noise[j].uniform_(generator=gen)
             # E = -log(U) with U in [0, 1) is Exp(1) and never 0, so p / E is never 0/0
             # (a NaN argmax would pick); torch's own exponential_ is 4x slower on CPU.
@@ -277,15 +276,20 @@ class Sampler:
             token_ids[prepared.random_rows] = probs.div_(noise).argmax(dim=1)
         ids = token_ids.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        want = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        # n > 1 needs the chosen token's logprob for cumulative_logprob (and best_of).
+        want = [
+            i
+            for i, row in enumerate(rows)
+            if row.params.logprobs is not None or row.params.num_samples > 1
+        ]
         if want:
             raw = torch.log_softmax(logits[want].to(torch.float32), dim=1)  # [L, V]
             chosen = raw.gather(1, token_ids[want].unsqueeze(1)).squeeze(1).tolist()
-            n_top = max(rows[i].params.logprobs for i in want)
+            n_top = max(rows[i].params.logprobs or 0 for i in want)
             top_vals, top_ids = raw.topk(n_top, dim=1, sorted=True)
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
             for j, i in enumerate(want):
-                n = rows[i].params.logprobs
+                n = rows[i].params.logprobs or 0
                 top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
                 logprobs[i] = TokenLogprob(ids[i], chosen[j], top)
         return [SampleResult(t, lp) for t, lp in zip(ids, logprobs, strict=True)]

@@ -166,10 +166,10 @@ def test_phases_are_observable(make_engine):
     engine.add_request("p", "word " * 30, SamplingParams(max_tokens=3, temperature=0))
     assert engine.stats().phases == {}
     engine.step()
-    assert engine.sequences["p"].phase is Phase.PREFILL
-    while engine.sequences["p"].num_output_tokens == 0:
+    assert engine.groups["p"].seqs[0].phase is Phase.PREFILL
+    while engine.groups["p"].seqs[0].num_output_tokens == 0:
         engine.step()
-    assert engine.sequences["p"].phase is Phase.DECODE
+    assert engine.groups["p"].seqs[0].phase is Phase.DECODE
     run_engine(engine)
     stats = engine.stats()
     assert stats.steps > 4 and stats.preemptions == 0 and stats.generated_tokens >= 3
@@ -195,7 +195,7 @@ async def test_async_api_streams_and_abort_on_early_exit(make_engine):
             break
         await asyncio.sleep(0.02)
     assert engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks
-    assert "z" not in engine.engine.sequences
+    assert "z" not in engine.engine.groups
     await engine.close()
 
 
@@ -220,5 +220,5 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_eng
     deltas = [d async for d in await engine.add_request("after", "Hello", greedy)]
     assert deltas[-1].finished and len(tokens_of(deltas)) == 3
     assert inner.kv.num_free_blocks == inner.kv.pool.num_blocks
-    assert "doomed" not in inner.sequences
+    assert "doomed" not in inner.groups
     await engine.close()

@@ -1,0 +1,78 @@
+"""Build the ``RequestOutput`` deltas the engine returns."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from workers.api import FinishReason, Request, RequestOutput
+from workers.beam import BeamHypothesis
+from workers.sequence import Sequence
+
+
+def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
+    """What ``seq`` produced since its last delta (and clear it); ``index`` overrides
+    the output index (``best_of`` ranks children)."""
+    params = seq.request.sampling
+    output = RequestOutput(
+        request_id=seq.request.request_id,
+        text=seq.pending_text,
+        token_ids=tuple(seq.pending_token_ids),
+        logprobs=tuple(seq.pending_logprobs) if params.logprobs is not None else None,
+        finished=seq.finished,
+        finish_reason=seq.finish_reason,
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=seq.num_output_tokens,
+        stop_reason=seq.stop_reason,
+        index=seq.index if index is None else index,
+        cumulative_logprob=seq.cumulative_logprob if params.num_samples > 1 else None,
+        seed=seq.seed,
+    )
+    seq.pending_text = ""
+    seq.pending_token_ids = []
+    seq.pending_logprobs = []
+    return output
+
+
+def beam_outputs(
+    request: Request, beams: Seq[BeamHypothesis], end_token_ids: tuple[int, ...], tokenizer
+) -> list[RequestOutput]:
+    """The best beams, whole, best first."""
+    params = request.sampling
+    outputs = []
+    for index, beam in enumerate(beams):
+        ended = bool(beam.token_ids) and beam.token_ids[-1] in end_token_ids
+        text = tokenizer.decode(
+            list(beam.token_ids), skip_special_tokens=params.skip_special_tokens
+        )
+        outputs.append(
+            RequestOutput(
+                request_id=request.request_id,
+                text=text,
+                token_ids=beam.token_ids,
+                finished=True,
+                finish_reason=FinishReason.STOP if ended else FinishReason.LENGTH,
+                prompt_tokens=len(request.prompt_token_ids),
+                completion_tokens=len(beam.token_ids),
+                stop_reason=beam.token_ids[-1] if ended else None,
+                index=index,
+                cumulative_logprob=beam.cumulative_logprob,
+                score=beam.score,
+            )
+        )
+    return outputs
+
+
+def aborted_outputs(request: Request) -> list[RequestOutput]:
+    """One empty final delta per output of a request that sends outputs whole."""
+    return [
+        RequestOutput(
+            request_id=request.request_id,
+            text="",
+            token_ids=(),
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            prompt_tokens=len(request.prompt_token_ids),
+            index=index,
+        )
+        for index in range(request.sampling.n)
+    ]
