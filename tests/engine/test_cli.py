@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,12 @@ def test_help_explains_every_option():
         "--top-k",
         "--seed",
         "--kv-cache-memory",
+        "--n",
+        "--best-of",
+        "--beam-width",
+        "--length-penalty",
+        "--early-stopping",
+        "--no-prefix-caching",
     ):
         assert flag in out.stdout
 
@@ -46,11 +53,60 @@ def test_generate_streams_the_greedy_completion(smollm2, hf_reference):
     assert "tok/s" in out.stderr and "finish reason" in out.stderr
 
 
+def test_beam_search_prints_each_beam_with_its_score(smollm2, hf_reference):
+    prompt = "The capital of France is"
+    prompt_ids = smollm2.tokenizer(prompt).input_ids
+    eos = list(smollm2.config.eos_token_ids)
+    import torch
+
+    reference = hf_reference.model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        num_beams=3,
+        num_return_sequences=2,
+        max_new_tokens=8,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    out = subprocess.run(
+        [
+            *CLI,
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "8",
+            "--beam-width",
+            "3",
+            "--n",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    printed = [float(x) for x in re.findall(r"score (-?[0-9.]+)", out.stdout)]
+    expected = [float(x) for x in reference.sequences_scores]
+    assert printed == pytest.approx(expected, abs=2e-4)  # printed with 4 decimals
+    for index in range(2):
+        length = int((reference.beam_indices[index] != -1).sum())
+        tokens = reference.sequences[index, len(prompt_ids) : len(prompt_ids) + length].tolist()
+        text = smollm2.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert f"--- output {index}: {length} tokens" in out.stdout
+        assert text in out.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--temperature", "-1"], "temperature: must be between 0 and 100, got -1.0"),
         (["--model", "/no/such"], "model: path '/no/such' does not exist"),
+        (["--beam-width", "2", "--n", "3"], "n: must be <= beam_width (2) with beam search, got 3"),
+        (["--early-stopping", "maybe"], "must be true, false or never, got 'maybe'"),
     ],
 )
 def test_invalid_option_is_a_clear_error(args, message):
