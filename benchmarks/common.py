@@ -130,3 +130,23 @@ def report(
 
 def _fmt(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def paired_bars(
+    ax,
+    labels: list[str],
+    ours: list[float],
+    peer: list[float],
+    names: tuple[str, str],
+    ratios: list[float] | None = None,
+) -> None:
+    """Two bars per label (ours left, the peer right), each pair annotated with its ratio."""
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], ours, 0.4, label=names[0])
+    ax.bar([x + 0.2 for x in xs], peer, 0.4, label=names[1])
+    for x, a, b, ratio in zip(xs, ours, peer, ratios or [None] * len(labels), strict=True):
+        if ratio is not None:
+            ax.annotate(f"{ratio:.2f}x", (x, max(a, b)), ha="center", va="bottom")
+    ax.margins(y=0.12)
+    ax.set_xticks(list(xs), labels)
+    ax.legend()

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import mixed_workload, report  # noqa: E402
+from benchmarks.common import mixed_workload, paired_bars, report  # noqa: E402
 from workers.api import SamplingParams  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine  # noqa: E402
@@ -135,18 +135,14 @@ def main() -> None:
 
     def plot(ax):
         short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-        labels = [f"{short[r['dtype']]} x{r['concurrency']}" for r in rows]
-        xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [r["tessera_tok_s"] for r in rows], 0.4, label="tessera")
-        ax.bar(
-            [x + 0.2 for x in xs],
+        paired_bars(
+            ax,
+            [f"{short[r['dtype']]} x{r['concurrency']}" for r in rows],
+            [r["tessera_tok_s"] for r in rows],
             [r["transformers_tok_s"] for r in rows],
-            0.4,
-            label="transformers generate",
+            ("tessera", "transformers generate"),
         )
-        ax.set_xticks(list(xs), labels)
         ax.set_ylabel("generated tokens / s")
-        ax.legend()
 
     for row in rows:  # same keys in every row for the table
         row.setdefault("vs_vllm_cpu_peers_md", None)

@@ -142,5 +142,7 @@ class BeamSearch:
         )
 
     def best(self, n: int) -> list[BeamHypothesis]:
-        """The ``n`` best finished hypotheses, best first."""
-        return [h for h in self.finished[:n] if h is not None]
+        """The ``n`` best finished hypotheses, best first (fewer only if fewer than ``n``
+        ever finished, which the max_tokens cut-off makes impossible)."""
+        flags = self.finished_flags[0].tolist()
+        return [h for h, done in zip(self.finished[:n], flags, strict=False) if done]
