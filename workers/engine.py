@@ -66,7 +66,8 @@ class EngineStats:
     prompt_tokens: int
     generated_tokens: int
     prefix_cache: PrefixCacheStats
-    peak_used_blocks: int
+    peak_used_blocks: int  # most blocks in use at any step so far
+    shared_blocks: int  # blocks held by more than one sequence right now
 
 
 class Engine:
@@ -400,4 +401,5 @@ class Engine:
             generated_tokens=self._generated_tokens,
             prefix_cache=self.kv.prefix_cache_stats(),
             peak_used_blocks=self._peak_used_blocks,
+            shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
         )

@@ -41,11 +41,13 @@ def test_children_share_the_prompt_blocks_then_diverge(make_engine):
     assert all(t == tables[0] for t in tables)
     assert [engine.kv.pool.blocks[i].ref_count for i in tables[0]] == [4] * (full + 1)
     assert engine.kv.pool.num_used == full + 1
+    assert engine.stats().shared_blocks == full + 1
     engine.step()  # each child writes its first token: the partial block is copied 3 times
     tables = [engine.kv.block_ids(s.seq_id) for s in group.seqs]
     assert all(t[:full] == tables[0][:full] for t in tables)
     assert len({t[full] for t in tables}) == 4
     assert engine.kv.pool.num_used == full + 4
+    assert engine.stats().shared_blocks == full
     engine.check_integrity()
     children = _by_index(run_engine(engine)["r"])
     assert sorted(children) == [0, 1, 2, 3]
