@@ -260,6 +260,12 @@ class Request:
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidRequestError("request_id", "must be a non-empty string")
+        if "#" in self.request_id:
+            raise InvalidRequestError(
+                "request_id",
+                f"must not contain '#' (it names the forks of n > 1 and beam search), "
+                f"got {self.request_id!r}",
+            )
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError("prompt", "must not be empty")
         _check_number("priority", self.priority, integer=True)

@@ -95,10 +95,6 @@ class Batcher:
             if width + group.width > self.max_num_seqs:
                 break
             writes = self._plan(group, budget)
-            if writes is not None and self.kv.blocks_for(writes) > self.kv.num_free_blocks:
-                # A group recomputing after preemption whose shared prompt left the
-                # cache: its first sequence goes alone, the others then hit its blocks.
-                writes = self._plan(group, budget, first_only=True)
             if writes is None or self.kv.blocks_for(writes) > self.kv.num_free_blocks:
                 break
             self.waiting.pop(0)
@@ -112,35 +108,32 @@ class Batcher:
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch
 
-    def _plan(
-        self, group: SequenceGroup, budget: int, first_only: bool = False
-    ) -> list[Write] | None:
-        """This step's writes for ``group`` within ``budget`` tokens, or None. A sequence
-        with no blocks yet starts with the longest cached run of its tokens."""
+    def _plan(self, group: SequenceGroup, budget: int) -> list[Write] | None:
+        """This step's writes for ``group`` within ``budget`` tokens, or None.
+
+        A sequence with no blocks yet starts with the longest cached run of its tokens.
+        In a group recomputing after preemption, the others wait while the first one
+        computes their common prompt, then take its blocks from the cache (so the
+        group never needs more blocks than with its prompt shared)."""
         bs = self.kv.block_size
         writes = []
         reaches_end = True
+        lead_busy = False
         for i, seq in enumerate(group.seqs):
-            hits, query = (), 0
-            if seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.tables:
-                hits = self.kv.find_cached(seq.block_hashes, seq.num_tokens)
-                query = seq.num_tokens
+            fresh = seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.tables
+            hits = self.kv.find_cached(seq.block_hashes, seq.num_tokens) if fresh else ()
             start = seq.num_computed_tokens + len(hits) * bs
-            n = 0 if first_only and i > 0 else min(seq.num_tokens - start, budget)
+            n = 0 if fresh and lead_busy else min(seq.num_tokens - start, budget)
+            if i == 0:
+                lead_busy = start < seq.num_tokens - 1
             budget -= n
             reaches_end &= start + n == seq.num_tokens
-            writes.append(Write(seq.seq_id, start, start + n, hits, query))
+            writes.append(Write(seq.seq_id, start, start + n, hits, seq.num_tokens if fresh else 0))
         if len(group.seqs) > 1 and not reaches_end:
             # lockstep: nobody reaches the end unless everybody does
-            seqs = {seq.seq_id: seq for seq in group.seqs}
+            last = {seq.seq_id: seq.num_tokens - 1 for seq in group.seqs}
             writes = [
-                Write(
-                    w.seq_id,
-                    w.start,
-                    min(w.end, seqs[w.seq_id].num_tokens - 1),
-                    w.hits,
-                    w.query_tokens,
-                )
+                Write(w.seq_id, w.start, min(w.end, last[w.seq_id]), w.hits, w.query_tokens)
                 for w in writes
             ]
         writes = [w for w in writes if w.end > w.start]

@@ -349,9 +349,14 @@ class Engine:
         self.batcher.remove(group)  # frees the live sequences' blocks
         group.seqs = []
         self._end_group(group)
-        if group.streams:
-            return [sequence_output(seq) for seq in live]
-        return aborted_outputs(group.request)
+        if not group.streams:
+            return aborted_outputs(group.request)
+        # One final delta per output that has not had one: the live sequences', and
+        # empty ones for children an unforked request never got to create.
+        outputs = [sequence_output(seq) for seq in live]
+        done = {seq.index for seq in group.finished_seqs + live}
+        missing = [i for i in range(group.request.sampling.n) if i not in done]
+        return outputs + aborted_outputs(group.request, missing)
 
     def _emit(self, group: SequenceGroup, seq: Sequence) -> list[RequestOutput]:
         if group.streams:

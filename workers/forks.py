@@ -74,7 +74,8 @@ class Forks:
         when the search is over; else ``group.seqs`` are the next step's beams."""
         params = group.request.sampling
         beams = group.seqs
-        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        # The search's bookkeeping is a few [width, V] tensors: it runs on the CPU.
+        log_probs = torch.log_softmax(logits.to(torch.float32), dim=-1).cpu()
         if beams[0].num_output_tokens < params.min_tokens and end_token_ids:
             log_probs[:, list(end_token_ids)] = -float("inf")
         choices = group.beam.step(log_probs, [tuple(b.output_token_ids) for b in beams])

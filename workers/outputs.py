@@ -62,8 +62,9 @@ def beam_outputs(
     return outputs
 
 
-def aborted_outputs(request: Request) -> list[RequestOutput]:
-    """One empty final delta per output of a request that sends outputs whole."""
+def aborted_outputs(request: Request, indices: Seq[int] | None = None) -> list[RequestOutput]:
+    """An empty final delta (``finish_reason`` abort) for each of ``indices``, by
+    default every output of the request."""
     return [
         RequestOutput(
             request_id=request.request_id,
@@ -74,5 +75,5 @@ def aborted_outputs(request: Request) -> list[RequestOutput]:
             prompt_tokens=len(request.prompt_token_ids),
             index=index,
         )
-        for index in range(request.sampling.n)
+        for index in (range(request.sampling.n) if indices is None else indices)
     ]

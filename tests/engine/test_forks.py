@@ -155,6 +155,26 @@ def test_abort_and_preemption_mid_group_leak_nothing(make_engine):
         }
 
 
+def test_abort_before_the_fork_ends_every_output(make_engine):
+    engine = make_engine(max_num_batched_tokens=8)  # the prompt takes several steps
+    engine.add_request("r", LONG_PROMPT, SamplingParams(n=3, max_tokens=5))
+    engine.step()
+    assert not engine.groups["r"].forked
+    engine.abort("r")
+    final = engine.step()
+    assert sorted((d.index, d.finished, d.finish_reason) for d in final) == [
+        (i, True, FinishReason.ABORT) for i in range(3)
+    ]
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_request_ids_cannot_collide_with_fork_ids(make_engine):
+    from workers.api import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="request_id: must not contain '#'"):
+        make_engine().add_request("a#1", PROMPT)
+
+
 async def test_many_tasks_adding_forking_and_aborting_leave_the_pool_whole(make_engine):
     engine = make_engine(num_kv_blocks=48, block_size=8)
     front = AsyncEngine(engine)

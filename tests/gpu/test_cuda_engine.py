@@ -29,3 +29,31 @@ def test_greedy_on_cuda_matches_transformers(smollm2_path, hf_reference):
     outputs = run_engine(engine)
     for i, prompt in enumerate(ids):
         assert_greedy_matches(tokens_of(outputs[f"r{i}"]), hf_reference.greedy(prompt, 32))
+
+
+def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine):
+    """n > 1 (copy-on-write on the GPU pool), prefix hits and beam search on CUDA give
+    what the CPU engine gives."""
+    from workers.engine import Engine
+    from workers.model.loader import load_model
+
+    loaded = load_model(smollm2_path, "float32", "cuda")
+    cuda = Engine(EngineConfig(device="cuda", num_kv_blocks=64), loaded=loaded)
+    cpu = make_engine(num_kv_blocks=64)
+    prompt = "Here is a short story about a lighthouse keeper and the sea. " * 3
+    requests = {
+        "beam": SamplingParams(beam_width=4, n=2, max_tokens=12),
+        "greedy-n": SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
+        "again": SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),  # prefix hit
+    }
+    results = []
+    for engine in (cuda, cpu):
+        out = {}
+        for rid, params in requests.items():
+            engine.add_request(rid, prompt, params)
+            deltas = run_engine(engine)[rid]
+            out[rid] = sorted((d.index, tuple(d.token_ids)) for d in deltas if d.token_ids)
+        results.append(out)
+        assert engine.stats().prefix_cache.hits > 0
+    assert results[0]["beam"] == results[1]["beam"]
+    assert results[0]["again"] == results[1]["again"]

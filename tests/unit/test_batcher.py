@@ -94,3 +94,33 @@ def test_a_sequence_preempts_itself_when_it_is_the_lowest():
     assert [g.request_id for g in batch.preempted] == ["second"]
     assert [(s.seq_id, n) for s, n in batch.items] == [("first", 1)]
     assert kv.block_ids("first") == [0, 1]
+
+
+def test_a_preempted_group_recomputes_its_shared_prompt_once():
+    from workers.kv.prefix_cache import extend_block_hashes
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    batcher = Batcher(kv, max_num_batched_tokens=64, max_num_seqs=4)
+    prompt = tuple(range(1, 11))  # 10 tokens: 2 full blocks
+    request = Request("g", prompt)
+    seqs = []
+    for index, tail in enumerate(([50, 51, 52], [60, 61, 62])):
+        seq = Sequence(request, 0, 0, list(prompt) + tail, None, None, index=index)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, 4, ("m", "float32", ""))
+        seqs.append(seq)
+    group = SequenceGroup(request, seqs, width=2, order=0)
+    batcher.add(group)  # as after a preemption: tokens kept, nothing computed
+    batch = batcher.schedule()
+    # the lead computes up to (not including) its last token; the other waits for it
+    assert [(s.seq_id, n) for s, n in batch.items] == [("g", 12)]
+    for seq, n in batch.items:
+        seq.num_computed_tokens += n
+        kv.cache_blocks(seq.seq_id, seq.block_hashes, 0, seq.num_computed_tokens // 4)
+    batch = batcher.schedule()
+    # the second takes the two prompt blocks from the cache: 8 tokens skipped
+    assert sorted((s.seq_id, s.num_computed_tokens, n) for s, n in batch.items) == [
+        ("g", 12, 1),
+        ("g#1", 8, 5),
+    ]
+    assert kv.block_ids("g")[:2] == kv.block_ids("g#1")[:2]
+    kv.check_integrity()
