@@ -45,7 +45,7 @@ def recompute(loaded, prompt: list[int], new: int, dtype: torch.dtype) -> list[i
     runner = ModelRunner(loaded.model, kv, cache)
     tokens = list(prompt)
     for _ in range(new):
-        seq = Sequence(Request("r", tuple(prompt)), 0, 0, list(tokens), None, None)
+        seq = Sequence(Request("r", tuple(prompt)), 0, list(tokens), None, None)
         kv.allocate("r", len(tokens))
         logits, _ = runner.execute([(seq, len(tokens))])
         kv.free("r")

@@ -100,7 +100,6 @@ def prefill_logits(loaded, prompt: list[int], block_size: int = 16) -> torch.Ten
     seq = Sequence(
         Request("s", tuple(prompt)),
         seed=0,
-        order=0,
         token_ids=list(prompt),
         detokenizer=None,
         stop_matcher=None,

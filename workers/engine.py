@@ -249,7 +249,6 @@ class Engine:
         seq = Sequence(
             request=request,
             seed=seed,
-            order=self._order,
             token_ids=list(request.prompt_token_ids),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, sampling.skip_special_tokens

@@ -40,7 +40,6 @@ class Forks:
             child = Sequence(
                 request=parent.request,
                 seed=(parent.seed + index) % _SEED_MOD,
-                order=parent.order,
                 token_ids=list(parent.token_ids),
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, parent.request.prompt_token_ids, params.skip_special_tokens
@@ -88,7 +87,6 @@ class Forks:
                 Sequence(
                     request=parent.request,
                     seed=parent.seed,
-                    order=parent.order,
                     token_ids=parent.token_ids + [token],
                     detokenizer=None,
                     stop_matcher=None,

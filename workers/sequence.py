@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 class Sequence:
     request: Request
     seed: int  # this sequence's sampling seed: the request's (or a drawn one) + its index
-    order: int  # admission counter: ties in priority go to the older request
     token_ids: list[int]
     detokenizer: IncrementalDetokenizer | None
     stop_matcher: StopStringMatcher | None
@@ -69,11 +68,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Lower runs first and is preempted last."""
-        return (self.request.priority, self.order)
-
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -89,11 +83,10 @@ class SequenceGroup:
     request: Request
     seqs: list[Sequence]  # live (not finished), in index order
     width: int
-    order: int
+    order: int  # admission counter: ties in priority go to the older request
     beam: BeamSearch | None = None
     forked: bool = False  # n > 1: the children exist
     finished_seqs: list[Sequence] = field(default_factory=list)
-    num_final_outputs: int = 0  # finished outputs emitted so far (the request ends at n)
 
     @property
     def request_id(self) -> str:

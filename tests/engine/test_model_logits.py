@@ -99,7 +99,6 @@ def _run_ours(path, prompt: list[int]) -> dict[int, torch.Tensor]:
     seq = Sequence(
         request=Request("s", tuple(prompt)),
         seed=0,
-        order=0,
         token_ids=[],
         detokenizer=None,
         stop_matcher=None,

@@ -12,9 +12,7 @@ def _seq(name: str, num_tokens: int, priority: int = 0, order: int = 0) -> Seque
     """A one-sequence group (a plain request)."""
     prompt = tuple(range(1, num_tokens + 1))
     request = Request(name, prompt, priority=priority)
-    seq = Sequence(
-        request, seed=0, order=order, token_ids=list(prompt), detokenizer=None, stop_matcher=None
-    )
+    seq = Sequence(request, seed=0, token_ids=list(prompt), detokenizer=None, stop_matcher=None)
     return SequenceGroup(request, [seq], width=1, order=order)
 
 
@@ -105,7 +103,7 @@ def test_a_preempted_group_recomputes_its_shared_prompt_once():
     request = Request("g", prompt)
     seqs = []
     for index, tail in enumerate(([50, 51, 52], [60, 61, 62])):
-        seq = Sequence(request, 0, 0, list(prompt) + tail, None, None, index=index)
+        seq = Sequence(request, 0, list(prompt) + tail, None, None, index=index)
         extend_block_hashes(seq.block_hashes, seq.token_ids, 4, ("m", "float32", ""))
         seqs.append(seq)
     group = SequenceGroup(request, seqs, width=2, order=0)
