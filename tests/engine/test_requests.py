@@ -141,7 +141,9 @@ def test_logprobs_are_consistent_with_the_tokens(make_engine, smollm2, hf_refere
 
 def test_abort_frees_blocks_and_reports(make_engine):
     engine = make_engine()
-    engine.add_request("a", "Tell me a long story.", SamplingParams(max_tokens=100))
+    # "a" must still be running after three steps: no early EOS from an unseeded sample.
+    long = SamplingParams(max_tokens=100, seed=0, ignore_eos=True)
+    engine.add_request("a", "Tell me a long story.", long)
     engine.add_request("b", "Tell me another.", SamplingParams(max_tokens=5, temperature=0))
     for _ in range(3):
         engine.step()
