@@ -275,3 +275,27 @@ class Request:
             raise InvalidRequestError(
                 "cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """What a request already generated on a worker that died (failover).
+
+    The engine appends ``token_ids`` to the prompt, recomputes their KV, and goes on as
+    if it had sampled them itself: the sampler's token index, ``max_tokens``,
+    penalties, the detokenizer and stop strings all count them, and no text is sent
+    again. Only a request with one output (``n == 1``, no ``best_of``, no beams) can
+    be resumed.
+    """
+
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise InvalidRequestError("resume", "must hold at least one generated token")
+        for token_id in self.token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise InvalidRequestError(
+                    "resume", f"token ids must be non-negative integers, got {token_id!r}"
+                )

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from workers.api import RequestOutput, SamplingParams
+from workers.api import RequestOutput, Resume, SamplingParams
 from workers.engine import Engine, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -63,10 +63,13 @@ class AsyncEngine:
         sampling: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and start a request (errors raise here, before any output), then
         return an async iterator over its output deltas (of all ``n`` outputs)."""
-        request = self.engine.add_request(request_id, prompt, sampling, priority, cache_salt)
+        request = self.engine.add_request(
+            request_id, prompt, sampling, priority, cache_salt, resume
+        )
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
         self._open[request_id] = request.sampling.n

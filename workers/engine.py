@@ -28,6 +28,7 @@ from workers.api import (
     Phase,
     Request,
     RequestOutput,
+    Resume,
     SamplingParams,
     TokenLogprob,
 )
@@ -68,6 +69,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats
     peak_used_blocks: int  # most blocks in use at any step so far
     shared_blocks: int  # blocks held by more than one sequence right now
+    recent_step_time: float  # seconds, moving average over the last steps that ran a batch
 
 
 class Engine:
@@ -114,6 +116,7 @@ class Engine:
         self._prompt_tokens = 0
         self._generated_tokens = 0
         self._peak_used_blocks = 0
+        self._step_time = 0.0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -127,12 +130,16 @@ class Engine:
         return self.tokenizer(prompt).input_ids
 
     def validate(
-        self, prompt: str | list[int] | tuple[int, ...], sampling: SamplingParams
+        self,
+        prompt: str | list[int] | tuple[int, ...],
+        sampling: SamplingParams,
+        resume: Resume | None = None,
     ) -> tuple[int, ...]:
         """Check a prompt against the model and pool; return its token ids."""
         return validate_request(
             prompt,
             sampling,
+            resume=resume,
             tokenize=self.tokenize,
             model=self.model_config,
             config=self.config,
@@ -147,16 +154,21 @@ class Engine:
         sampling: SamplingParams | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: Resume | None = None,
     ) -> Request:
-        """Validate and queue a request; raises ``InvalidRequestError`` naming the field."""
+        """Validate and queue a request; raises ``InvalidRequestError`` naming the field.
+
+        ``resume`` continues a request another worker had started (failover): its
+        tokens are recomputed here, not generated or sent again.
+        """
         sampling = sampling or SamplingParams()
-        token_ids = self.validate(prompt, sampling)
+        token_ids = self.validate(prompt, sampling, resume)
         request = Request(request_id, token_ids, sampling, priority, time.monotonic(), cache_salt)
         with self._lock:
             if request_id in self._known_ids:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             self._known_ids.add(request_id)
-        self._inbox.append(("add", request))
+        self._inbox.append(("add", (request, resume)))
         return request
 
     def abort(self, request_id: str) -> None:
@@ -187,6 +199,7 @@ class Engine:
         if not batch.items:
             return []
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
+        started = time.perf_counter()
         logits, sampled = self.runner.execute(batch.items)
         bs = self.kv.block_size
         for seq, n in batch.items:
@@ -219,6 +232,8 @@ class Engine:
             for (group, seq), result in zip(targets, results, strict=True):
                 self._append_token(group, seq, result.token_id, result.logprob)
                 outputs += self._emit(group, seq)
+        elapsed = time.perf_counter() - started
+        self._step_time = elapsed if not self._steps else 0.8 * self._step_time + 0.2 * elapsed
         self._steps += 1
         self._batch_size_sum += len(batch.items)
         self._tokens_sum += batch.num_tokens
@@ -238,12 +253,12 @@ class Engine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                self._admit(payload)
+                self._admit(*payload)
             elif (group := self.groups.get(payload)) is not None:
                 outputs += self._abort_group(group)
         return outputs
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, resume: Resume | None) -> None:
         sampling = request.sampling
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         seq = Sequence(
@@ -255,6 +270,11 @@ class Engine:
             ),
             stop_matcher=StopStringMatcher(sampling.stop),
         )
+        if resume is not None:  # replay: the text these tokens made was sent already
+            for token_id in resume.token_ids:
+                seq.token_ids.append(token_id)
+                seq.stop_matcher.feed(seq.detokenizer.push(token_id))
+            seq.cumulative_logprob = resume.cumulative_logprob
         self._update_hashes(seq)
         group = SequenceGroup(request, [seq], sampling.num_samples, self._order)
         if sampling.beam_width > 1:
@@ -406,4 +426,5 @@ class Engine:
             prefix_cache=self.kv.prefix_cache_stats(),
             peak_used_blocks=self._peak_used_blocks,
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
+            recent_step_time=self._step_time,
         )

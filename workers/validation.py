@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.api import InvalidRequestError, SamplingParams
+from workers.api import InvalidRequestError, Resume, SamplingParams
 from workers.config import EngineConfig
 from workers.kv.manager import blocks_needed
 from workers.model.config import ModelConfig
@@ -19,6 +19,7 @@ def validate_request(
     config: EngineConfig,
     max_model_len: int,
     num_blocks: int,
+    resume: Resume | None = None,
 ) -> tuple[int, ...]:
     """Return the prompt's token ids, or raise ``InvalidRequestError`` naming the field."""
     if isinstance(prompt, str):
@@ -51,7 +52,27 @@ def validate_request(
             f"{total} exceeds the model's context length of {max_model_len} tokens",
         )
     _check_width(len(token_ids), total, sampling, config, num_blocks)
+    if resume is not None:
+        _check_resume(resume, sampling, model)
     return token_ids
+
+
+def _check_resume(resume: Resume, sampling: SamplingParams, model: ModelConfig) -> None:
+    if sampling.num_samples > 1:
+        raise InvalidRequestError(
+            "resume", "only a request with one output (n=1, no best_of, no beams) resumes"
+        )
+    if len(resume.token_ids) >= sampling.max_tokens:
+        raise InvalidRequestError(
+            "resume",
+            f"{len(resume.token_ids)} generated tokens leave nothing to generate "
+            f"(max_tokens={sampling.max_tokens})",
+        )
+    for token_id in resume.token_ids:
+        if token_id >= model.vocab_size:
+            raise InvalidRequestError(
+                "resume", f"token id {token_id} is out of the vocabulary [0, {model.vocab_size})"
+            )
 
 
 def _check_width(

@@ -14,11 +14,14 @@ prefix cache: allocation takes from the head, freeing appends to the tail, and a
 hit on a free block unlinks it from the middle in O(1). A free block keeps its hash, so
 it stays findable until allocation reuses it (an eviction). Callers free a sequence's
 blocks tail first, so a sequence's last blocks are reused (evicted) before its first.
+
+With ``record_events`` on, every hash stored and evicted is logged, in order, for the
+cluster scheduler's per-worker prefix index (``drain_events``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 
 
@@ -92,6 +95,20 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        # (stored?, hash) in the order they happened; None: not recorded. A deque, so
+        # another thread may drain it while a step appends.
+        self.events: deque[tuple[bool, bytes]] | None = None
+
+    def record_events(self) -> None:
+        """Start logging hashes stored and evicted (see ``drain_events``)."""
+        if self.events is None:
+            self.events = deque()
+
+    def drain_events(self) -> list[tuple[bool, bytes]]:
+        """The (stored?, hash) events since the last call, oldest first."""
+        if self.events is None:
+            return []
+        return [self.events.popleft() for _ in range(len(self.events))]
 
     @property
     def num_free(self) -> int:
@@ -115,6 +132,8 @@ class BlockPool:
 
     def _evict(self, block: Block) -> None:
         del self.cached[block.block_hash]
+        if self.events is not None:
+            self.events.append((False, block.block_hash))
         block.block_hash = None
         self.num_evictions += 1
 
@@ -144,6 +163,8 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.append((True, block_hash))
 
     def check_integrity(self, tables: Iterable[list[Block]]) -> None:
         holders = Counter(block.block_id for table in tables for block in table)
