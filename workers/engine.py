@@ -101,7 +101,7 @@ class Engine:
         self.sampler = Sampler()
         self.forks = Forks(self.kv, self.tokenizer, config.enable_block_sharing)
         # What changes a block's K/V besides its tokens (the request's salt is added).
-        self._hash_keys = (self.loaded.model_id, config.dtype)
+        self.hash_keys: tuple[str, ...] = (self.loaded.model_id, config.dtype)
         self.groups: dict[str, SequenceGroup] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._lock = threading.Lock()  # guards request-id bookkeeping across threads
@@ -285,7 +285,7 @@ class Engine:
 
     def _update_hashes(self, seq: Sequence) -> None:
         if self.config.enable_prefix_caching:
-            keys = (*self._hash_keys, seq.request.cache_salt or "")
+            keys = (*self.hash_keys, seq.request.cache_salt or "")
             extend_block_hashes(seq.block_hashes, seq.token_ids, self.kv.block_size, keys)
 
     def _end_token_ids(self, params: SamplingParams) -> tuple[int, ...]:

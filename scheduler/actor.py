@@ -1,0 +1,505 @@
+"""The scheduler: a named Ray actor that owns the worker pool and places requests.
+
+It is the control plane only. A front end asks ``place`` for a worker, streams the
+request's deltas from that worker itself, and calls ``release`` when the stream ends;
+the scheduler never sees a token.
+
+What it holds:
+
+- **the registry**: every worker it started, with role, status, incarnation, last
+  load report and the requests placed on it (``ongoing``);
+- **the prefix index**: per worker, the block hashes its prefix cache holds
+  (``PrefixIndex``, fed by the reports), which prefix-affinity placement matches
+  against the prompt's block hashes;
+- **global admission**: a worker takes at most ``capacity`` ongoing requests; more
+  wait in one FIFO queue of at most ``max_queued_requests``, each until its deadline;
+  beyond the limit a request is refused at once (``OverloadedError``).
+
+A monitor loop pulls a report from each worker every ``report_interval_s`` (that is
+the health check), restarts or replaces dead workers, and runs the autoscaler.
+Invariants: a request is placed only on a ``HEALTHY`` worker of its role below its
+capacity; ``placements`` and the workers' ``ongoing`` sets hold the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, RayActorError
+
+from cluster.config import ClusterConfig
+from scheduler.api import (
+    ClusterStats,
+    NoWorkerError,
+    OverloadedError,
+    Placement,
+    Refusal,
+    WorkerInfo,
+    WorkerLoad,
+    WorkerState,
+    WorkerStatus,
+)
+from scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
+from scheduler.placement import Candidate, make_policy
+from scheduler.prefix_index import PrefixIndex
+from workers.actor import worker_actor_class
+from workers.kv.prefix_cache import extend_block_hashes
+
+logger = logging.getLogger(__name__)
+
+#: A starting worker (loading its model) may take this long to answer its first report.
+STARTUP_TIMEOUT_S = 600.0
+#: Workers that die before registering, in a row, before the scheduler stops replacing them.
+MAX_START_FAILURES = 3
+
+
+@dataclass(eq=False)
+class _Worker:
+    worker_id: str
+    role: str
+    handle: Any
+    status: WorkerStatus = WorkerStatus.STARTING
+    info: WorkerInfo | None = None
+    load: WorkerLoad | None = None
+    ongoing: set[str] = field(default_factory=set)
+    placed: int = 0
+    restarts: int = 0
+    idle_since: float | None = None
+    resync: bool = False  # a report was lost: ask for a full prefix snapshot
+    poll: asyncio.Task | None = None
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def incarnation(self) -> str | None:
+        return self.info.incarnation if self.info else None
+
+
+@dataclass(eq=False)
+class _Waiter:
+    request_id: str
+    role: str
+    hashes: list[bytes]
+    worker_request_ids: tuple[str, ...]
+    future: asyncio.Future
+    cancelled: bool = False
+
+
+class Scheduler:
+    """Use ``scheduler_actor_class()`` for the Ray actor; ``cluster.launch`` starts it."""
+
+    def __init__(self, config: ClusterConfig, device: str, num_gpus: float) -> None:
+        self.config = config
+        self.engine_config = config.engine_config(device)
+        self.num_gpus = num_gpus
+        self.policy = make_policy(config.placement)
+        self.index = PrefixIndex()
+        self.workers: dict[str, _Worker] = {}
+        # request id -> (worker id, the ids its parts run under on that worker)
+        self.placements: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self.queue: collections.deque[_Waiter] = collections.deque()
+        self.num_queued = 0  # waiters in the queue that are not cancelled
+        self.autoscalers = {
+            role: Autoscaler(
+                PoolPolicy(
+                    min_workers=low,
+                    max_workers=high,
+                    upscale_delay_s=config.upscale_delay_s,
+                    downscale_delay_s=config.downscale_delay_s,
+                    target_kv_usage=config.target_kv_usage,
+                )
+            )
+            for role, (_, low, high) in config.pools.items()
+        }
+        self.hash_keys: tuple[str, ...] | None = None  # from the first worker to register
+        self.events: collections.deque[str] = collections.deque(maxlen=200)
+        self.start_errors: list[str] = []
+        self._ids = itertools.count()
+        self._monitor: asyncio.Task | None = None
+        self._placed = self._refused = self._failovers = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the configured workers and the monitor loop (once)."""
+        if self._monitor is not None:
+            return
+        for role, (count, _, _) in self.config.pools.items():
+            for _ in range(count):
+                self._add_worker(role)
+        self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+
+    async def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ClusterStats:
+        """Wait until every pool has its starting workers healthy; raise if they
+        cannot start (the first start error says why)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.start_errors and len(self.start_errors) >= MAX_START_FAILURES:
+                raise RuntimeError(f"workers failed to start: {self.start_errors[0]}")
+            ready = all(
+                sum(
+                    w.role == role and w.status is WorkerStatus.HEALTHY
+                    for w in self.workers.values()
+                )
+                >= count
+                for role, (count, _, _) in self.config.pools.items()
+            )
+            if ready:
+                return self.stats()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers not ready after {timeout_s} s: {self.stats()}")
+            await asyncio.sleep(0.1)
+
+    async def shutdown(self) -> None:
+        """Stop the monitor and every worker this scheduler started."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for worker in list(self.workers.values()):
+            self._remove(worker, kill=True)
+        for waiter in self.queue:
+            if not waiter.future.done():
+                waiter.future.set_result(Refusal(NoWorkerError, "the cluster is shutting down"))
+        self.queue.clear()
+        self.num_queued = 0
+
+    # ------------------------------------------------------------------ workers
+    def _add_worker(self, role: str, worker_id: str | None = None) -> None:
+        worker_id = worker_id or f"{role}-{next(self._ids)}"
+        handle = (
+            worker_actor_class()
+            .options(
+                num_cpus=self.config.worker_num_cpus,
+                num_gpus=self.num_gpus,
+                max_restarts=self.config.worker_max_restarts,
+                max_task_retries=0,  # a broken stream fails over from the front end
+            )
+            .remote(
+                worker_id,
+                role,
+                self.engine_config,
+                self.config.scheduler_name,
+                self.config.namespace,
+                max(1, int(self.config.worker_num_cpus)),
+            )
+        )
+        self.workers[worker_id] = _Worker(worker_id, role, handle)
+        self._event(f"started worker {worker_id} ({role})")
+
+    def register(self, info: WorkerInfo) -> None:
+        """A worker (re)started: forget what its last incarnation held and ran."""
+        worker = self.workers.get(info.worker_id)
+        if worker is None or worker.incarnation == info.incarnation:
+            return
+        if worker.info is not None:
+            worker.restarts += 1
+            self._event(f"worker {worker.worker_id} restarted as {info.incarnation}")
+        worker.info = info
+        self.hash_keys = self.hash_keys or info.hash_keys
+        self.index.reset(worker.worker_id)
+        self._drop_placements(worker)
+        self.start_errors.clear()
+        if worker.status is not WorkerStatus.DRAINING:
+            worker.status = WorkerStatus.HEALTHY
+        worker.idle_since = time.monotonic()
+        self._dispatch()
+
+    def worker_failed(self, worker_id: str, incarnation: str | None) -> None:
+        """A front end lost a stream from this worker: place nothing there until it
+        answers a report again."""
+        worker = self.workers.get(worker_id)
+        if worker is None or worker.incarnation != incarnation:
+            return
+        if worker.status is WorkerStatus.HEALTHY:
+            worker.status = WorkerStatus.UNHEALTHY
+            worker.resync = True
+            self._event(f"worker {worker_id} reported failed by a front end")
+
+    def _drop_placements(self, worker: _Worker) -> None:
+        for request_id in worker.ongoing:
+            self.placements.pop(request_id, None)
+        worker.ongoing.clear()
+
+    def _remove(self, worker: _Worker, kill: bool) -> None:
+        self._drop_placements(worker)
+        self.workers.pop(worker.worker_id, None)
+        self.index.remove(worker.worker_id)
+        if worker.poll is not None:
+            worker.poll.cancel()
+        if kill:
+            ray.kill(worker.handle, no_restart=True)
+
+    def _on_dead(self, worker: _Worker, error: BaseException) -> None:
+        """Ray gave up on the actor (killed, or out of restarts): replace it."""
+        if self.workers.get(worker.worker_id) is not worker:
+            return
+        self._remove(worker, kill=False)
+        if worker.status is WorkerStatus.DRAINING:
+            return
+        if worker.info is None:
+            self.start_errors.append(str(error).strip().splitlines()[-1] if str(error) else "")
+            if len(self.start_errors) >= MAX_START_FAILURES:
+                self._event(f"worker {worker.worker_id} failed to start; not replacing it")
+                return
+        self._event(f"worker {worker.worker_id} died; starting a replacement")
+        self._add_worker(worker.role, worker.worker_id)
+
+    async def _poll(self, worker: _Worker) -> None:
+        timeout = (
+            STARTUP_TIMEOUT_S
+            if worker.status is WorkerStatus.STARTING
+            else self.config.health_timeout_s
+        )
+        try:
+            info, load = await asyncio.wait_for(worker.handle.report.remote(worker.resync), timeout)
+        except ActorDiedError as error:
+            self._on_dead(worker, error)
+            return
+        except (RayActorError, asyncio.TimeoutError) as error:
+            if worker.status is WorkerStatus.HEALTHY:
+                self._event(f"worker {worker.worker_id} unhealthy: {type(error).__name__}")
+                worker.status = WorkerStatus.UNHEALTHY
+            worker.resync = True
+            return
+        if self.workers.get(worker.worker_id) is not worker:
+            return
+        self.register(info)
+        if load.snapshot is not None:
+            self.index.reset(worker.worker_id, load.snapshot)
+        else:
+            self.index.apply(worker.worker_id, load.events)
+        worker.load = load
+        worker.resync = False
+        if worker.status is WorkerStatus.UNHEALTHY:
+            worker.status = WorkerStatus.HEALTHY
+            self._event(f"worker {worker.worker_id} healthy again")
+            self._dispatch()
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                for worker in list(self.workers.values()):
+                    if worker.poll is None or worker.poll.done():
+                        worker.poll = asyncio.get_running_loop().create_task(self._poll(worker))
+                self._autoscale()
+            except Exception:  # the monitor must outlive any one bad tick
+                logger.exception("scheduler monitor tick failed")
+            await asyncio.sleep(self.config.report_interval_s)
+
+    def _autoscale(self) -> None:
+        now = time.monotonic()
+        for role, autoscaler in self.autoscalers.items():
+            pool = [w for w in self.workers.values() if w.role == role]
+            members = [
+                PoolMember(
+                    worker_id=w.worker_id,
+                    starting=w.status is WorkerStatus.STARTING,
+                    draining=w.status is WorkerStatus.DRAINING,
+                    ongoing=len(w.ongoing),
+                    waiting=w.load.waiting if w.load else 0,
+                    kv_usage=w.load.kv_usage if w.load else 0.0,
+                    idle_since=w.idle_since if not w.ongoing else None,
+                )
+                for w in pool
+            ]
+            if len(self.start_errors) >= MAX_START_FAILURES:
+                continue  # do not spin up workers that cannot start
+            queued = sum(not w.cancelled and w.role == role for w in self.queue)
+            decision = autoscaler.decide(now, members, queued)
+            for _ in range(decision.add):
+                self._add_worker(role)
+                self._event(f"scaled {role} up to {len(pool) + 1} workers")
+            for worker_id in decision.drain:
+                self.workers[worker_id].status = WorkerStatus.DRAINING
+                self._event(f"draining idle worker {worker_id}")
+        for worker in list(self.workers.values()):
+            if worker.status is WorkerStatus.DRAINING and not worker.ongoing:
+                self._remove(worker, kill=True)
+                self._event(f"stopped drained worker {worker.worker_id}")
+
+    def set_placement(self, name: str) -> None:
+        """Switch the placement policy of a running cluster (to compare policies)."""
+        self.policy = make_policy(name)
+        self._event(f"placement policy is now {name}")
+
+    def worker_handle(self, worker_id: str):
+        """The actor handle of ``worker_id`` (operators and tests reach a worker with it)."""
+        return self.workers[worker_id].handle
+
+    def drain(self, worker_id: str) -> None:
+        """Stop placing on ``worker_id``; it stops once its requests finish."""
+        self.workers[worker_id].status = WorkerStatus.DRAINING
+        self._event(f"draining worker {worker_id} (asked)")
+
+    # ------------------------------------------------------------------ placement
+    async def place(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        cache_salt: str | None = None,
+        role: str = "mixed",
+        timeout_s: float | None = None,
+        failover: bool = False,
+        worker_request_ids: tuple[str, ...] = (),
+    ) -> Placement | Refusal:
+        """A worker for the request, now or once one frees up; a ``Refusal`` when the
+        queue is full, the deadline passes or no worker of ``role`` is left.
+        ``worker_request_ids``: the ids the front end will run it under on the worker
+        (for ``abort``). Placing a request that is already placed (``failover``) moves it."""
+        self.release(request_id)
+        if failover:
+            self._failovers += 1
+        hashes = self._prompt_hashes(prompt_token_ids, cache_salt)
+        ids = worker_request_ids or (request_id,)
+        placement = self._try_place(request_id, role, hashes, ids)
+        if placement is not None:
+            return placement
+        if not any(w.role == role for w in self.workers.values()):
+            self._refused += 1
+            return Refusal(NoWorkerError, f"no {role} worker is left in the cluster")
+        limit = self.config.max_queued_requests
+        if self.num_queued >= limit:
+            self._refused += 1
+            return Refusal(
+                OverloadedError,
+                f"overloaded: every worker is at capacity and the global queue is full "
+                f"({self.num_queued} waiting, max_queued_requests={limit}); retry later",
+            )
+        future = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(request_id, role, hashes, ids, future)
+        self.queue.append(waiter)
+        self.num_queued += 1
+        timeout_s = timeout_s if timeout_s is not None else self.config.queue_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
+        except asyncio.TimeoutError:
+            if waiter.future.done():  # placed just as the deadline passed
+                return waiter.future.result()
+            waiter.cancelled = True
+            self.num_queued -= 1
+            self._refused += 1
+            return Refusal(
+                OverloadedError,
+                f"overloaded: no worker could take the request within its deadline "
+                f"({timeout_s} s in the global queue)",
+            )
+
+    def release(self, request_id: str) -> None:
+        """The request's stream ended (or moved): free its place on its worker."""
+        worker_id, _ = self.placements.pop(request_id, (None, ()))
+        worker = self.workers.get(worker_id) if worker_id else None
+        if worker is None:
+            return
+        worker.ongoing.discard(request_id)
+        if not worker.ongoing:
+            worker.idle_since = time.monotonic()
+        self._dispatch()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a placed request on its worker (from any front end); False if unknown."""
+        worker_id, ids = self.placements.get(request_id, ("", ()))
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return False
+        for worker_request_id in ids:
+            worker.handle.abort.remote(worker_request_id)
+        return True
+
+    def _prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        hashes: list[bytes] = []
+        if self.config.enable_prefix_caching and self.hash_keys is not None:
+            keys = (*self.hash_keys, cache_salt or "")
+            extend_block_hashes(hashes, token_ids, self.config.block_size, keys)
+        return hashes
+
+    def _try_place(
+        self, request_id: str, role: str, hashes: list[bytes], worker_request_ids: tuple[str, ...]
+    ) -> Placement | None:
+        capacity = self.config.capacity
+        candidates = [
+            Candidate(
+                worker_id=w.worker_id,
+                ongoing=len(w.ongoing),
+                capacity=capacity,
+                waiting=w.load.waiting if w.load else 0,
+                kv_usage=w.load.kv_usage if w.load else 0.0,
+                matched_blocks=self.index.matched(w.worker_id, hashes),
+            )
+            for w in self.workers.values()
+            if w.role == role and w.status is WorkerStatus.HEALTHY and len(w.ongoing) < capacity
+        ]
+        if not candidates:
+            return None
+        chosen = self.policy.choose(candidates, len(hashes))
+        worker = self.workers[chosen.worker_id]
+        worker.ongoing.add(request_id)
+        worker.placed += 1
+        worker.idle_since = None
+        self.placements[request_id] = (worker.worker_id, worker_request_ids)
+        self.index.expect(worker.worker_id, hashes)
+        self._placed += 1
+        return Placement(
+            request_id=request_id,
+            worker_id=worker.worker_id,
+            incarnation=worker.incarnation,
+            worker=worker.handle,
+            matched_blocks=chosen.matched_blocks,
+        )
+
+    def _dispatch(self) -> None:
+        """Place queued requests, oldest first, while workers have room."""
+        while self.queue:
+            waiter = self.queue[0]
+            if waiter.cancelled or waiter.future.done():
+                self.queue.popleft()
+                continue
+            placement = self._try_place(
+                waiter.request_id, waiter.role, waiter.hashes, waiter.worker_request_ids
+            )
+            if placement is None:
+                return
+            self.queue.popleft()
+            self.num_queued -= 1
+            waiter.future.set_result(placement)
+
+    # ------------------------------------------------------------------ stats
+    def get_config(self) -> ClusterConfig:
+        return self.config
+
+    def _event(self, text: str) -> None:
+        logger.info("%s", text)
+        self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
+
+    def stats(self) -> ClusterStats:
+        return ClusterStats(
+            workers=tuple(
+                WorkerState(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    status=w.status,
+                    incarnation=w.incarnation,
+                    ongoing=len(w.ongoing),
+                    capacity=self.config.capacity,
+                    placed=w.placed,
+                    restarts=w.restarts,
+                    cached_hashes=self.index.size(w.worker_id),
+                    load=w.load,
+                )
+                for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
+            ),
+            queued=self.num_queued,
+            placed=self._placed,
+            refused=self._refused,
+            failovers=self._failovers,
+            policy=self.policy.name,
+            events=tuple(self.events),
+        )
+
+
+def scheduler_actor_class():
+    """The Ray remote class (made on demand, so importing this module needs no Ray)."""
+    return ray.remote(num_cpus=0)(Scheduler)

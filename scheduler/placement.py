@@ -1,0 +1,114 @@
+"""Placement policies: which healthy worker gets a request.
+
+A policy sees one ``Candidate`` per worker that may take the request now (healthy,
+of the right role, not draining, below its capacity) and picks one. Policies are
+chosen by name (``POLICIES``); they keep no state beyond a round-robin counter.
+
+``PrefixAffinity`` (the default) scores each candidate by
+
+    score = PREFIX * matched / prompt_blocks + HEADROOM * (1 - kv_usage) - QUEUE * load
+
+where ``matched`` is the number of leading prompt blocks the worker's prefix cache
+already holds and ``load`` its share of used capacity plus its engine's waiting
+sequences. A prompt hit outweighs any load difference, so requests sharing a prefix
+follow it, unless the best match is overloaded (engine queueing, KV nearly full, or
+far busier than the least-loaded worker): then the request goes to the least-loaded
+worker instead, which will build its own copy of the prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+PREFIX = 1.0
+HEADROOM = 0.25
+QUEUE = 0.5
+#: KV usage at or above which a worker counts as overloaded for affinity.
+OVERLOAD_KV_USAGE = 0.95
+#: How much more loaded (share of capacity) than the least-loaded worker the best
+#: prefix match may be before affinity gives way to balance.
+OVERLOAD_IMBALANCE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker_id: str
+    ongoing: int  # requests placed and not released
+    capacity: int  # ongoing requests it takes before new ones queue (> ongoing here)
+    waiting: int  # sequences its engine could not fit in the batch yet
+    kv_usage: float  # share of its KV pool in use (last report)
+    matched_blocks: int  # leading prompt blocks it holds
+
+    @property
+    def load(self) -> float:
+        return (self.ongoing + self.waiting) / self.capacity
+
+
+class PlacementPolicy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Candidate], prompt_blocks: int) -> Candidate:
+        """Pick one of ``candidates`` (never empty) for a prompt of ``prompt_blocks``
+        full blocks."""
+        ...
+
+
+def least_loaded(candidates: Sequence[Candidate]) -> Candidate:
+    """Lowest load, then most KV headroom; ties go to the first worker id."""
+    return min(candidates, key=lambda c: (c.load, c.kv_usage, c.worker_id))
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def choose(self, candidates: Sequence[Candidate], prompt_blocks: int) -> Candidate:
+        return least_loaded(candidates)
+
+
+class RoundRobin:
+    """Each placement goes to the next worker, by worker id, that can take it."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, candidates: Sequence[Candidate], prompt_blocks: int) -> Candidate:
+        ordered = sorted(candidates, key=lambda c: c.worker_id)
+        return ordered[next(self._counter) % len(ordered)]
+
+
+class PrefixAffinity:
+    name = "prefix_affinity"
+
+    def score(self, candidate: Candidate, prompt_blocks: int) -> float:
+        matched = candidate.matched_blocks / prompt_blocks if prompt_blocks else 0.0
+        return PREFIX * matched + HEADROOM * (1 - candidate.kv_usage) - QUEUE * candidate.load
+
+    def overloaded(self, candidate: Candidate, least: Candidate) -> bool:
+        return (
+            candidate.waiting > 0
+            or candidate.kv_usage >= OVERLOAD_KV_USAGE
+            or candidate.load - least.load > OVERLOAD_IMBALANCE
+        )
+
+    def choose(self, candidates: Sequence[Candidate], prompt_blocks: int) -> Candidate:
+        least = least_loaded(candidates)
+        best = max(candidates, key=lambda c: (self.score(c, prompt_blocks), c is least))
+        if best.matched_blocks and self.overloaded(best, least):
+            return least
+        return best
+
+
+POLICIES: dict[str, type[PlacementPolicy]] = {
+    policy.name: policy for policy in (PrefixAffinity, RoundRobin, LeastLoaded)
+}
+
+
+def make_policy(name: str) -> PlacementPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"placement: must be one of {sorted(POLICIES)}, got {name!r}")
+    return POLICIES[name]()

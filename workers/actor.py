@@ -1,0 +1,162 @@
+"""The Ray actor that runs one worker: an engine, its step loop, and its streams.
+
+The actor is asynchronous: ``AsyncEngine`` runs the step loop in the background (each
+step in a thread), while the actor's event loop takes new requests, aborts, load
+reports and health checks. Callers stream a request's deltas straight from here (a
+Ray streaming generator); the scheduler only decides where requests go.
+
+Cancelling the caller's generator (``ray.cancel``) cancels the ``generate`` task here,
+which closes the engine stream and aborts the request: its blocks go back at once.
+
+The actor is created with ``max_restarts``: after a crash Ray starts it again with the
+same arguments, and it registers with the scheduler under a new incarnation (its
+engine, cache and requests are new; callers of the old one fail over).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from scheduler.api import WorkerInfo, WorkerLoad
+from workers.api import RequestOutput, Resume, SamplingParams
+from workers.async_engine import AsyncEngine
+from workers.config import EngineConfig
+from workers.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+#: Unreported prefix-cache events kept before the worker sends a snapshot instead.
+MAX_PENDING_EVENTS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The first item of every ``generate`` stream: the engine took the request (a
+    bad request raises before it), so the caller knows where errors come from."""
+
+    request_id: str
+    incarnation: str
+
+
+class WorkerActor:
+    """One engine as a Ray actor. Use ``worker_actor_class()`` to get the remote class."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        engine_config: EngineConfig,
+        scheduler_name: str | None = None,
+        namespace: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.worker_id = worker_id
+        self.role = role
+        self.incarnation = uuid.uuid4().hex[:12]
+        engine = Engine(engine_config)
+        engine.kv.pool.record_events()
+        self.engine = AsyncEngine(engine)
+        self._requests = 0
+        logger.info("worker %s (%s) up as %s", worker_id, role, self.incarnation)
+        if scheduler_name is not None:  # tell the scheduler at once (it also polls)
+            scheduler = ray.get_actor(scheduler_name, namespace=namespace)
+            scheduler.register.remote(self.info())
+
+    def info(self) -> WorkerInfo:
+        engine = self.engine.engine
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            incarnation=self.incarnation,
+            hash_keys=engine.hash_keys,
+            block_size=engine.config.block_size,
+            total_blocks=engine.kv.pool.num_blocks,
+            max_num_seqs=engine.config.max_num_seqs,
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+        )
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: list[int] | str,
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        resume: Resume | None = None,
+    ) -> AsyncIterator[Accepted | RequestOutput]:
+        """Yield ``Accepted``, then the request's deltas until all its outputs finish.
+        ``InvalidRequestError`` raises before ``Accepted``."""
+        stream = await self.engine.add_request(
+            request_id, prompt, sampling, priority, cache_salt, resume
+        )
+        self._requests += 1
+        try:
+            yield Accepted(request_id, self.incarnation)
+            async for delta in stream:
+                yield delta
+        finally:
+            self._requests -= 1
+            await stream.aclose()  # aborts the request if it is not over
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with ``finish_reason`` abort."""
+        self.engine.abort(request_id)
+
+    async def report(self, resync: bool = False) -> tuple[WorkerInfo, WorkerLoad]:
+        """Who this worker is and its load now, with the prefix-cache events since the
+        last report. ``resync`` (the scheduler lost a report), or too many unreported
+        events, sends the whole index as a snapshot instead."""
+        engine = self.engine.engine
+        pool = engine.kv.pool
+        stats = engine.stats()
+        snapshot = None
+        events = tuple(pool.drain_events())
+        if resync or len(events) > MAX_PENDING_EVENTS:
+            snapshot, events = tuple(pool.cached), ()
+        load = WorkerLoad(
+            incarnation=self.incarnation,
+            requests=self._requests,
+            running=stats.running,
+            waiting=stats.waiting,
+            free_blocks=stats.free_blocks,
+            cached_blocks=stats.prefix_cache.cached_blocks,
+            total_blocks=stats.total_blocks,
+            kv_usage=stats.kv_usage,
+            step_time=stats.recent_step_time,
+            prefix_queries=stats.prefix_cache.queries,
+            prefix_hits=stats.prefix_cache.hits,
+            generated_tokens=stats.generated_tokens,
+            events=events,
+            snapshot=snapshot,
+        )
+        return self.info(), load
+
+    async def health(self) -> str:
+        return self.incarnation
+
+    async def engine_stats(self):
+        return self.engine.stats()
+
+    async def has_request(self, request_id: str) -> bool:
+        return request_id in self.engine.engine.groups
+
+    async def check_integrity(self) -> None:
+        self.engine.engine.check_integrity()
+
+    async def shutdown(self) -> None:
+        await self.engine.close()
+
+
+def worker_actor_class():
+    """The Ray remote class (made on demand, so importing this module needs no Ray)."""
+    return ray.remote(WorkerActor)
