@@ -15,9 +15,13 @@ seed; beam search and ``best_of`` (whose outputs arrive whole at the end) start
 again. The caller sees no duplicated and no missing text. After a failover a
 resumed ``n > 1`` output reports no ``cumulative_logprob``.
 
-**Abort.** Leaving the stream (``break``, ``aclose``, cancellation) cancels the
-worker's stream, which aborts the request there and frees its blocks at once;
-``abort(request_id)`` ends it with ``finish_reason`` abort.
+**Abort.** Leaving the stream (``aclose``, cancellation, or ``break`` once the
+generator is closed) cancels the worker's stream, which aborts the request there and
+frees its blocks at once; ``abort(request_id)`` ends it with ``finish_reason`` abort.
+
+The worker's stream is read in the background from ``submit`` on, so a request's
+place in the cluster is released as soon as the worker has finished it, however late
+the caller reads its deltas.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class _Run:
         self.attempt = 0
         self.placement: Placement | None = None
         self.parts: list[_Part] = []
+        self._deltas: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
 
     # -- attempts
     def _plan(self) -> list[_Part]:
@@ -159,20 +165,41 @@ class _Run:
             ) from error
 
     # -- the stream
-    async def stream(self) -> AsyncIterator[RequestOutput]:
+    def pump(self) -> None:
+        """Read the worker's stream in the background, whether or not the caller reads
+        yet, so the request's place in the cluster is released when the worker is done
+        with it, not when the caller gets round to the last delta."""
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
         try:
             while True:
                 try:
                     async for part, delta in self._merged():
                         delta = self._record(part, delta)
                         if delta is not None:
-                            yield delta
-                    return
+                            self._deltas.put_nowait(delta)
+                    break
                 except RayActorError as error:
                     self._lost(error)
                     await self.start(failover=True)
+        except Exception as error:  # the caller's stream raises it
+            self._deltas.put_nowait(error)
         finally:
+            self._deltas.put_nowait(None)
             await self.close()
+
+    async def stream(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while (item := await self._deltas.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            if not self._task.done():  # the caller left early: abort on the worker
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
 
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
         """The deltas of every live part, as they arrive."""
@@ -295,6 +322,7 @@ class ClusterClient:
         except BaseException:
             await run.close()
             raise
+        run.pump()
         return run.stream()
 
     async def abort(self, request_id: str) -> bool:

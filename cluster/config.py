@@ -2,9 +2,10 @@
 
 ``ClusterConfig`` is user-facing (pydantic, a description on every field); the
 command line is generated from it (``add_config_arguments``), so ``--help`` explains
-every field. Its errors name the field: ``ConfigError("block_size: must be >= 1,
-got 0")``. ``check_environment`` adds what only the machine can tell (does the model
-path exist, does the KV memory fit) and runs when the cluster starts.
+every field. Its errors name the field: ``ConfigError("block_size: Input should be
+greater than or equal to 1, got 0")``. ``check_environment`` adds what only the
+machine can tell (does the model path exist, does the KV memory fit) and runs when the
+cluster starts.
 """
 
 from __future__ import annotations
@@ -150,10 +151,10 @@ class ClusterConfig(BaseModel):
                 f"min_workers: {self.min_workers} is above max_workers ({self.max_workers})"
             )
         low, high = self.pool_bounds
-        if not low <= self.workers <= high:
-            raise ValueError(
-                f"workers: {self.workers} is outside min_workers..max_workers ({low}..{high})"
-            )
+        if self.workers > high:
+            raise ValueError(f"workers: {self.workers} is above max_workers ({high})")
+        if self.workers < low:
+            raise ValueError(f"workers: {self.workers} is below min_workers ({low})")
         return self
 
     @classmethod
@@ -243,7 +244,7 @@ def memory_size(text: str) -> int:
             if text.endswith(suffix):
                 return int(float(text[: -len(suffix)]) * units[suffix])
         return int(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a memory size: {text!r}") from None
 
 

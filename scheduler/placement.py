@@ -2,7 +2,7 @@
 
 A policy sees one ``Candidate`` per worker that may take the request now (healthy,
 of the right role, not draining, below its capacity) and picks one. Policies are
-chosen by name (``POLICIES``); they keep no state beyond a round-robin counter.
+chosen by name (``POLICIES``); they keep no state beyond the worker round robin chose last.
 
 ``PrefixAffinity`` (the default) scores each candidate by
 
@@ -18,7 +18,6 @@ worker instead, which will build its own copy of the prefix.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -74,11 +73,14 @@ class RoundRobin:
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._last: str | None = None  # the worker id chosen last
 
     def choose(self, candidates: Sequence[Candidate], prompt_blocks: int) -> Candidate:
         ordered = sorted(candidates, key=lambda c: c.worker_id)
-        return ordered[next(self._counter) % len(ordered)]
+        after = [c for c in ordered if self._last is None or c.worker_id > self._last]
+        chosen = (after or ordered)[0]
+        self._last = chosen.worker_id
+        return chosen
 
 
 class PrefixAffinity:

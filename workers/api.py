@@ -25,6 +25,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # pickles whole across Ray (the default passes only args)
+        return type(self), (self.field, self.message)
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string

@@ -1,0 +1,242 @@
+"""The cluster on real Ray: outputs, placement, abort and failover over two workers.
+
+One two-worker cluster serves the module (starting one takes ~20 s on two cores).
+Each test sets the placement policy it needs. The failover test kills workers; it
+waits for them to come back, so the tests stay independent of their order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from scheduler.api import WorkerStatus
+from tests.cluster.conftest import running_cluster_sync
+from tests.helpers import run_engine, text_of, tokens_of
+from workers.api import FinishReason, SamplingParams
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer questions about "
+    "parcels, delivery windows, customs forms and returns in two short sentences, "
+    "and never invent tracking numbers. "
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    with running_cluster_sync(workers=2, max_num_seqs=16, max_ongoing_requests=16) as cluster:
+        yield cluster
+
+
+async def collect(cluster, request_id, prompt, params):
+    return [d async for d in await cluster.submit(request_id, prompt, params)]
+
+
+def engine_outputs(make_engine, requests):
+    """The same requests on one in-process engine: the reference."""
+    engine = make_engine()
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    return run_engine(engine)
+
+
+async def placed(cluster) -> dict[str, int]:
+    return {w.worker_id: w.placed for w in (await cluster.stats()).workers}
+
+
+async def settle(cluster) -> None:
+    """Wait until no request is placed and every worker has reported since."""
+    for _ in range(100):
+        stats = await cluster.stats()
+        if not any(w.ongoing for w in stats.workers) and all(
+            w.status is WorkerStatus.HEALTHY for w in stats.workers
+        ):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # > report_interval_s: the prefix index is up to date
+
+
+async def test_outputs_equal_the_single_engine(cluster, make_engine):
+    await cluster.scheduler.set_placement.remote("least_loaded")
+    before = await placed(cluster)
+    topics = ["the sea", "mountains", "a robot", "bread", "the moon", "rain", "chess", "tea"]
+    requests = [
+        (f"eq-{i}", f"Write one sentence about {topics[i % 8]} ({i}).", GREEDY) for i in range(16)
+    ]
+    outputs = await asyncio.gather(*(collect(cluster, *r) for r in requests))
+    expected = engine_outputs(make_engine, requests)
+    for (request_id, _, _), deltas in zip(requests, outputs, strict=True):
+        assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
+        assert text_of(deltas) == text_of(expected[request_id]), request_id
+        assert deltas[-1].finish_reason is FinishReason.LENGTH
+        assert all(d.request_id == request_id for d in deltas)
+    after = await placed(cluster)
+    assert all(after[w] > before[w] for w in after), "both workers must have served requests"
+    assert sum(after.values()) - sum(before.values()) == 16
+
+
+async def test_prefix_affinity_follows_the_prefix_and_round_robin_spreads(cluster):
+    await settle(cluster)
+    await cluster.scheduler.set_placement.remote("prefix_affinity")
+    prefix = SYSTEM * 2  # ~90 tokens: several full blocks
+    start = await placed(cluster)
+    await collect(cluster, "aff-first", prefix + "Where is my parcel?", GREEDY)
+    first = await placed(cluster)
+    (holder,) = [w for w in first if first[w] > start[w]]
+    await settle(cluster)  # the holder has reported the prefix's blocks
+    hits_before = (await cluster.stats()).worker(holder).load.prefix_hits
+
+    questions = [f"Question {i}: can I return a parcel after {i + 2} days?" for i in range(6)]
+    await asyncio.gather(
+        *(collect(cluster, f"aff-{i}", prefix + q, GREEDY) for i, q in enumerate(questions))
+    )
+    after = await placed(cluster)
+    assert after[holder] - first[holder] == 6
+    assert all(after[w] == first[w] for w in after if w != holder)
+    await settle(cluster)
+    stats = await cluster.stats()
+    prefix_blocks = len(cluster.client.tokenizer(prefix).input_ids) // 16
+    assert stats.worker(holder).load.prefix_hits - hits_before >= 6 * prefix_blocks * 16
+
+    await cluster.scheduler.set_placement.remote("round_robin")
+    await asyncio.gather(
+        *(collect(cluster, f"rr-{i}", prefix + q, GREEDY) for i, q in enumerate(questions))
+    )
+    spread = await placed(cluster)
+    assert sorted(spread[w] - after[w] for w in spread) == [3, 3]
+
+
+async def _worker_of(cluster, request_id_prefix_count: int = 1) -> str:
+    for _ in range(100):
+        busy = [w for w in (await cluster.stats()).workers if w.ongoing]
+        if busy:
+            return busy[0].worker_id
+        await asyncio.sleep(0.02)
+    raise AssertionError("no worker holds the request")
+
+
+async def _freed_within(worker, request_id: str, seconds: float) -> float:
+    """Seconds until the request is gone from ``worker`` and its pool is all free."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        stats = await worker.engine_stats.remote()
+        gone = not await worker.has_request.remote(request_id)
+        if gone and stats.free_blocks == stats.total_blocks:
+            return time.monotonic() - start
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{request_id} still on its worker after {seconds} s")
+
+
+async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
+    await settle(cluster)
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    stream = await cluster.submit("leaver", "Tell me a very long story about a lighthouse.", long)
+    worker_id = await _worker_of(cluster)
+    worker = await cluster.scheduler.worker_handle.remote(worker_id)
+    got = 0
+    async for delta in stream:
+        got += len(delta.token_ids)
+        if got >= 3:
+            break
+    await stream.aclose()  # the caller goes away
+    assert await _freed_within(worker, "leaver", 1.0) <= 1.0
+    await worker.check_integrity.remote()
+
+    stream = await cluster.submit("stopped", "Tell me another long story.", long)
+    worker_id = await _worker_of(cluster)
+    worker = await cluster.scheduler.worker_handle.remote(worker_id)
+    first = await anext(stream)
+    assert await cluster.abort("stopped")
+    rest = [d async for d in stream]
+    assert rest[-1].finish_reason is FinishReason.ABORT
+    assert len(tokens_of([first, *rest])) < 300
+    assert await _freed_within(worker, "stopped", 1.0) <= 1.0
+
+
+async def _wait_for(cluster, predicate, what: str, seconds: float = 90.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        stats = await cluster.stats()
+        if predicate(stats):
+            return stats
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}: {await cluster.stats()}")
+
+
+async def test_killed_worker_fails_over_without_changing_the_text(cluster, make_engine):
+    await settle(cluster)
+    await cluster.scheduler.set_placement.remote("prefix_affinity")
+    # A prefix no worker holds yet: the first request picks a worker, the rest follow it.
+    prefix = "Failover drill. " + SYSTEM * 2
+    requests = []
+    for i in range(8):
+        params = (
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            if i < 4
+            else SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=100 + i)
+        )
+        requests.append((f"fo-{i}", prefix + f"Customer {i} asks about returns.", params))
+    expected = engine_outputs(make_engine, requests)
+
+    streams = [await cluster.submit(*r) for r in requests]
+    stats = await cluster.stats()
+    (victim,) = [w.worker_id for w in stats.workers if w.ongoing]
+    assert stats.worker(victim).ongoing == 8, "all 8 must stream from one worker"
+    handle = await cluster.scheduler.worker_handle.remote(victim)
+
+    received = [[] for _ in requests]
+    all_started = asyncio.Event()
+
+    async def drain(i, stream):
+        async for delta in stream:
+            received[i].append(delta)
+            if all(len(tokens_of(r)) >= 3 for r in received):
+                all_started.set()
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    await asyncio.wait_for(all_started.wait(), 60)
+    assert not any(r[-1].finished for r in received), "the kill must come mid-stream"
+    ray.kill(handle, no_restart=False)  # Ray restarts it (max_restarts)
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    for (request_id, _, _), deltas in zip(requests, received, strict=True):
+        assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
+        assert text_of(deltas) == text_of(expected[request_id]), request_id
+        assert deltas[-1].finish_reason is expected[request_id][-1].finish_reason
+        assert [d.finished for d in deltas].count(True) == 1
+    stats = await _wait_for(
+        cluster,
+        lambda s: s.worker(victim).status is WorkerStatus.HEALTHY and s.worker(victim).restarts,
+        "the killed worker to come back",
+    )
+    assert stats.failovers >= 8
+
+    # It takes new work: round robin gives each worker one of two requests.
+    await settle(cluster)
+    await cluster.scheduler.set_placement.remote("round_robin")
+    before = await placed(cluster)
+    await asyncio.gather(*(collect(cluster, f"back-{i}", "Hello", GREEDY) for i in range(2)))
+    after = await placed(cluster)
+    assert after[victim] - before[victim] == 1
+
+    # Killed for good (no restart): the scheduler starts a replacement under the same id.
+    incarnation = stats.worker(victim).incarnation
+    ray.kill(await cluster.scheduler.worker_handle.remote(victim))
+    await _wait_for(
+        cluster,
+        lambda s: any(
+            w.worker_id == victim
+            and w.status is WorkerStatus.HEALTHY
+            and w.incarnation != incarnation
+            for w in s.workers
+        ),
+        "a replacement worker",
+    )
+    deltas = await collect(cluster, "after-replace", "Hello", GREEDY)
+    assert len(tokens_of(deltas)) == 16

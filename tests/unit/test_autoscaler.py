@@ -1,0 +1,259 @@
+"""Autoscaling decisions (scheduler/autoscaler.py): scale-up after sustained pressure (queue,
+engine waiting, mean KV usage), one worker at a time, within max_workers counting starting
+workers; replacement up to min_workers; draining the longest-idle worker, never under
+pressure and never below min_workers, with draining members not counted as active."""
+
+from __future__ import annotations
+
+from scheduler.autoscaler import Autoscaler, Decision, PoolMember, PoolPolicy
+
+
+def policy(min_workers=1, max_workers=3, up=10.0, down=60.0, target=0.8):
+    return PoolPolicy(
+        min_workers=min_workers,
+        max_workers=max_workers,
+        upscale_delay_s=up,
+        downscale_delay_s=down,
+        target_kv_usage=target,
+    )
+
+
+def member(
+    worker_id,
+    starting=False,
+    draining=False,
+    ongoing=0,
+    waiting=0,
+    kv_usage=0.0,
+    idle_since=None,
+):
+    return PoolMember(
+        worker_id=worker_id,
+        starting=starting,
+        draining=draining,
+        ongoing=ongoing,
+        waiting=waiting,
+        kv_usage=kv_usage,
+        idle_since=idle_since,
+    )
+
+
+def busy(worker_id, **kwargs):
+    return member(worker_id, ongoing=1, **kwargs)
+
+
+NOTHING = Decision()
+ADD_ONE = Decision(add=1)
+
+
+# ------------------------------------------------------------------ scale up
+def test_no_scale_up_before_pressure_has_lasted():
+    scaler = Autoscaler(policy(up=10.0))
+    members = [busy("a")]
+    assert scaler.decide(100.0, members, queued=1) == NOTHING
+    assert scaler.decide(105.0, members, queued=3) == NOTHING
+    assert scaler.decide(109.9, members, queued=1) == NOTHING
+    assert scaler.decide(110.0, members, queued=1) == ADD_ONE
+
+
+def test_one_worker_per_decision_then_the_clock_restarts():
+    scaler = Autoscaler(policy(up=10.0, max_workers=5))
+    members = [busy("a")]
+    assert scaler.decide(0.0, members, queued=50) == NOTHING
+    assert scaler.decide(10.0, members, queued=50) == ADD_ONE
+    members = [busy("a"), member("b", starting=True)]
+    assert scaler.decide(11.0, members, queued=50) == NOTHING  # clock restarts here
+    assert scaler.decide(20.5, members, queued=50) == NOTHING
+    assert scaler.decide(21.0, members, queued=50) == ADD_ONE
+
+
+def test_interrupted_pressure_restarts_the_clock():
+    scaler = Autoscaler(policy(up=10.0))
+    members = [busy("a")]
+    assert scaler.decide(0.0, members, queued=1) == NOTHING
+    assert scaler.decide(5.0, members, queued=0) == NOTHING  # pressure gone
+    assert scaler.decide(8.0, members, queued=1) == NOTHING
+    assert scaler.decide(17.9, members, queued=1) == NOTHING
+    assert scaler.decide(18.0, members, queued=1) == ADD_ONE
+
+
+def test_zero_delay_adds_on_first_pressure():
+    scaler = Autoscaler(policy(up=0.0))
+    assert scaler.decide(0.0, [busy("a")], queued=1) == ADD_ONE
+
+
+def test_no_pressure_no_scale_up():
+    scaler = Autoscaler(policy(up=0.0))
+    members = [busy("a", kv_usage=0.5), busy("b", kv_usage=0.7)]
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+    assert scaler.decide(1000.0, members, queued=0) == NOTHING
+
+
+def test_pressure_from_engine_waiting():
+    scaler = Autoscaler(policy(up=0.0))
+    members = [busy("a"), busy("b", waiting=2)]
+    assert scaler.decide(0.0, members, queued=0) == ADD_ONE
+
+
+def test_pressure_from_mean_kv_usage_above_target():
+    scaler = Autoscaler(policy(max_workers=5, up=0.0, target=0.75))
+    members = [busy("a", kv_usage=0.5), busy("b", kv_usage=1.0)]  # mean 0.75: not above
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+    members = [busy("a", kv_usage=0.5), busy("b", kv_usage=1.0), busy("c", kv_usage=1.0)]
+    assert scaler.decide(1.0, members, queued=0) == ADD_ONE  # mean 0.8333
+
+
+def test_one_full_worker_is_not_pressure_when_the_mean_is_low():
+    scaler = Autoscaler(policy(up=0.0, target=0.8))
+    members = [busy("a", kv_usage=1.0), busy("b", kv_usage=0.0)]  # mean 0.5
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+
+
+def test_mean_kv_usage_leaves_out_starting_workers():
+    scaler = Autoscaler(policy(up=0.0, target=0.8))
+    # running a alone: 0.9 > 0.8 (with b in the mean it would be 0.45)
+    members = [busy("a", kv_usage=0.9), member("b", starting=True, kv_usage=0.0)]
+    assert scaler.decide(0.0, members, queued=0) == ADD_ONE
+
+
+def test_draining_workers_do_not_make_pressure():
+    scaler = Autoscaler(policy(min_workers=1, up=0.0, target=0.8))
+    members = [busy("a", kv_usage=0.1), busy("b", draining=True, waiting=4, kv_usage=1.0)]
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+
+
+def test_starting_workers_count_toward_max():
+    scaler = Autoscaler(policy(max_workers=2, up=0.0))
+    members = [busy("a"), member("b", starting=True)]
+    assert scaler.decide(0.0, members, queued=5) == NOTHING
+    assert scaler.decide(100.0, members, queued=5) == NOTHING
+
+
+def test_never_above_max_then_adds_once_below_it():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=2, up=10.0))
+    full = [busy("a"), busy("b")]
+    for now in (0.0, 10.0, 50.0, 500.0):
+        assert scaler.decide(now, full, queued=9) == NOTHING
+    # b went away while pressure lasted all along: room for one
+    assert scaler.decide(501.0, [busy("a")], queued=9) == ADD_ONE
+
+
+def test_draining_members_leave_room_below_max():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=2, up=0.0))
+    members = [busy("a"), busy("b", draining=True)]
+    assert scaler.decide(0.0, members, queued=1) == ADD_ONE
+
+
+# ------------------------------------------------------------------ replacement
+def test_replaces_up_to_min_workers():
+    scaler = Autoscaler(policy(min_workers=3, max_workers=5))
+    assert scaler.decide(0.0, [busy("a")], queued=0) == Decision(add=2)
+    assert scaler.decide(0.0, [], queued=0) == Decision(add=3)
+    members = [busy("a"), member("b", starting=True), member("c", idle_since=0.0)]
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+
+
+def test_replacement_counts_draining_members_as_gone():
+    scaler = Autoscaler(policy(min_workers=2, max_workers=3))
+    members = [busy("a"), busy("b", draining=True)]
+    assert scaler.decide(0.0, members, queued=0) == Decision(add=1)
+
+
+def test_replacement_does_not_wait_for_the_delay_and_restarts_the_clock():
+    scaler = Autoscaler(policy(min_workers=2, max_workers=4, up=10.0))
+    two = [busy("a"), busy("b")]
+    assert scaler.decide(0.0, two, queued=1) == NOTHING
+    assert scaler.decide(5.0, [busy("a")], queued=1) == Decision(add=1)
+    # the pressure clock restarted at the replacement: it starts again at 6
+    assert scaler.decide(6.0, two, queued=1) == NOTHING
+    assert scaler.decide(15.9, two, queued=1) == NOTHING
+    assert scaler.decide(16.0, two, queued=1) == ADD_ONE
+
+
+# ------------------------------------------------------------------ scale down
+def test_drains_a_worker_idle_for_the_delay():
+    scaler = Autoscaler(policy(min_workers=1, down=60.0))
+    members = [busy("a"), member("b", idle_since=100.0)]
+    assert scaler.decide(159.9, members, queued=0) == NOTHING
+    assert scaler.decide(160.0, members, queued=0) == Decision(drain=("b",))
+
+
+def test_drains_the_longest_idle_first_and_one_at_a_time():
+    scaler = Autoscaler(policy(min_workers=1, down=60.0))
+    members = [
+        member("a", idle_since=50.0),
+        member("b", idle_since=10.0),
+        member("c", idle_since=30.0),
+        busy("d"),
+    ]
+    assert scaler.decide(200.0, members, queued=0) == Decision(drain=("b",))
+
+
+def test_only_workers_past_the_delay_are_drained():
+    scaler = Autoscaler(policy(min_workers=1, down=60.0))
+    members = [member("a", idle_since=80.0), member("b", idle_since=50.0), busy("c")]
+    assert scaler.decide(109.0, members, queued=0) == NOTHING  # a idle 29 s, b 59 s
+    assert scaler.decide(110.0, members, queued=0) == Decision(drain=("b",))  # b 60 s
+
+
+def test_equal_idle_time_drains_the_highest_id():
+    scaler = Autoscaler(policy(min_workers=1, down=60.0))
+    members = [member("w1", idle_since=0.0), member("w3", idle_since=0.0), busy("w2")]
+    assert scaler.decide(100.0, members, queued=0) == Decision(drain=("w3",))
+
+
+def test_never_drains_down_to_below_min_workers():
+    scaler = Autoscaler(policy(min_workers=2, down=60.0))
+    members = [member("a", idle_since=0.0), member("b", idle_since=0.0)]
+    assert scaler.decide(1000.0, members, queued=0) == NOTHING
+    members.append(member("c", idle_since=0.0))
+    assert scaler.decide(1000.0, members, queued=0) == Decision(drain=("c",))
+
+
+def test_draining_members_do_not_count_as_active_for_scale_down():
+    scaler = Autoscaler(policy(min_workers=1, down=60.0))
+    # a is already draining: b is the only active worker, at the floor
+    members = [member("a", draining=True, idle_since=0.0), member("b", idle_since=0.0)]
+    assert scaler.decide(1000.0, members, queued=0) == NOTHING
+
+
+def test_draining_member_is_not_drained_again():
+    scaler = Autoscaler(policy(min_workers=1, down=60.0))
+    members = [
+        member("a", draining=True, idle_since=0.0),
+        member("b", idle_since=500.0),
+        busy("c"),
+    ]
+    assert scaler.decide(1000.0, members, queued=0) == Decision(drain=("b",))
+
+
+def test_starting_members_are_not_drained():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=3, down=60.0))
+    members = [member("a", starting=True, idle_since=0.0), busy("b")]
+    assert scaler.decide(1000.0, members, queued=0) == NOTHING
+
+
+def test_never_drains_while_queue_pressure():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=2, up=10.0, down=60.0))
+    members = [member("a", idle_since=0.0), busy("b")]
+    assert scaler.decide(1000.0, members, queued=1) == NOTHING  # pressure just started
+    assert scaler.decide(1005.0, members, queued=1) == NOTHING
+
+
+def test_never_drains_while_engine_waiting_at_max():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=2, up=0.0, down=60.0))
+    members = [member("a", idle_since=0.0), busy("b", waiting=1)]
+    assert scaler.decide(1000.0, members, queued=0) == NOTHING
+
+
+def test_never_drains_while_kv_pressure():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=2, up=100.0, down=60.0, target=0.4))
+    members = [member("a", idle_since=0.0, kv_usage=0.0), busy("b", kv_usage=1.0)]  # mean 0.5
+    assert scaler.decide(1000.0, members, queued=0) == NOTHING
+
+
+def test_drains_once_pressure_is_gone():
+    scaler = Autoscaler(policy(min_workers=1, max_workers=2, up=100.0, down=60.0))
+    members = [member("a", idle_since=0.0), busy("b")]
+    assert scaler.decide(1000.0, members, queued=1) == NOTHING
+    assert scaler.decide(1001.0, members, queued=0) == Decision(drain=("a",))

@@ -1,0 +1,291 @@
+"""The cluster configuration (cluster/config.py): ClusterConfig.create's errors naming the
+field, check_environment's model-path and memory checks, memory_size parsing, and the
+generated command line (add_config_arguments / config_from_args)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster.config import (
+    ClusterConfig,
+    ConfigError,
+    add_config_arguments,
+    check_environment,
+    config_from_args,
+    memory_size,
+)
+
+POLICY_NAMES = "['least_loaded', 'prefix_affinity', 'round_robin']"
+
+
+def create_error(**fields) -> str:
+    with pytest.raises(ConfigError) as error:
+        ClusterConfig.create(**fields)
+    return str(error.value)
+
+
+def make_parser(skip=()):
+    parser = argparse.ArgumentParser(prog="tessera")
+    add_config_arguments(parser, skip=skip)
+    return parser
+
+
+# ------------------------------------------------------------------ ClusterConfig.create
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_defaults_are_valid():
+    config = ClusterConfig.create()
+    assert config.workers == 1
+    assert config.placement == "prefix_affinity"
+    assert config.pool_bounds == (1, 1)
+
+
+def test_workers_zero():
+    message = create_error(workers=0)
+    assert message.startswith("workers: ")
+    assert message == "workers: Input should be greater than or equal to 1, got 0"
+
+
+def test_block_size_zero():
+    message = create_error(block_size=0)
+    assert message.startswith("block_size: ")
+    assert message == "block_size: Input should be greater than or equal to 1, got 0"
+
+
+def test_unknown_placement():
+    message = create_error(placement="nope")
+    assert message == f"placement: must be one of {POLICY_NAMES}, got 'nope'"
+
+
+def test_min_workers_above_max_workers():
+    message = create_error(workers=2, min_workers=3, max_workers=2)
+    assert message == "min_workers: 3 is above max_workers (2)"
+
+
+def test_workers_above_max_workers():
+    message = create_error(workers=5, min_workers=2, max_workers=4)
+    assert message == "workers: 5 is above max_workers (4)"
+
+
+def test_workers_below_min_workers():
+    message = create_error(workers=1, min_workers=2, max_workers=4)
+    assert message == "workers: 1 is below min_workers (2)"
+
+
+def test_workers_below_min_workers_without_max():
+    # max defaults to max(workers, min_workers) = 3
+    message = create_error(workers=1, min_workers=3)
+    assert message == "workers: 1 is below min_workers (3)"
+
+
+def test_workers_inside_bounds_are_accepted():
+    config = ClusterConfig.create(workers=2, min_workers=1, max_workers=4)
+    assert config.pool_bounds == (1, 4)
+    assert ClusterConfig.create(workers=3, max_workers=5).pool_bounds == (3, 5)
+    assert ClusterConfig.create(workers=2, min_workers=2, max_workers=2).pool_bounds == (2, 2)
+
+
+def test_unknown_dtype():
+    message = create_error(dtype="int8")
+    assert message.startswith("dtype: ")
+    assert message == "dtype: Input should be 'float32', 'bfloat16' or 'float16', got 'int8'"
+
+
+def test_unknown_field():
+    message = create_error(wrokers=2)
+    assert message.startswith("wrokers: ")
+    assert message == "wrokers: Extra inputs are not permitted, got 2"
+
+
+def test_config_is_frozen():
+    config = ClusterConfig.create()
+    with pytest.raises(ValueError):
+        config.workers = 2
+
+
+# ------------------------------------------------------------------ check_environment
+def test_check_environment_missing_model_path(tmp_path):
+    missing = tmp_path / "missing.gguf"
+    config = ClusterConfig.create(model=str(missing))
+    with pytest.raises(ConfigError) as error:
+        check_environment(config)
+    message = str(error.value)
+    assert message.startswith("model:")
+    assert message == f"model: path '{missing}' does not exist"
+
+
+def test_check_environment_model_file_that_is_not_gguf(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"")
+    with pytest.raises(ConfigError) as error:
+        check_environment(ClusterConfig.create(model=str(path)))
+    assert str(error.value) == f"model: '{path}' is neither a directory nor a .gguf file"
+
+
+def test_check_environment_model_directory_without_weights(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        check_environment(ClusterConfig.create(model=str(tmp_path)))
+    assert str(error.value) == (
+        f"model: directory '{tmp_path}' has no config.json and 0 .gguf files (need exactly one)"
+    )
+
+
+def test_check_environment_kv_memory_larger_than_the_machine():
+    config = ClusterConfig.create(kv_cache_memory=10**15)
+    with pytest.raises(ConfigError) as error:
+        check_environment(config)
+    message = str(error.value)
+    assert message.startswith(
+        "kv_cache_memory: 1000000000000000 bytes per worker is more than this machine's "
+    )
+    assert message.endswith(" bytes of memory")
+
+
+def test_check_environment_accepts_builtin_model_and_small_kv_memory():
+    check_environment(ClusterConfig.create(kv_cache_memory=2**20))  # no error
+
+
+# ------------------------------------------------------------------ memory_size
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("512MiB", 512 * 1024 * 1024),
+        ("2GiB", 2 * 1024 * 1024 * 1024),
+        ("1.5GB", 1_500_000_000),
+        ("1000", 1000),
+        ("64KiB", 65536),
+        ("3k", 3000),
+        (" 2gib ", 2147483648),
+        ("100B", 100),
+    ],
+)
+def test_memory_size(text, size):
+    assert memory_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "", "GiB", "1.5.5G"])
+def test_memory_size_rejects_nonsense(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        memory_size(text)
+
+
+def test_memory_size_rejects_infinity_with_a_unit():
+    with pytest.raises(argparse.ArgumentTypeError):
+        memory_size("infGiB")
+
+
+def test_memory_size_error_message():
+    with pytest.raises(argparse.ArgumentTypeError) as error:
+        memory_size("lots")
+    assert str(error.value) == "not a memory size: 'lots'"
+
+
+# ------------------------------------------------------------------ command line
+def test_command_line_round_trip():
+    args = make_parser().parse_args(
+        [
+            "--workers",
+            "3",
+            "--max-workers",
+            "4",
+            "--kv-cache-memory",
+            "1GiB",
+            "--no-enable-prefix-caching",
+            "--placement",
+            "round_robin",
+            "--dtype",
+            "bfloat16",
+            "--worker-num-cpus",
+            "2.5",
+        ]
+    )
+    config = config_from_args(args)
+    assert config.workers == 3
+    assert config.max_workers == 4
+    assert config.min_workers is None
+    assert config.kv_cache_memory == 1073741824
+    assert config.enable_prefix_caching is False
+    assert config.placement == "round_robin"
+    assert config.dtype == "bfloat16"
+    assert config.worker_num_cpus == 2.5
+    assert config.pool_bounds == (3, 4)
+
+
+def test_command_line_defaults_are_the_config_defaults():
+    config = config_from_args(make_parser().parse_args([]))
+    assert config == ClusterConfig()
+    assert config.enable_prefix_caching is True
+    assert config.kv_cache_memory is None
+
+
+def test_enable_prefix_caching_flag():
+    args = make_parser().parse_args(["--enable-prefix-caching"])
+    assert config_from_args(args).enable_prefix_caching is True
+
+
+def test_config_from_args_overrides_win():
+    args = make_parser().parse_args(["--workers", "3", "--max-workers", "4"])
+    config = config_from_args(args, workers=2, address="auto")
+    assert config.workers == 2
+    assert config.address == "auto"
+    assert config.max_workers == 4
+
+
+def test_config_from_args_validates():
+    args = make_parser().parse_args(["--workers", "5", "--max-workers", "4"])
+    with pytest.raises(ConfigError) as error:
+        config_from_args(args)
+    assert error.value.args[0].startswith("workers: 5 is above max_workers")
+
+
+def test_config_from_args_with_fields_skipped():
+    parser = make_parser(skip=("address", "namespace"))
+    args = parser.parse_args([])
+    assert not hasattr(args, "address")
+    config = config_from_args(args)
+    assert config.address is None
+    assert config.namespace == "tessera"
+
+
+def test_bad_values_are_refused_by_the_parser(capsys):
+    for argv in (["--kv-cache-memory", "lots"], ["--dtype", "int8"], ["--workers", "two"]):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(argv)
+    assert "not a memory size: 'lots'" in capsys.readouterr().err
+
+
+def test_every_field_has_a_flag_with_help():
+    parser = make_parser()
+    by_flag = {flag: action for action in parser._actions for flag in action.option_strings}
+    for name in ClusterConfig.model_fields:
+        flag = "--" + name.replace("_", "-")
+        assert flag in by_flag, flag
+        action = by_flag[flag]
+        assert action.dest == name
+        assert action.help and action.help.strip(), flag
+    assert "--no-enable-prefix-caching" in by_flag
+
+
+def test_help_text_comes_from_the_description_and_default():
+    parser = make_parser()
+    by_flag = {flag: action for action in parser._actions for flag in action.option_strings}
+    assert by_flag["--block-size"].help == "tokens per KV block (default: 16)"
+    assert by_flag["--dtype"].choices == ("float32", "bfloat16", "float16")
+    assert by_flag["--device"].choices == ("auto", "cpu", "cuda")
+
+
+def test_skipped_fields_have_no_flag():
+    parser = make_parser(skip=("address",))
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    assert "--address" not in flags
+    assert "--namespace" in flags
+
+
+def test_full_help_renders():
+    text = make_parser().format_help()  # '%' in descriptions must be escaped
+    assert "10% of the worker's free memory" in text
+    assert "--kv-cache-memory" in text
