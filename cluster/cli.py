@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from cluster.config import add_config_arguments, memory_size
 from workers.api import InvalidRequestError, SamplingParams
 from workers.config import (
     DEFAULT_BLOCK_SIZE,
@@ -15,16 +16,6 @@ from workers.config import (
     EngineConfig,
 )
 from workers.model.loader import DTYPES
-
-
-def _memory_size(text: str) -> int:
-    """Parse '512MiB', '2GiB', '1.5GB' or a plain number of bytes."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-    text = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * units[suffix])
-    return int(text)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +36,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     group.add_argument(
         "--kv-cache-memory",
-        type=_memory_size,
+        type=memory_size,
         default=None,
         help="bytes for the paged KV pool, e.g. 512MiB or 2GiB (default: 10%% of free memory)",
     )
@@ -185,7 +176,8 @@ def _print_whole(engine) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera",
-        description="Tessera: an LLM serving engine with a paged KV cache and continuous batching.",
+        description="Tessera: an LLM serving cluster with a paged KV cache, continuous "
+        "batching and block sharing.",
     )
     parser.add_argument(
         "--log-level",
@@ -273,7 +265,120 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    clu = commands.add_parser(
+        "cluster",
+        help="start a cluster (scheduler + worker actors on Ray); run prompts or stay up",
+        description="Start or join a Ray cluster, start the scheduler actor and its workers "
+        "from the flags below, and wait until they are healthy. With --prompt, run each "
+        "prompt through the cluster (concurrently), print the completions and where they "
+        "ran, then stop. Without, stay up and print each worker's load every "
+        "--stats-interval seconds until Ctrl-C. Bad flags fail at once, naming the field.",
+    )
+    clu.add_argument(
+        "--prompt", action="append", help="a prompt to complete (repeatable); none: stay up"
+    )
+    clu.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    clu.add_argument(
+        "--max-tokens", type=int, default=64, help="most tokens per completion (default: 64)"
+    )
+    clu.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    clu.add_argument("--seed", type=int, default=None, help="sampling seed")
+    clu.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between load lines while the cluster stays up (default: 10)",
+    )
+    add_config_arguments(clu)
+    clu.set_defaults(func=_cluster)
     return parser
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cluster.config import ConfigError, config_from_args
+
+    try:
+        config = config_from_args(args)
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+    except (ConfigError, InvalidRequestError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run_cluster(config, sampling, args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _run_cluster(config, sampling: SamplingParams, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cluster.launch import Cluster
+
+    print("starting the cluster ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    cluster = await Cluster.start(config)
+    try:
+        stats = await cluster.stats()
+        print(
+            f"cluster ready in {time.perf_counter() - start:.1f} s: "
+            f"{len(stats.workers)} workers, placement {stats.policy}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not args.prompt:
+            while True:
+                await asyncio.sleep(args.stats_interval)
+                _print_load(await cluster.stats())
+        prompts = args.prompt
+        if args.chat:
+            template = cluster.client.tokenizer.apply_chat_template
+            prompts = [
+                template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts
+            ]
+
+        async def complete(i: int, prompt: str) -> str:
+            stream = await cluster.submit(f"cli-{i}", prompt, sampling)
+            return "".join([delta.text async for delta in stream])
+
+        texts = await asyncio.gather(*(complete(i, p) for i, p in enumerate(prompts)))
+        for i, text in enumerate(texts):
+            if len(texts) > 1:
+                print(f"--- prompt {i} ---")
+            print(text)
+        _print_load(await cluster.stats())
+        return 0
+    finally:
+        await cluster.shutdown()
+
+
+def _print_load(stats) -> None:
+    for worker in stats.workers:
+        load = worker.load
+        line = f"{worker.worker_id} {worker.status.value}: {worker.placed} placed"
+        if load is not None:
+            line += (
+                f", {worker.ongoing} ongoing, {load.running} running, {load.waiting} waiting, "
+                f"KV {load.kv_usage:.0%}, prefix hits {load.prefix_hits}/{load.prefix_queries} "
+                f"tokens, step {load.step_time * 1000:.0f} ms"
+            )
+        print(line, file=sys.stderr)
+    print(
+        f"queued {stats.queued}, placed {stats.placed}, refused {stats.refused}, "
+        f"failovers {stats.failovers}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,7 +91,8 @@ class ClusterConfig(BaseModel):
     # -- placement and admission
     placement: str = Field(
         "prefix_affinity",
-        description=f"placement policy: one of {', '.join(sorted(POLICIES))}",
+        description="placement policy: prefix_affinity follows cached prompt blocks "
+        "and balances load; round_robin and least_loaded ignore the cache",
     )
     max_ongoing_requests: int | None = Field(
         None,
@@ -237,7 +238,8 @@ def _machine_memory() -> int:
 # ------------------------------------------------------------------ command line
 def memory_size(text: str) -> int:
     """Parse '512MiB', '2GiB', '1.5GB' or a plain number of bytes."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    units |= {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
     text = text.strip().lower().removesuffix("b")
     try:
         for suffix in sorted(units, key=len, reverse=True):
@@ -259,7 +261,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
             continue
         flag = "--" + name.replace("_", "-")
         default = info.default
-        help_text = f"{info.description} (default: {default})".replace("%", "%%")
+        help_text = info.description
+        if "default:" not in help_text:
+            help_text += f" (default: {default})"
+        help_text = help_text.replace("%", "%%")
         kind = _scalar_type(info.annotation)
         if kind is bool:
             group.add_argument(
