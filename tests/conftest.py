@@ -7,8 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import TransformersReference
+from tests.helpers import RAY_NAMESPACE, TransformersReference
 from workers.model.loader import builtin_model_path
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One real local Ray cluster (``num_cpus=2``, GPUs as detected) for the whole
+    session; ``ray.shutdown`` stops the local cluster it started, nothing else."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        object_store_memory=150 * 2**20,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

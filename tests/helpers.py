@@ -16,6 +16,8 @@ from workers.sequence import Sequence
 #: DESIGN.md's exactness rule: a greedy divergence from transformers is acceptable only
 #: at a step where the reference's top-2 logit gap is below this.
 NEAR_TIE_GAP = 1e-4
+#: The Ray namespace of the tests' named actors (``ray_session`` in conftest.py).
+RAY_NAMESPACE = "tessera-tests"
 
 torch.manual_seed(0)
 

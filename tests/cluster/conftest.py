@@ -1,30 +1,12 @@
-"""One real local Ray cluster (``num_cpus=2``) for the whole test session, and helpers
-to start Tessera clusters on it and stop exactly what they started."""
+"""Helpers to start Tessera clusters on the session's Ray (``ray_session`` in
+``tests/conftest.py``) and stop exactly what they started."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-import pytest
-
-ray = pytest.importorskip("ray")
-
-NAMESPACE = "tessera-tests"
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    """The session's Ray cluster; ``ray.shutdown`` stops the local cluster it started."""
-    ray.init(
-        num_cpus=2,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        object_store_memory=150 * 2**20,
-        log_to_driver=False,
-    )
-    yield
-    ray.shutdown()
+from tests.helpers import RAY_NAMESPACE
 
 
 def cluster_config(**fields):
@@ -33,7 +15,7 @@ def cluster_config(**fields):
 
     fields.setdefault("num_kv_blocks", 256)
     fields.setdefault("report_interval_s", 0.1)
-    fields.setdefault("namespace", NAMESPACE)
+    fields.setdefault("namespace", RAY_NAMESPACE)
     fields.setdefault("device", "cpu")
     return ClusterConfig.create(**fields)
 
