@@ -132,6 +132,31 @@ def _fmt(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
+def side_panels(ax, width_ratios: list[float]) -> list:
+    """Split a report's axes into side-by-side panels (the first is ``ax`` itself)."""
+    fig = ax.figure
+    grid = ax.get_subplotspec().subgridspec(1, len(width_ratios), width_ratios=width_ratios)
+    ax.set_subplotspec(grid[0])
+    return [ax] + [fig.add_subplot(grid[i]) for i in range(1, len(width_ratios))]
+
+
+def paired_panel(
+    ax,
+    labels: list[str],
+    ours: list[float],
+    peer: list[float],
+    names: tuple[str, str],
+    ratios: list[float],
+    ylabel: str,
+    legend: bool = False,
+) -> None:
+    """One panel of ``paired_bars`` with its y label; the legend only where asked."""
+    paired_bars(ax, labels, ours, peer, names, ratios)
+    ax.set_ylabel(ylabel)
+    if not legend:
+        ax.get_legend().remove()
+
+
 def paired_bars(
     ax,
     labels: list[str],

@@ -333,5 +333,10 @@ class ClusterClient:
             return True
         return await self.scheduler.abort.remote(request_id)
 
+    def placement(self, request_id: str) -> Placement | None:
+        """Where a request of this client runs now (None once it has ended)."""
+        run = self._runs.get(request_id)
+        return run.placement if run is not None else None
+
     async def stats(self) -> ClusterStats:
         return await self.scheduler.stats.remote()

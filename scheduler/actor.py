@@ -425,7 +425,6 @@ class Scheduler:
                 worker_id=w.worker_id,
                 ongoing=len(w.ongoing),
                 capacity=capacity,
-                waiting=w.load.waiting if w.load else 0,
                 kv_usage=w.load.kv_usage if w.load else 0.0,
                 matched_blocks=self.index.matched(w.worker_id, hashes),
             )

@@ -73,6 +73,7 @@ class WorkerLoad:
     total_blocks: int
     kv_usage: float
     step_time: float  # seconds, recent moving average
+    preemptions: int  # sequences preempted (KV pool full), ever
     prefix_queries: int  # prompt tokens looked up in the prefix cache, ever
     prefix_hits: int  # of them found cached
     generated_tokens: int

@@ -9,11 +9,12 @@ chosen by name (``POLICIES``); they keep no state beyond the worker round robin 
     score = PREFIX * matched / prompt_blocks + HEADROOM * (1 - kv_usage) - QUEUE * load
 
 where ``matched`` is the number of leading prompt blocks the worker's prefix cache
-already holds and ``load`` its share of used capacity plus its engine's waiting
-sequences. A prompt hit outweighs any load difference, so requests sharing a prefix
-follow it, unless the best match is overloaded (engine queueing, KV nearly full, or
-far busier than the least-loaded worker): then the request goes to the least-loaded
-worker instead, which will build its own copy of the prefix.
+already holds and ``load`` its share of used capacity (ongoing requests / capacity).
+A prompt hit outweighs any load difference, so requests sharing a prefix follow it,
+unless the best match is overloaded (KV nearly full, or far busier than the
+least-loaded worker): then the request goes to the least-loaded worker instead, which
+will build its own copy of the prefix. (An engine's waiting queue is not a sign of
+overload: requests wait there briefly while their prompts are prefilled in chunks.)
 """
 
 from __future__ import annotations
@@ -37,13 +38,12 @@ class Candidate:
     worker_id: str
     ongoing: int  # requests placed and not released
     capacity: int  # ongoing requests it takes before new ones queue (> ongoing here)
-    waiting: int  # sequences its engine could not fit in the batch yet
     kv_usage: float  # share of its KV pool in use (last report)
     matched_blocks: int  # leading prompt blocks it holds
 
     @property
     def load(self) -> float:
-        return (self.ongoing + self.waiting) / self.capacity
+        return self.ongoing / self.capacity
 
 
 class PlacementPolicy(Protocol):
@@ -92,8 +92,7 @@ class PrefixAffinity:
 
     def overloaded(self, candidate: Candidate, least: Candidate) -> bool:
         return (
-            candidate.waiting > 0
-            or candidate.kv_usage >= OVERLOAD_KV_USAGE
+            candidate.kv_usage >= OVERLOAD_KV_USAGE
             or candidate.load - least.load > OVERLOAD_IMBALANCE
         )
 

@@ -133,6 +133,7 @@ class WorkerActor:
             total_blocks=stats.total_blocks,
             kv_usage=stats.kv_usage,
             step_time=stats.recent_step_time,
+            preemptions=stats.preemptions,
             prefix_queries=stats.prefix_cache.queries,
             prefix_hits=stats.prefix_cache.hits,
             generated_tokens=stats.generated_tokens,

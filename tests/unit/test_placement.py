@@ -17,12 +17,11 @@ from scheduler.placement import (
 )
 
 
-def cand(worker_id, ongoing=0, capacity=4, waiting=0, kv_usage=0.0, matched=0):
+def cand(worker_id, ongoing=0, capacity=4, kv_usage=0.0, matched=0):
     return Candidate(
         worker_id=worker_id,
         ongoing=ongoing,
         capacity=capacity,
-        waiting=waiting,
         kv_usage=kv_usage,
         matched_blocks=matched,
     )
@@ -34,9 +33,9 @@ def test_thresholds_are_the_documented_ones():
     assert OVERLOAD_IMBALANCE == 0.5
 
 
-def test_load_counts_ongoing_and_waiting_over_capacity():
-    assert cand("a", ongoing=1, waiting=1, capacity=4).load == 0.5
-    assert cand("a", ongoing=0, waiting=0, capacity=4).load == 0.0
+def test_load_is_ongoing_over_capacity():
+    assert cand("a", ongoing=2, capacity=4).load == 0.5
+    assert cand("a", ongoing=0, capacity=4).load == 0.0
 
 
 # ------------------------------------------------------------------ PrefixAffinity
@@ -77,14 +76,6 @@ def test_no_match_weighs_headroom_against_load_by_the_score():
     assert PrefixAffinity().choose([a, b], prompt_blocks=4).worker_id == "b"
 
 
-def test_best_match_with_engine_waiting_spills_to_least_loaded():
-    # a: matched, load (1+1)/4 = 0.5 (imbalance exactly 0.5, not above), kv fine;
-    # only its waiting sequence makes it overloaded
-    a = cand("a", ongoing=1, waiting=1, kv_usage=0.1, matched=4)
-    b = cand("b")
-    assert PrefixAffinity().choose([a, b], prompt_blocks=4).worker_id == "b"
-
-
 def test_best_match_with_kv_at_overload_threshold_spills_to_least_loaded():
     a = cand("a", ongoing=1, kv_usage=0.95, matched=4)
     b = cand("b", ongoing=1, kv_usage=0.2)
@@ -122,19 +113,19 @@ def test_imbalance_exactly_at_threshold_does_not_spill():
 
 
 def test_spill_goes_to_least_loaded_not_to_the_next_best_match():
-    # a: best score (1 + 0.25 - 0.125 = 1.125) but waiting -> overloaded
+    # a: best score (1 + 0.0025 - 0 = 1.0025) but KV 0.99 -> overloaded
     # b: second best match (0.75 + 0.25 - 0.125 = 0.875), load 0.25
     # c: no match, load 0 -> the least loaded
-    a = cand("a", waiting=1, matched=4)
+    a = cand("a", kv_usage=0.99, matched=4)
     b = cand("b", ongoing=1, matched=3)
     c = cand("c")
     assert PrefixAffinity().choose([a, b, c], prompt_blocks=4).worker_id == "c"
 
 
 def test_overloaded_worker_without_match_is_still_chosen_when_best():
-    # no match anywhere: the overload rule does not apply; a (waiting, but more headroom
+    # no match anywhere: the overload rule does not apply; a (busier, but more headroom
     # than b) has score 0.25 - 0.5*0.25 = 0.125, b has 0.25*0.1 - 0 = 0.025
-    a = cand("a", waiting=1)
+    a = cand("a", ongoing=1)
     b = cand("b", kv_usage=0.9)
     assert PrefixAffinity().choose([a, b], prompt_blocks=4).worker_id == "a"
 
@@ -157,7 +148,7 @@ def test_score_tie_between_equal_matches_prefers_the_least_loaded_one():
 
 
 def test_single_candidate_is_chosen_even_when_overloaded():
-    a = cand("a", ongoing=3, waiting=5, kv_usage=0.99, matched=4)
+    a = cand("a", ongoing=3, kv_usage=0.99, matched=4)
     assert PrefixAffinity().choose([a], prompt_blocks=4) is a
 
 
@@ -207,12 +198,6 @@ def test_least_loaded_orders_by_load_first():
     b = cand("b", ongoing=3, kv_usage=0.0)
     c = cand("c", ongoing=1, kv_usage=0.9, matched=0)
     assert LeastLoaded().choose([a, b, c], 4).worker_id == "c"
-
-
-def test_least_loaded_counts_waiting_in_load():
-    a = cand("a", ongoing=0, waiting=2)  # load 0.5
-    b = cand("b", ongoing=1)  # load 0.25
-    assert LeastLoaded().choose([a, b], 4).worker_id == "b"
 
 
 def test_least_loaded_compares_load_as_a_share_of_capacity():
