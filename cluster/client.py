@@ -121,15 +121,18 @@ class _Run:
     async def _attempt(self, failover: bool) -> None:
         request = self.request
         parts = self._plan()
-        placement = await self.client.scheduler.place.remote(
-            request.request_id,
-            list(request.prompt_token_ids),
-            request.cache_salt,
-            MIXED,
-            self.timeout_s,
-            failover,
-            tuple(part.worker_request_id for part in parts),
-        )
+        try:
+            placement = await self.client.scheduler.place.remote(
+                request.request_id,
+                list(request.prompt_token_ids),
+                request.cache_salt,
+                MIXED,
+                self.timeout_s,
+                failover,
+                tuple(part.worker_request_id for part in parts),
+            )
+        except RayActorError as error:  # the scheduler itself, not a worker
+            raise NoWorkerError(f"the cluster's scheduler is gone ({error})") from None
         if isinstance(placement, Refusal):
             raise placement.error(placement.message)
         self.placement, self.parts = placement, parts
