@@ -259,6 +259,16 @@ class _Run:
             await self.client.scheduler.release.remote(self.request.request_id)
 
 
+def _sampling(sampling: SamplingParams | None) -> SamplingParams:
+    if sampling is None:
+        return SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError(
+            "sampling", f"must be a SamplingParams, got {type(sampling).__name__}"
+        )
+    return sampling
+
+
 async def _next(stream) -> Any:
     """The next item of a worker's stream; a bad request raises its own error."""
     ref = await stream.__anext__()
@@ -291,8 +301,8 @@ class ClusterClient:
 
     async def submit(
         self,
-        request_id: str,
-        prompt: str | Sequence[int],
+        request: str | Request,
+        prompt: str | Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         *,
         priority: int = 0,
@@ -301,21 +311,21 @@ class ClusterClient:
     ) -> AsyncIterator[RequestOutput]:
         """Start a request; return its stream of deltas (all ``n`` outputs).
 
-        ``timeout_s`` is how long it may wait in the global queue for a worker
-        (default: the cluster's ``queue_timeout_s``). Raises ``InvalidRequestError``,
-        ``OverloadedError`` or ``NoWorkerError`` before any output.
+        Pass a request id, the prompt (text or token ids) and its sampling parameters,
+        or a whole ``workers.api.Request``. ``timeout_s`` is how long it may wait in the
+        global queue for a worker (default: the cluster's ``queue_timeout_s``). Raises
+        ``InvalidRequestError``, ``OverloadedError`` or ``NoWorkerError`` before any
+        output.
         """
-        if timeout_s is not None and not timeout_s > 0:
-            raise InvalidRequestError("timeout_s", f"must be > 0, got {timeout_s!r}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "must not be empty")
-            token_ids = tuple(self.tokenizer(prompt).input_ids)
-        else:
-            token_ids = tuple(prompt)
-        request = Request(
-            request_id, token_ids, sampling or SamplingParams(), priority, 0.0, cache_salt
-        )
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
+        ):
+            raise InvalidRequestError("timeout_s", f"must be a number > 0, got {timeout_s!r}")
+        if not isinstance(request, Request):
+            request = Request(
+                request, self._token_ids(prompt), _sampling(sampling), priority, 0.0, cache_salt
+            )
+        request_id = request.request_id
         if request_id in self._runs:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         run = _Run(self, request, timeout_s)
@@ -327,6 +337,17 @@ class ClusterClient:
             raise
         run.pump()
         return run.stream()
+
+    def _token_ids(self, prompt: str | Sequence[int] | None) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return tuple(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, Sequence):
+            raise InvalidRequestError(
+                "prompt", f"must be text or a list of token ids, got {type(prompt).__name__}"
+            )
+        return tuple(prompt)
 
     async def abort(self, request_id: str) -> bool:
         """End a request with ``finish_reason`` abort; False if no worker has it."""

@@ -19,7 +19,7 @@ from cluster.client import ClusterClient
 from cluster.config import ClusterConfig, check_environment
 from scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class
 from scheduler.api import ClusterStats
-from workers.api import RequestOutput, SamplingParams
+from workers.api import Request, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +74,13 @@ class Cluster:
 
     async def submit(
         self,
-        request_id: str,
-        prompt: str | Sequence[int],
+        request: str | Request,
+        prompt: str | Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         **options,
     ) -> AsyncIterator[RequestOutput]:
         """See ``ClusterClient.submit``."""
-        return await self.client.submit(request_id, prompt, sampling, **options)
+        return await self.client.submit(request, prompt, sampling, **options)
 
     async def abort(self, request_id: str) -> bool:
         return await self.client.abort(request_id)

@@ -12,7 +12,7 @@ from cluster.launch import Cluster
 from scheduler.api import OverloadedError, WorkerStatus
 from tests.cluster.conftest import running_cluster
 from tests.helpers import tokens_of
-from workers.api import FinishReason, InvalidRequestError, SamplingParams
+from workers.api import FinishReason, InvalidRequestError, Request, SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -61,9 +61,17 @@ async def test_overload_is_refused_at_once_and_the_rest_complete(ray_session):
             await cluster.submit("bad", [1, 999999], LONG)
         with pytest.raises(InvalidRequestError, match="request_id: must not contain '#'"):
             await cluster.submit("bad#1", "hi", LONG)
-        with pytest.raises(InvalidRequestError, match="timeout_s: must be > 0"):
+        with pytest.raises(InvalidRequestError, match="timeout_s: must be a number > 0"):
             await cluster.submit("bad", "hi", LONG, timeout_s=0)
+        with pytest.raises(InvalidRequestError, match="prompt: must be text or a list"):
+            await cluster.submit("bad", None, LONG)
+        with pytest.raises(InvalidRequestError, match="sampling: must be a SamplingParams"):
+            await cluster.submit("bad", "hi", {"max_tokens": 3})
         stream = await cluster.submit("fine", "Hello", LONG)
+        assert len(tokens_of([d async for d in stream])) == 32
+        # A whole engine Request works too.
+        ids = tuple(cluster.client.tokenizer("Hello").input_ids)
+        stream = await cluster.submit(Request("whole", ids, LONG))
         assert len(tokens_of([d async for d in stream])) == 32
 
 
