@@ -129,6 +129,12 @@ class ClusterConfig(BaseModel):
     target_kv_usage: float = Field(
         0.8, gt=0, le=1, description="mean KV usage above which the pool scales up"
     )
+    target_ongoing_requests: float | None = Field(
+        None,
+        gt=0,
+        description="mean ongoing requests per worker above which the pool scales up "
+        "(default: half of --max-ongoing-requests)",
+    )
 
     # -- Ray
     address: str | None = Field(
@@ -186,6 +192,10 @@ class ClusterConfig(BaseModel):
     @property
     def capacity(self) -> int:
         return self.max_ongoing_requests or self.max_num_seqs
+
+    @property
+    def ongoing_target(self) -> float:
+        return self.target_ongoing_requests or self.capacity / 2
 
     def engine_config(self, device: str) -> EngineConfig:
         return EngineConfig(

@@ -113,6 +113,7 @@ class Scheduler:
                     upscale_delay_s=config.upscale_delay_s,
                     downscale_delay_s=config.downscale_delay_s,
                     target_kv_usage=config.target_kv_usage,
+                    target_ongoing_requests=config.ongoing_target,
                 )
             )
             for role, (_, low, high) in config.pools.items()

@@ -4,9 +4,11 @@ Pure decisions over snapshots, so they can be tested without Ray; the scheduler
 actor carries them out. Per role:
 
 - **Scale up** by one when *pressure* has lasted ``upscale_delay_s``: requests wait
-  in the global queue, an engine has sequences it cannot batch, or the mean KV usage
-  is above ``target_kv_usage``. Workers still starting count toward the pool, and the
-  pressure clock restarts after each decision, so one burst adds one worker at a time.
+  in the global queue, an engine has sequences it cannot batch, the mean number of
+  ongoing requests per worker is above ``target_ongoing_requests`` (Ray Serve's knob),
+  or the mean KV usage is above ``target_kv_usage``. While a worker is starting no
+  other is added (it will take its share of the load), and the pressure clock restarts
+  after each decision, so one burst adds one worker at a time.
 - **Scale down** by draining one worker that has had no request for
   ``downscale_delay_s``, while more than ``min_workers`` are active. A draining worker
   takes no new placements and is stopped only once its last request has finished:
@@ -26,6 +28,7 @@ class PoolPolicy:
     upscale_delay_s: float
     downscale_delay_s: float
     target_kv_usage: float
+    target_ongoing_requests: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +60,14 @@ class Autoscaler:
             return Decision(add=self.policy.min_workers - len(active))
         running = [m for m in active if not m.starting]
         mean_kv = sum(m.kv_usage for m in running) / len(running) if running else 0.0
+        mean_ongoing = sum(m.ongoing for m in running) / len(running) if running else 0.0
         pressure = (
             queued > 0
             or any(m.waiting > 0 for m in running)
             or mean_kv > self.policy.target_kv_usage
+            or mean_ongoing > self.policy.target_ongoing_requests
         )
-        if not pressure:
+        if not pressure or len(running) < len(active):  # none while one is starting
             self._pressure_since = None
         elif self._pressure_since is None:
             self._pressure_since = now

@@ -1,5 +1,5 @@
 """Autoscaling decisions (scheduler/autoscaler.py): scale-up after sustained pressure (queue,
-engine waiting, mean KV usage), one worker at a time, within max_workers counting starting
+engine waiting, mean ongoing requests, mean KV usage), none while a worker starts, one at a time, within max_workers counting starting
 workers; replacement up to min_workers; draining the longest-idle worker, never under
 pressure and never below min_workers, with draining members not counted as active."""
 
@@ -62,9 +62,12 @@ def test_one_worker_per_decision_then_the_clock_restarts():
     assert scaler.decide(0.0, members, queued=50) == NOTHING
     assert scaler.decide(10.0, members, queued=50) == ADD_ONE
     members = [busy("a"), member("b", starting=True)]
-    assert scaler.decide(11.0, members, queued=50) == NOTHING  # clock restarts here
-    assert scaler.decide(20.5, members, queued=50) == NOTHING
-    assert scaler.decide(21.0, members, queued=50) == ADD_ONE
+    assert scaler.decide(11.0, members, queued=50) == NOTHING  # none while b starts
+    assert scaler.decide(40.0, members, queued=50) == NOTHING
+    members = [busy("a"), busy("b")]  # b is up: the clock starts again here
+    assert scaler.decide(41.0, members, queued=50) == NOTHING
+    assert scaler.decide(50.5, members, queued=50) == NOTHING
+    assert scaler.decide(51.0, members, queued=50) == ADD_ONE
 
 
 def test_interrupted_pressure_restarts_the_clock():
@@ -103,17 +106,29 @@ def test_pressure_from_mean_kv_usage_above_target():
     assert scaler.decide(1.0, members, queued=0) == ADD_ONE  # mean 0.8333
 
 
+def test_pressure_from_mean_ongoing_requests_above_target():
+    limit = PoolPolicy(1, 3, 0.0, 60.0, 0.8, target_ongoing_requests=2)
+    scaler = Autoscaler(limit)
+    members = [member("a", ongoing=3), member("b", ongoing=1)]  # mean 2: not above
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+    members = [member("a", ongoing=3), member("b", ongoing=2)]  # mean 2.5
+    assert scaler.decide(1.0, members, queued=0) == ADD_ONE
+
+
 def test_one_full_worker_is_not_pressure_when_the_mean_is_low():
     scaler = Autoscaler(policy(up=0.0, target=0.8))
     members = [busy("a", kv_usage=1.0), busy("b", kv_usage=0.0)]  # mean 0.5
     assert scaler.decide(0.0, members, queued=0) == NOTHING
 
 
-def test_mean_kv_usage_leaves_out_starting_workers():
-    scaler = Autoscaler(policy(up=0.0, target=0.8))
-    # running a alone: 0.9 > 0.8 (with b in the mean it would be 0.45)
+def test_no_scale_up_while_a_worker_is_starting():
+    scaler = Autoscaler(policy(up=0.0, target=0.8, max_workers=5))
+    # a alone is at 0.9 > 0.8, but b is starting and will take its share
     members = [busy("a", kv_usage=0.9), member("b", starting=True, kv_usage=0.0)]
-    assert scaler.decide(0.0, members, queued=0) == ADD_ONE
+    assert scaler.decide(0.0, members, queued=3) == NOTHING
+    # once b is up the mean is 0.45 and nothing is queued: no pressure
+    members = [busy("a", kv_usage=0.9), busy("b", kv_usage=0.0)]
+    assert scaler.decide(1.0, members, queued=0) == NOTHING
 
 
 def test_draining_workers_do_not_make_pressure():
