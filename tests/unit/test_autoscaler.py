@@ -1,7 +1,8 @@
-"""Autoscaling decisions (scheduler/autoscaler.py): scale-up after sustained pressure (queue,
-engine waiting, mean ongoing requests, mean KV usage), none while a worker starts, one at a time, within max_workers counting starting
-workers; replacement up to min_workers; draining the longest-idle worker, never under
-pressure and never below min_workers, with draining members not counted as active."""
+"""Autoscaling decisions (scheduler/autoscaler.py): scale-up after sustained pressure
+(queue, engine waiting, mean ongoing requests, mean KV usage), none while a worker
+starts, one at a time, within max_workers counting starting workers; replacement up to
+min_workers; draining the longest-idle worker, never under pressure and never below
+min_workers, with draining members not counted as active."""
 
 from __future__ import annotations
 
