@@ -6,19 +6,18 @@ the scheduler never sees a token.
 
 What it holds:
 
-- **the registry**: every worker it started, with role, status, incarnation, last
-  load report and the requests placed on it (``ongoing``);
-- **the prefix index**: per worker, the block hashes its prefix cache holds
-  (``PrefixIndex``, fed by the reports), which prefix-affinity placement matches
-  against the prompt's block hashes;
+- **the registry** (``scheduler.registry``): every worker it started, with role,
+  status, incarnation, last load report and the requests placed on it, and the prefix
+  index: per worker, the block hashes its prefix cache holds (fed by the reports),
+  which prefix-affinity placement matches against the prompt's block hashes;
 - **global admission**: a worker takes at most ``capacity`` ongoing requests; more
   wait in one FIFO queue of at most ``max_queued_requests``, each until its deadline;
   beyond the limit a request is refused at once (``OverloadedError``).
 
 A monitor loop pulls a report from each worker every ``report_interval_s`` (that is
 the health check), restarts or replaces dead workers, and runs the autoscaler.
-Invariants: a request is placed only on a ``HEALTHY`` worker of its role below its
-capacity; ``placements`` and the workers' ``ongoing`` sets hold the same requests.
+Invariant: a request is placed only on a ``HEALTHY`` worker of its role below its
+capacity (the registry states its own).
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
 from cluster.config import ClusterConfig
+from scheduler.admission import AdmissionQueue
 from scheduler.api import (
     ClusterStats,
     NoWorkerError,
@@ -42,13 +40,11 @@ from scheduler.api import (
     Placement,
     Refusal,
     WorkerInfo,
-    WorkerLoad,
-    WorkerState,
     WorkerStatus,
 )
 from scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
 from scheduler.placement import Candidate, make_policy
-from scheduler.prefix_index import PrefixIndex
+from scheduler.registry import Registry, WorkerRecord
 from workers.actor import worker_actor_class
 from workers.kv.prefix_cache import extend_block_hashes
 
@@ -60,37 +56,6 @@ STARTUP_TIMEOUT_S = 600.0
 MAX_START_FAILURES = 3
 
 
-@dataclass(eq=False)
-class _Worker:
-    worker_id: str
-    role: str
-    handle: Any
-    status: WorkerStatus = WorkerStatus.STARTING
-    info: WorkerInfo | None = None
-    load: WorkerLoad | None = None
-    ongoing: set[str] = field(default_factory=set)
-    placed: int = 0
-    restarts: int = 0
-    idle_since: float | None = None
-    resync: bool = False  # a report was lost: ask for a full prefix snapshot
-    poll: asyncio.Task | None = None
-    started_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def incarnation(self) -> str | None:
-        return self.info.incarnation if self.info else None
-
-
-@dataclass(eq=False)
-class _Waiter:
-    request_id: str
-    role: str
-    hashes: list[bytes]
-    worker_request_ids: tuple[str, ...]
-    future: asyncio.Future
-    cancelled: bool = False
-
-
 class Scheduler:
     """Use ``scheduler_actor_class()`` for the Ray actor; ``cluster.launch`` starts it."""
 
@@ -99,12 +64,8 @@ class Scheduler:
         self.engine_config = config.engine_config(device)
         self.num_gpus = num_gpus
         self.policy = make_policy(config.placement)
-        self.index = PrefixIndex()
-        self.workers: dict[str, _Worker] = {}
-        # request id -> (worker id, the ids its parts run under on that worker)
-        self.placements: dict[str, tuple[str, tuple[str, ...]]] = {}
-        self.queue: collections.deque[_Waiter] = collections.deque()
-        self.num_queued = 0  # waiters in the queue that are not cancelled
+        self.registry = Registry()
+        self.queue = AdmissionQueue(config.max_queued_requests)
         self.autoscalers = {
             role: Autoscaler(
                 PoolPolicy(
@@ -143,10 +104,7 @@ class Scheduler:
             if self.start_errors and len(self.start_errors) >= MAX_START_FAILURES:
                 raise RuntimeError(f"workers failed to start: {self.start_errors[0]}")
             ready = all(
-                sum(
-                    w.role == role and w.status is WorkerStatus.HEALTHY
-                    for w in self.workers.values()
-                )
+                sum(w.role == role and w.status is WorkerStatus.HEALTHY for w in self.registry)
                 >= count
                 for role, (count, _, _) in self.config.pools.items()
             )
@@ -160,13 +118,9 @@ class Scheduler:
         """Stop the monitor and every worker this scheduler started."""
         if self._monitor is not None:
             self._monitor.cancel()
-        for worker in list(self.workers.values()):
+        for worker in self.registry:
             self._remove(worker, kill=True)
-        for waiter in self.queue:
-            if not waiter.future.done():
-                waiter.future.set_result(Refusal(NoWorkerError, "the cluster is shutting down"))
-        self.queue.clear()
-        self.num_queued = 0
+        self.queue.cancel_all(Refusal(NoWorkerError, "the cluster is shutting down"))
 
     # ------------------------------------------------------------------ workers
     def _add_worker(self, role: str, worker_id: str | None = None) -> None:
@@ -188,31 +142,27 @@ class Scheduler:
                 max(1, int(self.config.worker_num_cpus)),
             )
         )
-        self.workers[worker_id] = _Worker(worker_id, role, handle)
+        self.registry.add(WorkerRecord(worker_id, role, handle))
         self._event(f"started worker {worker_id} ({role})")
 
     def register(self, info: WorkerInfo) -> None:
         """A worker (re)started: forget what its last incarnation held and ran."""
-        worker = self.workers.get(info.worker_id)
+        worker = self.registry.get(info.worker_id)
         if worker is None or worker.incarnation == info.incarnation:
             return
         if worker.info is not None:
-            worker.restarts += 1
             self._event(f"worker {worker.worker_id} restarted as {info.incarnation}")
-        worker.info = info
+        self.registry.reincarnate(worker, info)
         self.hash_keys = self.hash_keys or info.hash_keys
-        self.index.reset(worker.worker_id)
-        self._drop_placements(worker)
         self.start_errors.clear()
         if worker.status is not WorkerStatus.DRAINING:
             worker.status = WorkerStatus.HEALTHY
-        worker.idle_since = time.monotonic()
         self._dispatch()
 
     def worker_failed(self, worker_id: str, incarnation: str | None) -> None:
         """A front end lost a stream from this worker: place nothing there until it
         answers a report again."""
-        worker = self.workers.get(worker_id)
+        worker = self.registry.get(worker_id)
         if worker is None or worker.incarnation != incarnation:
             return
         if worker.status is WorkerStatus.HEALTHY:
@@ -220,23 +170,14 @@ class Scheduler:
             worker.resync = True
             self._event(f"worker {worker_id} reported failed by a front end")
 
-    def _drop_placements(self, worker: _Worker) -> None:
-        for request_id in worker.ongoing:
-            self.placements.pop(request_id, None)
-        worker.ongoing.clear()
-
-    def _remove(self, worker: _Worker, kill: bool) -> None:
-        self._drop_placements(worker)
-        self.workers.pop(worker.worker_id, None)
-        self.index.remove(worker.worker_id)
-        if worker.poll is not None:
-            worker.poll.cancel()
+    def _remove(self, worker: WorkerRecord, kill: bool) -> None:
+        self.registry.remove(worker)
         if kill:
             ray.kill(worker.handle, no_restart=True)
 
-    def _on_dead(self, worker: _Worker, error: BaseException) -> None:
+    def _on_dead(self, worker: WorkerRecord, error: BaseException) -> None:
         """Ray gave up on the actor (killed, or out of restarts): replace it."""
-        if self.workers.get(worker.worker_id) is not worker:
+        if self.registry.get(worker.worker_id) is not worker:
             return
         self._remove(worker, kill=False)
         if worker.status is WorkerStatus.DRAINING:
@@ -249,7 +190,7 @@ class Scheduler:
         self._event(f"worker {worker.worker_id} died; starting a replacement")
         self._add_worker(worker.role, worker.worker_id)
 
-    async def _poll(self, worker: _Worker) -> None:
+    async def _poll(self, worker: WorkerRecord) -> None:
         timeout = (
             STARTUP_TIMEOUT_S
             if worker.status is WorkerStatus.STARTING
@@ -266,13 +207,13 @@ class Scheduler:
                 worker.status = WorkerStatus.UNHEALTHY
             worker.resync = True
             return
-        if self.workers.get(worker.worker_id) is not worker:
+        if self.registry.get(worker.worker_id) is not worker:
             return
         self.register(info)
         if load.snapshot is not None:
-            self.index.reset(worker.worker_id, load.snapshot)
+            self.registry.index.reset(worker.worker_id, load.snapshot)
         else:
-            self.index.apply(worker.worker_id, load.events)
+            self.registry.index.apply(worker.worker_id, load.events)
         worker.load = load
         worker.resync = False
         if worker.status is WorkerStatus.UNHEALTHY:
@@ -283,7 +224,7 @@ class Scheduler:
     async def _monitor_loop(self) -> None:
         while True:
             try:
-                for worker in list(self.workers.values()):
+                for worker in self.registry:
                     if worker.poll is None or worker.poll.done():
                         worker.poll = asyncio.get_running_loop().create_task(self._poll(worker))
                 self._autoscale()
@@ -294,7 +235,7 @@ class Scheduler:
     def _autoscale(self) -> None:
         now = time.monotonic()
         for role, autoscaler in self.autoscalers.items():
-            pool = [w for w in self.workers.values() if w.role == role]
+            pool = [w for w in self.registry if w.role == role]
             members = [
                 PoolMember(
                     worker_id=w.worker_id,
@@ -309,15 +250,14 @@ class Scheduler:
             ]
             if len(self.start_errors) >= MAX_START_FAILURES:
                 continue  # do not spin up workers that cannot start
-            queued = sum(not w.cancelled and w.role == role for w in self.queue)
-            decision = autoscaler.decide(now, members, queued)
+            decision = autoscaler.decide(now, members, self.queue.waiting(role))
             for _ in range(decision.add):
                 self._add_worker(role)
                 self._event(f"scaled {role} up to {len(pool) + 1} workers")
             for worker_id in decision.drain:
-                self.workers[worker_id].status = WorkerStatus.DRAINING
+                self.registry.workers[worker_id].status = WorkerStatus.DRAINING
                 self._event(f"draining idle worker {worker_id}")
-        for worker in list(self.workers.values()):
+        for worker in self.registry:
             if worker.status is WorkerStatus.DRAINING and not worker.ongoing:
                 self._remove(worker, kill=True)
                 self._event(f"stopped drained worker {worker.worker_id}")
@@ -329,11 +269,11 @@ class Scheduler:
 
     def worker_handle(self, worker_id: str):
         """The actor handle of ``worker_id`` (operators and tests reach a worker with it)."""
-        return self.workers[worker_id].handle
+        return self.registry.workers[worker_id].handle
 
     def drain(self, worker_id: str) -> None:
         """Stop placing on ``worker_id``; it stops once its requests finish."""
-        self.workers[worker_id].status = WorkerStatus.DRAINING
+        self.registry.workers[worker_id].status = WorkerStatus.DRAINING
         self._event(f"draining worker {worker_id} (asked)")
 
     # ------------------------------------------------------------------ placement
@@ -359,53 +299,41 @@ class Scheduler:
         placement = self._try_place(request_id, role, hashes, ids)
         if placement is not None:
             return placement
-        if not any(w.role == role for w in self.workers.values()):
+        if not any(w.role == role for w in self.registry):
             self._refused += 1
             return Refusal(NoWorkerError, f"no {role} worker is left in the cluster")
-        limit = self.config.max_queued_requests
-        if self.num_queued >= limit:
+        if self.queue.full:
             self._refused += 1
             return Refusal(
                 OverloadedError,
                 f"overloaded: every worker is at capacity and the global queue is full "
-                f"({self.num_queued} waiting, max_queued_requests={limit}); retry later",
+                f"({len(self.queue)} waiting, max_queued_requests={self.queue.limit}); "
+                "retry later",
             )
-        future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(request_id, role, hashes, ids, future)
-        self.queue.append(waiter)
-        self.num_queued += 1
         timeout_s = timeout_s if timeout_s is not None else self.config.queue_timeout_s
-        try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
-        except asyncio.TimeoutError:
-            if waiter.future.done():  # placed just as the deadline passed
-                return waiter.future.result()
-            waiter.cancelled = True
-            self.num_queued -= 1
+        outcome = await self.queue.wait(request_id, role, hashes, ids, timeout_s)
+        if outcome is None:
             self._refused += 1
             return Refusal(
                 OverloadedError,
                 f"overloaded: no worker could take the request within its deadline "
                 f"({timeout_s} s in the global queue)",
             )
+        return outcome
 
     def release(self, request_id: str) -> None:
-        """The request's stream ended (or moved): free its place on its worker."""
-        worker_id, _ = self.placements.pop(request_id, (None, ()))
-        worker = self.workers.get(worker_id) if worker_id else None
-        if worker is None:
-            return
-        worker.ongoing.discard(request_id)
-        if not worker.ongoing:
-            worker.idle_since = time.monotonic()
-        self._dispatch()
+        """The request's stream ended (or moved), or its caller left while it waited:
+        free its place on its worker, or in the queue."""
+        self.queue.cancel(request_id, Refusal(OverloadedError, "withdrawn from the queue"))
+        if self.registry.release(request_id) is not None:
+            self._dispatch()
 
     def abort(self, request_id: str) -> bool:
         """Abort a placed request on its worker (from any front end); False if unknown."""
-        worker_id, ids = self.placements.get(request_id, ("", ()))
-        worker = self.workers.get(worker_id)
-        if worker is None:
+        placed = self.registry.placed_on(request_id)
+        if placed is None:
             return False
+        worker, ids = placed
         for worker_request_id in ids:
             worker.handle.abort.remote(worker_request_id)
         return True
@@ -427,20 +355,16 @@ class Scheduler:
                 ongoing=len(w.ongoing),
                 capacity=capacity,
                 kv_usage=w.load.kv_usage if w.load else 0.0,
-                matched_blocks=self.index.matched(w.worker_id, hashes),
+                matched_blocks=self.registry.index.matched(w.worker_id, hashes),
             )
-            for w in self.workers.values()
+            for w in self.registry
             if w.role == role and w.status is WorkerStatus.HEALTHY and len(w.ongoing) < capacity
         ]
         if not candidates:
             return None
         chosen = self.policy.choose(candidates, len(hashes))
-        worker = self.workers[chosen.worker_id]
-        worker.ongoing.add(request_id)
-        worker.placed += 1
-        worker.idle_since = None
-        self.placements[request_id] = (worker.worker_id, worker_request_ids)
-        self.index.expect(worker.worker_id, hashes)
+        worker = self.registry.workers[chosen.worker_id]
+        self.registry.place(worker, request_id, worker_request_ids, hashes)
         self._placed += 1
         return Placement(
             request_id=request_id,
@@ -452,19 +376,9 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Place queued requests, oldest first, while workers have room."""
-        while self.queue:
-            waiter = self.queue[0]
-            if waiter.cancelled or waiter.future.done():
-                self.queue.popleft()
-                continue
-            placement = self._try_place(
-                waiter.request_id, waiter.role, waiter.hashes, waiter.worker_request_ids
-            )
-            if placement is None:
-                return
-            self.queue.popleft()
-            self.num_queued -= 1
-            waiter.future.set_result(placement)
+        self.queue.dispatch(
+            lambda w: self._try_place(w.request_id, w.role, w.hashes, w.worker_request_ids)
+        )
 
     # ------------------------------------------------------------------ stats
     def get_config(self) -> ClusterConfig:
@@ -476,22 +390,8 @@ class Scheduler:
 
     def stats(self) -> ClusterStats:
         return ClusterStats(
-            workers=tuple(
-                WorkerState(
-                    worker_id=w.worker_id,
-                    role=w.role,
-                    status=w.status,
-                    incarnation=w.incarnation,
-                    ongoing=len(w.ongoing),
-                    capacity=self.config.capacity,
-                    placed=w.placed,
-                    restarts=w.restarts,
-                    cached_hashes=self.index.size(w.worker_id),
-                    load=w.load,
-                )
-                for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
-            ),
-            queued=self.num_queued,
+            workers=self.registry.states(self.config.capacity),
+            queued=len(self.queue),
             placed=self._placed,
             refused=self._refused,
             failovers=self._failovers,
