@@ -38,9 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ray  # noqa: E402
 
-from benchmarks.common import mixed_workload, paired_panel, report, side_panels  # noqa: E402
+from benchmarks.common import mixed_workload, paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.launch import Cluster  # noqa: E402
 from workers.api import SamplingParams  # noqa: E402
@@ -255,17 +254,7 @@ def main() -> None:
     if args.quick:
         args.new, args.streams, args.repeats = 4, 4, 2
     torch.set_num_threads(args.threads)
-    ray.init(
-        num_cpus=args.threads,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        object_store_memory=150 * 2**20,
-        log_to_driver=False,
-    )
-    try:
-        asyncio.run(bench(args))
-    finally:
-        ray.shutdown()
+    run_on_local_ray(bench(args), num_cpus=args.threads, namespace=NAMESPACE)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ray  # noqa: E402
 
-from benchmarks.common import paired_panel, report, side_panels  # noqa: E402
+from benchmarks.common import paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from cluster.launch import Cluster  # noqa: E402
 from workers.api import SamplingParams  # noqa: E402
@@ -437,17 +436,7 @@ def main() -> None:
     if args.quick:
         args.tenants, args.per_tenant, args.system_len, args.new = 2, 4, 64, 4
         args.kv_blocks = args.kv_blocks[:1]
-    ray.init(
-        num_cpus=2,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        object_store_memory=150 * 2**20,
-        log_to_driver=False,
-    )
-    try:
-        asyncio.run(bench(args))
-    finally:
-        ray.shutdown()
+    run_on_local_ray(bench(args), num_cpus=2, namespace=NAMESPACE)
 
 
 if __name__ == "__main__":

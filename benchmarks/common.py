@@ -6,7 +6,7 @@ import json
 import platform
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +175,23 @@ def paired_bars(
     ax.margins(y=0.12)
     ax.set_xticks(list(xs), labels)
     ax.legend()
+
+
+def run_on_local_ray(main: Coroutine[Any, Any, Any], num_cpus: int, namespace: str) -> None:
+    """Start a local Ray cluster for a benchmark, run ``main`` on it, and stop that
+    cluster (only it) afterwards."""
+    import asyncio
+
+    import ray
+
+    ray.init(
+        num_cpus=num_cpus,
+        namespace=namespace,
+        include_dashboard=False,
+        object_store_memory=150 * 2**20,
+        log_to_driver=False,
+    )
+    try:
+        asyncio.run(main)
+    finally:
+        ray.shutdown()
