@@ -14,9 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-#: A worker's role. ``prefill`` / ``decode`` arrive with disaggregation.
+#: The only worker role so far; ``prefill`` / ``decode`` arrive with disaggregation.
 MIXED = "mixed"
-ROLES = (MIXED,)
 
 
 class WorkerStatus(str, enum.Enum):

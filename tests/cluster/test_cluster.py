@@ -112,7 +112,8 @@ async def test_prefix_affinity_follows_the_prefix_and_round_robin_spreads(cluste
     assert sorted(spread[w] - after[w] for w in spread) == [3, 3]
 
 
-async def _worker_of(cluster, request_id_prefix_count: int = 1) -> str:
+async def _worker_of(cluster) -> str:
+    """The worker holding the one request in flight."""
     for _ in range(100):
         busy = [w for w in (await cluster.stats()).workers if w.ongoing]
         if busy:
