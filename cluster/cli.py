@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from cluster.config import add_config_arguments, memory_size
+from cluster.config import ServeConfig, add_config_arguments, memory_size
 from workers.api import InvalidRequestError, SamplingParams
 from workers.config import (
     DEFAULT_BLOCK_SIZE,
@@ -292,7 +292,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_arguments(clu)
     clu.set_defaults(func=_cluster)
+
+    srv = commands.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API (Ray Serve)",
+        description="Start or join a Ray cluster, start the scheduler and its workers, "
+        "and serve POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+        "GET /health and GET /metrics on --host:--port (default 127.0.0.1:8000) until "
+        "Ctrl-C, which drains ongoing requests and stops everything this command "
+        "started. Settings come from the defaults, then --config FILE (YAML, the same "
+        "keys as the flags with underscores: the schema the Helm chart renders), then "
+        "the flags given. Bad settings fail at once, naming the field.",
+    )
+    srv.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below")
+    add_config_arguments(srv, ServeConfig, only_given=True)
+    srv.set_defaults(func=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from cluster.config import ConfigError, config_from_args, load_config_file
+    from cluster.server import run_server
+
+    try:
+        base = load_config_file(args.config) if args.config else {}
+        if "api_key" not in base and os.environ.get("TESSERA_API_KEY"):
+            base["api_key"] = os.environ["TESSERA_API_KEY"]
+        config = config_from_args(args, ServeConfig, base)
+        return run_server(config, args.log_level)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def _cluster(args: argparse.Namespace) -> int:

@@ -15,7 +15,14 @@ import types
 import typing
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from scheduler.api import MIXED
 from scheduler.placement import POLICIES
@@ -143,6 +150,11 @@ class ClusterConfig(BaseModel):
     namespace: str = Field("tessera", description="Ray namespace of the named actors")
     scheduler_name: str = Field("tessera-scheduler", description="name of the scheduler actor")
 
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _memory(cls, value):
+        return _memory_value(value)
+
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
         if self.placement not in POLICIES:
@@ -165,7 +177,7 @@ class ClusterConfig(BaseModel):
         return self
 
     @classmethod
-    def create(cls, **fields) -> ClusterConfig:
+    def create(cls, **fields) -> typing.Self:
         """Build and validate; raise ``ConfigError`` naming the first bad field."""
         try:
             return cls(**fields)
@@ -210,6 +222,104 @@ class ClusterConfig(BaseModel):
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
         )
+
+
+class ServeConfig(ClusterConfig):
+    """Everything ``tessera serve`` runs: the cluster plus the HTTP front end (the Ray
+    Serve app). One flat schema for the command line, ``--config FILE`` and Helm."""
+
+    host: str = Field("127.0.0.1", description="address the HTTP server listens on")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="require 'Authorization: Bearer KEY' on every route but /health and "
+        "/metrics (default: $TESSERA_API_KEY, else no key)",
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="the model id clients pass as 'model' (default: the model file's or "
+        "directory's name)",
+    )
+    min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
+    max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")
+    replica_target_ongoing_requests: float = Field(
+        32.0,
+        gt=0,
+        description="ongoing requests per front-end replica that Serve's autoscaler aims at",
+    )
+    replica_max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description="requests one front-end replica takes at once; the scheduler's "
+        "admission (--max-queued-requests) refuses overload before this",
+    )
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1, description="largest request body, e.g. 4MiB; larger ones get 413"
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="deadline of one request from arrival to its last token; past it, "
+        "a request gets 408 (or an error event when streaming) and is aborted",
+    )
+    graceful_shutdown_s: float = Field(
+        30.0,
+        ge=0,
+        description="on Ctrl-C, how long ongoing requests may take to finish before they are cut",
+    )
+
+    @field_validator("max_request_bytes", mode="before")
+    @classmethod
+    def _request_bytes(cls, value):
+        return _memory_value(value)
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> ServeConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas: {self.min_replicas} is above max_replicas ({self.max_replicas})"
+            )
+        return self
+
+    def cluster_config(self) -> ClusterConfig:
+        """The cluster part (what the scheduler gets)."""
+        return ClusterConfig(**{name: getattr(self, name) for name in ClusterConfig.model_fields})
+
+    @property
+    def model_name(self) -> str:
+
+        from workers.model.loader import resolve_model_path
+
+        if self.served_model_name:
+            return self.served_model_name
+        path = resolve_model_path(self.model)
+        name = path.name.removesuffix(".gguf")
+        return name.split(".")[0] if self.model is None else name  # built-in: drop ".Q4_1"
+
+
+def load_config_file(path: str) -> dict[str, typing.Any]:
+    """The settings of a YAML config file (``ServeConfig``'s fields, snake_case)."""
+    import yaml
+
+    try:
+        with open(path) as file:
+            data = yaml.safe_load(file)
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {path!r}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config: {path!r} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config: {path!r} must hold a mapping of settings, got {type(data).__name__}"
+        )
+    unknown = sorted(str(key) for key in data if key not in ServeConfig.model_fields)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a setting (in config file {path!r})")
+    return data
 
 
 def check_environment(config: ClusterConfig) -> None:
@@ -260,20 +370,40 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a memory size: {text!r}") from None
 
 
-_PARSERS = {"kv_cache_memory": memory_size}
+def _memory_value(value):
+    if isinstance(value, str):
+        try:
+            return memory_size(value)
+        except argparse.ArgumentTypeError:
+            raise ValueError("must be a size such as 512MiB, 2GiB or a number of bytes") from None
+    return value
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per ``ClusterConfig`` field, its help from the field description."""
-    group = parser.add_argument_group("cluster")
-    for name, info in ClusterConfig.model_fields.items():
+_PARSERS = {"kv_cache_memory": memory_size, "max_request_bytes": memory_size}
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    model: type[ClusterConfig] = ClusterConfig,
+    skip: tuple[str, ...] = (),
+    only_given: bool = False,
+) -> None:
+    """One ``--flag`` per field of ``model``, its help from the field description.
+    ``only_given``: a flag left out is absent from the parsed arguments (so that a
+    config file's value is not overridden by a flag's default)."""
+    groups = {
+        "cluster": parser.add_argument_group("cluster"),
+        "server": parser.add_argument_group("server"),
+    }
+    for name, info in model.model_fields.items():
         if name in skip:
             continue
+        group = groups["cluster" if name in ClusterConfig.model_fields else "server"]
         flag = "--" + name.replace("_", "-")
-        default = info.default
+        default = argparse.SUPPRESS if only_given else info.default
         help_text = info.description
         if "default:" not in help_text:
-            help_text += f" (default: {default})"
+            help_text += f" (default: {info.default})"
         help_text = help_text.replace("%", "%%")
         kind = _scalar_type(info.annotation)
         if kind is bool:
@@ -287,11 +417,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] 
             group.add_argument(flag, type=_PARSERS.get(name, kind), default=default, help=help_text)
 
 
-def config_from_args(args: argparse.Namespace, **overrides) -> ClusterConfig:
-    fields = {
-        name: getattr(args, name) for name in ClusterConfig.model_fields if hasattr(args, name)
-    }
-    return ClusterConfig.create(**{**fields, **overrides})
+def config_from_args(
+    args: argparse.Namespace,
+    model: type[ClusterConfig] = ClusterConfig,
+    base: dict[str, typing.Any] | None = None,
+    **overrides,
+) -> ClusterConfig:
+    """``model`` from ``base`` (a config file's settings), then the flags given, then
+    ``overrides``; raise ``ConfigError`` naming the field."""
+    given = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
+    return model.create(**{**(base or {}), **given, **overrides})
 
 
 def _scalar_type(annotation):

@@ -4,8 +4,14 @@
 starts a local one when Ray is not running yet), gets or creates the named scheduler
 actor, which starts the configured workers, and waits until they are healthy. It
 returns a ``Cluster`` with the Python API the front ends use (``submit``, ``abort``,
-``stats``); ``shutdown`` stops the scheduler and its workers, and Ray if it started
-it. Several front ends (Ray Serve replicas) share one scheduler by name.
+``stats``).
+
+Several front ends (Ray Serve replicas) share one scheduler by name, so only its
+creator owns it: ``shutdown`` stops the scheduler and its workers only when this
+``Cluster`` created them (and Ray only when it started Ray); a front end that found
+the scheduler running leaves it be. ``detached=True`` creates a scheduler that
+outlives its creator (a Serve replica bootstrapping the cluster under ``serve run``
+or KubeRay, where replicas come and go); otherwise it dies with its creator's process.
 """
 
 from __future__ import annotations
@@ -35,15 +41,26 @@ def resolve_device(config: ClusterConfig) -> tuple[str, float]:
 
 
 class Cluster:
-    def __init__(self, config: ClusterConfig, scheduler, client: ClusterClient, owns_ray: bool):
+    def __init__(
+        self,
+        config: ClusterConfig,
+        scheduler,
+        client: ClusterClient,
+        owns_ray: bool,
+        owns_scheduler: bool,
+    ) -> None:
         self.config = config
         self.scheduler = scheduler
         self.client = client
-        self._owns_ray = owns_ray
+        self.owns_ray = owns_ray
+        self.owns_scheduler = owns_scheduler
 
     @classmethod
     async def start(
-        cls, config: ClusterConfig, ready_timeout_s: float = STARTUP_TIMEOUT_S
+        cls,
+        config: ClusterConfig,
+        ready_timeout_s: float = STARTUP_TIMEOUT_S,
+        detached: bool = False,
     ) -> Cluster:
         """Start (or join) the cluster ``config`` describes; raise ``ConfigError``
         naming the field for a configuration that cannot run here."""
@@ -53,24 +70,32 @@ class Cluster:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init(address=config.address, namespace=config.namespace)
-        device, num_gpus = resolve_device(config)
-        scheduler = (
-            scheduler_actor_class()
-            .options(name=config.scheduler_name, namespace=config.namespace, get_if_exists=True)
-            .remote(config, device, num_gpus)
-        )
+        try:
+            scheduler = ray.get_actor(config.scheduler_name, namespace=config.namespace)
+            owns_scheduler = False
+        except ValueError:  # not running yet: create it
+            device, num_gpus = resolve_device(config)
+            options = {"name": config.scheduler_name, "namespace": config.namespace}
+            if detached:
+                options["lifetime"] = "detached"
+            scheduler = (
+                scheduler_actor_class()
+                .options(**options, get_if_exists=True)
+                .remote(config, device, num_gpus)
+            )
+            owns_scheduler = True
         try:
             await scheduler.start.remote()
             stats = await scheduler.wait_ready.remote(ready_timeout_s)
         except BaseException:
-            await _stop(scheduler)
+            if owns_scheduler:
+                await _stop(scheduler)
             if owns_ray:
                 ray.shutdown()
             raise
-        logger.info("cluster ready: %d workers on %s", len(stats.workers), device)
-        return cls(
-            config, scheduler, ClusterClient(scheduler, load_tokenizer(config.model)), owns_ray
-        )
+        logger.info("cluster ready: %d workers", len(stats.workers))
+        client = ClusterClient(scheduler, load_tokenizer(config.model))
+        return cls(config, scheduler, client, owns_ray, owns_scheduler)
 
     async def submit(
         self,
@@ -89,9 +114,11 @@ class Cluster:
         return await self.client.stats()
 
     async def shutdown(self) -> None:
-        """Stop the scheduler and every worker it started (and Ray, if we started it)."""
-        await _stop(self.scheduler)
-        if self._owns_ray:
+        """Stop the scheduler and every worker it started if this ``Cluster`` created
+        it, and Ray if it started Ray; a shared scheduler is left running."""
+        if self.owns_scheduler:
+            await _stop(self.scheduler)
+        if self.owns_ray:
             ray.shutdown()
 
 

@@ -35,6 +35,7 @@ from cluster.config import ClusterConfig
 from scheduler.admission import AdmissionQueue
 from scheduler.api import (
     ClusterStats,
+    DeadlineError,
     NoWorkerError,
     OverloadedError,
     Placement,
@@ -267,6 +268,23 @@ class Scheduler:
         self.policy = make_policy(name)
         self._event(f"placement policy is now {name}")
 
+    def set_admission(
+        self, max_ongoing_requests: int | None, max_queued_requests: int | None = None
+    ) -> None:
+        """Change the admission limits of a running cluster (``None``: keep): ongoing
+        requests per worker and the global queue's length. Raises ``ConfigError``."""
+        fields = self.config.model_dump()
+        if max_ongoing_requests is not None:
+            fields["max_ongoing_requests"] = max_ongoing_requests
+        if max_queued_requests is not None:
+            fields["max_queued_requests"] = max_queued_requests
+        self.config = ClusterConfig.create(**fields)
+        self.queue.limit = self.config.max_queued_requests
+        self._event(
+            f"admission: {self.config.capacity} ongoing per worker, {self.queue.limit} queued"
+        )
+        self._dispatch()
+
     def worker_handle(self, worker_id: str):
         """The actor handle of ``worker_id`` (operators and tests reach a worker with it)."""
         return self.registry.workers[worker_id].handle
@@ -315,7 +333,7 @@ class Scheduler:
         if outcome is None:
             self._refused += 1
             return Refusal(
-                OverloadedError,
+                DeadlineError,
                 f"overloaded: no worker could take the request within its deadline "
                 f"({timeout_s} s in the global queue)",
             )
@@ -383,6 +401,12 @@ class Scheduler:
     # ------------------------------------------------------------------ stats
     def get_config(self) -> ClusterConfig:
         return self.config
+
+    def model_info(self) -> WorkerInfo | None:
+        """A registered worker's identity: the model's limits the front ends check
+        requests against (every worker serves the same model); None before any has
+        registered."""
+        return next((w.info for w in self.registry if w.info is not None), None)
 
     def _event(self, text: str) -> None:
         logger.info("%s", text)

@@ -38,6 +38,10 @@ class OverloadedError(ClusterError):
     retriable = True
 
 
+class DeadlineError(OverloadedError):
+    """The request's deadline passed while it waited in the global queue."""
+
+
 class NoWorkerError(ClusterError):
     """No healthy worker of the needed role is left to run (or resume) the request."""
 
@@ -55,6 +59,8 @@ class WorkerInfo:
     block_size: int
     total_blocks: int
     max_num_seqs: int
+    max_model_len: int  # context length: prompt + max_tokens may not exceed it
+    vocab_size: int
     node_id: str
     pid: int
 

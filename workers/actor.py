@@ -81,6 +81,8 @@ class WorkerActor:
             block_size=engine.config.block_size,
             total_blocks=engine.kv.pool.num_blocks,
             max_num_seqs=engine.config.max_num_seqs,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
         )

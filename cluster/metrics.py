@@ -1,0 +1,184 @@
+"""Prometheus metrics of the HTTP front end and of the cluster behind it.
+
+Each front-end replica keeps its own registry: request counts by endpoint and status,
+and latency histograms (time to first token, time per output token, end to end),
+measured where the user feels them. The cluster's state (per worker: sequences running
+and waiting, KV usage, prefix-cache hits, preemptions, generated tokens; the global
+queue, refusals, failovers) comes from the scheduler's stats, read at scrape time, so
+every replica reports the same cluster-wide values.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler.api import ClusterStats, WorkerStatus
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class _ClusterCollector(Collector):
+    """Families built from the latest ``ClusterStats`` (set before each scrape)."""
+
+    def __init__(self) -> None:
+        self.stats: ClusterStats | None = None
+
+    def collect(self):
+        stats = self.stats
+        if stats is None:
+            return
+        gauges = {
+            "running_sequences": ("sequences in the worker's batch", lambda w, load: load.running),
+            "waiting_sequences": (
+                "sequences queued in the worker's engine",
+                lambda w, load: load.waiting,
+            ),
+            "kv_usage_ratio": (
+                "fraction of the worker's KV blocks in use",
+                lambda w, load: load.kv_usage,
+            ),
+            "free_kv_blocks": ("free KV blocks", lambda w, load: load.free_blocks),
+            "total_kv_blocks": (
+                "KV blocks in the worker's pool",
+                lambda w, load: load.total_blocks,
+            ),
+            "step_time_seconds": ("recent mean engine step time", lambda w, load: load.step_time),
+            "ongoing_requests": ("requests placed on the worker", lambda w, load: w.ongoing),
+            "prefix_cache_hit_rate": (
+                "prompt tokens found in the prefix cache / tokens looked up",
+                lambda w, load: (
+                    load.prefix_hits / load.prefix_queries if load.prefix_queries else 0.0
+                ),
+            ),
+        }
+        counters = {
+            "preemptions": ("sequences preempted for KV space", lambda load: load.preemptions),
+            "prefix_cache_queries": ("prompt tokens looked up", lambda load: load.prefix_queries),
+            "prefix_cache_hits": ("prompt tokens found cached", lambda load: load.prefix_hits),
+            "generated_tokens": ("tokens generated", lambda load: load.generated_tokens),
+        }
+        families = {
+            name: GaugeMetricFamily(f"tessera_worker_{name}", help_, labels=["worker"])
+            for name, (help_, _) in gauges.items()
+        }
+        counter_families = {
+            name: CounterMetricFamily(f"tessera_worker_{name}", help_, labels=["worker"])
+            for name, (help_, _) in counters.items()
+        }
+        up = GaugeMetricFamily(
+            "tessera_worker_status",
+            "1 for the worker's current status",
+            labels=["worker", "status"],
+        )
+        for worker in stats.workers:
+            for status in WorkerStatus:
+                up.add_metric([worker.worker_id, status.value], float(worker.status is status))
+            load = worker.load
+            if load is None:
+                continue
+            for name, (_, value) in gauges.items():
+                families[name].add_metric([worker.worker_id], float(value(worker, load)))
+            for name, (_, value) in counters.items():
+                counter_families[name].add_metric([worker.worker_id], float(value(load)))
+        yield up
+        yield from families.values()
+        yield from counter_families.values()
+        yield GaugeMetricFamily(
+            "tessera_queued_requests", "requests waiting in the global queue", value=stats.queued
+        )
+        for name, help_, value in (
+            ("placed_requests", "requests the scheduler placed on a worker", stats.placed),
+            ("refused_requests", "requests refused (overload, deadline, no worker)", stats.refused),
+            (
+                "failovers",
+                "placements that resumed a request after a worker failed",
+                stats.failovers,
+            ),
+        ):
+            yield CounterMetricFamily(f"tessera_{name}", help_, value=value)
+
+
+class Metrics:
+    """One front-end replica's metrics; ``render(stats)`` is the /metrics body."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: they only add noise here
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tessera_requests",
+            "HTTP requests by endpoint and status code (499: the client went away)",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "tessera_requests_in_flight",
+            "requests this replica is serving now",
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tessera_time_to_first_token_seconds",
+            "arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "tessera_time_per_output_token_seconds",
+            "mean time per output token after the first, per request",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tessera_e2e_request_latency_seconds",
+            "arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tessera_prompt_tokens", "prompt tokens of finished requests", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "tessera_generation_tokens",
+            "tokens generated for finished requests",
+            registry=self.registry,
+        )
+        self._cluster = _ClusterCollector()
+        self.registry.register(self._cluster)
+
+    def finished(
+        self,
+        endpoint: str,
+        status: int,
+        arrival: float,
+        first_token: float | None,
+        end: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        longest_output: int,
+    ) -> None:
+        """Record one request (times from ``time.monotonic``)."""
+        self.requests.labels(endpoint, str(status)).inc()
+        if status != 200:
+            return
+        self.e2e.observe(end - arrival)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if longest_output > 1:
+                self.tpot.observe((end - first_token) / (longest_output - 1))
+
+    def render(self, stats: ClusterStats | None) -> bytes:
+        self._cluster.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,343 @@
+"""The OpenAI wire format: request bodies in, response objects and errors out.
+
+Pure functions and pydantic models, no Ray and no HTTP, so each mapping is unit
+tested alone. Request models are strict and forbid unknown fields (as OpenAI's API
+answers "Unrecognized request argument supplied"); every error becomes an ``APIError``
+that the HTTP app renders as ``{"error": {"message", "type", "param", "code"}}``.
+
+Tessera's extras ride in the same body, as vLLM's do: ``best_of``, ``beam_width`` /
+``use_beam_search``, ``length_penalty``, ``early_stopping``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``priority`` and
+``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from workers.api import (
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+
+#: Most stop strings one request may give.
+MAX_STOP = 16
+#: Most prompts one completions request may batch.
+MAX_PROMPTS = 64
+
+
+class APIError(Exception):
+    """An error response: HTTP ``status`` and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(param: str | None, message: str) -> APIError:
+    """A 400 for one field; the message starts with the field's name."""
+    if param is not None and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+# ------------------------------------------------------------------ requests
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Tessera's extras
+    best_of: int | None = None
+    beam_width: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    timeout: float | None = None  # seconds; the server's request_timeout_s caps it
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; raise ``APIError`` naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "is only allowed when stream is true")
+        if self.timeout is not None and not (0 < self.timeout < math.inf):
+            raise invalid("timeout", f"must be a number of seconds > 0, got {self.timeout}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if len(stop) > MAX_STOP:
+            raise invalid("stop", f"at most {MAX_STOP} stop strings, got {len(stop)}")
+        beam_width = self.beam_width or 1
+        if self.use_beam_search and self.beam_width is None:
+            beam_width = max(self.best_of or self.n, 2)
+        elif self.use_beam_search and beam_width < 2:
+            raise invalid("beam_width", f"must be >= 2 with use_beam_search, got {beam_width}")
+        fields: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
+            "stop": tuple(stop),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "n": self.n,
+            "beam_width": beam_width,
+        }
+        if beam_width > 1:  # deterministic: sampling knobs left at their defaults
+            fields |= {"length_penalty": self.length_penalty, "early_stopping": self.early_stopping}
+        else:
+            fields |= {
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "top_k": self.top_k,
+                "min_p": self.min_p,
+                "seed": self.seed,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty,
+                "logprobs": logprobs,
+                "best_of": self.best_of,
+            }
+        try:
+            return SamplingParams(**fields)
+        except InvalidRequestError as error:
+            raise invalid(error.field, error.message) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: None = None  # accepted only when absent / null (no fill-in-the-middle)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (OpenAI's four forms)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list[str | list[int]] = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise invalid("prompt", "must not be empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise invalid("prompt", f"at most {MAX_PROMPTS} prompts, got {len(prompts)}")
+        if any(len(p) == 0 for p in prompts):
+            raise invalid("prompt", "must not be empty")
+        return prompts
+
+    def sampling_for(self, max_tokens: int) -> SamplingParams:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo", "is not supported together with logprobs (no prompt logprobs)")
+        return self.sampling(max_tokens, self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def sampling_for(self, max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise invalid("top_logprobs", "requires logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise invalid(
+                    "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling(max_tokens, logprobs)
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (developer is system)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> Any:
+    """The request body as ``model``; ``APIError`` 400 naming the field otherwise."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid(None, f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise invalid(None, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        # A union's branch name (e.g. 'str', 'list[int]') is not part of the path.
+        param = ".".join(part for part in loc if not _is_type_name(part)) or None
+        if first["type"] == "extra_forbidden":
+            raise invalid(param, f"Unrecognized request argument supplied: {param}") from None
+        if first["type"] == "missing":
+            raise invalid(param, "is required") from None
+        message = first["msg"]
+        if param == "prompt":
+            message = (
+                "must be a string, a list of strings, a list of token ids or a list of "
+                "lists of token ids"
+            )
+        raise invalid(param, f"{message}, got {_short(first.get('input'))}") from None
+
+
+def _is_type_name(part: str) -> bool:
+    return (
+        part in {"str", "int", "bool", "float", "none"} or "[" in part or part.startswith("literal")
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ------------------------------------------------------------------ responses
+def finish_reason(output: RequestOutput) -> str | None:
+    if not output.finished or output.finish_reason is None:
+        return None
+    if output.finish_reason is FinishReason.ABORT:
+        return "abort"
+    return output.finish_reason.value
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class LogprobFormatter:
+    """Token logprobs in both endpoints' shapes; token strings decoded one by one."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion(
+        self, logprobs: Sequence[TokenLogprob], offset: int
+    ) -> tuple[dict[str, list], int]:
+        """``choices[i].logprobs`` of the completions API; returns it and the text
+        offset after it."""
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for entry in logprobs:
+            text = self.token(entry.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(entry.logprob)
+            top = {self.token(t): lp for t, lp in entry.top}
+            top.setdefault(text, entry.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out, offset
+
+    def chat(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """``choices[i].logprobs.content`` of the chat API."""
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [
+            {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+            for e in logprobs
+        ]

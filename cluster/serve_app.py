@@ -1,0 +1,596 @@
+"""The OpenAI-compatible HTTP front end: a Ray Serve deployment with a FastAPI ingress.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
+server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models``,
+``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
+
+**Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
+or creates it (detached, so that it outlives the replica) when this app is the first
+to run: ``tessera serve``, ``serve run cluster.serve_app:app_builder`` and KubeRay's
+``serveConfigV2`` all start the same way. Replicas are thin (no CPU reserved): they
+tokenize, place each request through the scheduler and relay the worker's stream.
+
+**Errors** are OpenAI's error objects (``cluster.openai_protocol.APIError``): 400
+naming the field, 401 without the API key, 404 for an unknown model or route, 408 past
+the request's deadline, 413 above the body limit, 429 with ``Retry-After`` when the
+cluster is overloaded, 503 when no worker is left. A stream that fails after it began
+ends with an error event and ``[DONE]``. A client that goes away aborts its request on
+the worker, which frees its blocks at once.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException
+
+from cluster.config import ServeConfig
+from cluster.launch import Cluster
+from cluster.metrics import CONTENT_TYPE, Metrics
+from cluster.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LogprobFormatter,
+    finish_reason,
+    invalid,
+    parse_body,
+    usage,
+)
+from scheduler.api import DeadlineError, NoWorkerError, OverloadedError, WorkerStatus
+from workers.api import InvalidRequestError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a client is told to wait before retrying an overloaded cluster.
+RETRY_AFTER_S = 1
+#: The default ``max_tokens`` of the completions API (OpenAI's).
+COMPLETIONS_MAX_TOKENS = 16
+
+api = FastAPI(title="Tessera", summary="An OpenAI-compatible LLM server", docs_url="/docs")
+
+
+@api.exception_handler(APIError)
+async def _render_api_error(request: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+@api.exception_handler(HTTPException)
+async def _render_http_error(request: Request, error: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(
+        APIError(error.status_code, message, type=kind).body(), status_code=error.status_code
+    )
+
+
+@api.exception_handler(Exception)
+async def _render_internal_error(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("internal error on %s %s", request.method, request.url.path)
+    body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
+    return JSONResponse(body.body(), status_code=500)
+
+
+def _api_error(error: BaseException) -> APIError:
+    """The HTTP error for whatever ended a request."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return invalid(error.field, str(error))
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(error, DeadlineError):
+        return APIError(408, str(error), type="timeout_error", code="timeout")
+    if isinstance(error, OverloadedError):
+        return APIError(429, str(error), type="overloaded_error", code="overloaded", headers=retry)
+    if isinstance(error, NoWorkerError):
+        return APIError(503, str(error), type="unavailable_error", code="no_worker", headers=retry)
+    logger.error("request failed: %s: %s", type(error).__name__, error)
+    return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
+
+
+async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    """Close the streams: each aborts its request on its worker, freeing its blocks."""
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+@dataclass
+class _Choice:
+    """What one output (index) has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    started: bool = False  # a streamed chat choice has sent its role
+    offset: int = 0  # completions logprobs: text offset of the next token
+
+
+@dataclass
+class _Job:
+    """One HTTP request's generation: its prompts, their streams, and timings."""
+
+    kind: str  # "completion" or "chat"
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    timeout: float  # seconds from arrival to the deadline
+    deadline: float  # time.monotonic() when the request is aborted
+    arrival: float
+    include_usage: bool  # streaming: every chunk has "usage", the last one its value
+    streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    first_token: float | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices.values())
+
+    def choice_index(self, prompt: int, delta: RequestOutput) -> int:
+        return prompt * self.sampling.n + delta.index
+
+
+# Everything the class uses is defined above it: ``serve.ingress`` serializes the class
+# when it is decorated, with the module's names as they are at that point.
+@serve.deployment(name="tessera")
+@serve.ingress(api)
+class OpenAIServer:
+    """One front-end replica; every replica shares the cluster's one scheduler."""
+
+    async def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.cluster = await Cluster.start(config.cluster_config(), detached=True)
+        self.client = self.cluster.client
+        self.tokenizer = self.client.tokenizer
+        info = await self.cluster.scheduler.model_info.remote()
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.model_name = config.model_name
+        self.logprobs = LogprobFormatter(self.tokenizer)
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self._api_key = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    # ------------------------------------------------------------------ routes
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        stats = await self.client.stats()
+        healthy = sum(w.status is WorkerStatus.HEALTHY for w in stats.workers)
+        body = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @api.get("/metrics")
+    async def metrics(self) -> Response:
+        stats = await self.client.stats()
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tessera",
+            "max_model_len": self.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            body = parse_body(await self._read(request), CompletionRequest)
+            self._check_model(body.model)
+            prompts = [self._token_ids(p) for p in body.prompts()]
+            max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
+            for prompt in prompts:
+                self._check_length(prompt, max_tokens, "max_tokens")
+            sampling = body.sampling_for(max_tokens)
+            job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
+            echo = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
+            await self._start(job, body)
+        except APIError as error:
+            self.metrics.finished("completions", error.status, arrival, None, 0, 0, 0, 0)
+            raise
+        if body.stream:
+            return self._sse(job, self._completion_chunks(job, body, echo), "completions")
+        await self._collect(job, "completions")
+        choices = []
+        for index in sorted(job.choices):
+            choice = job.choices[index]
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs, _ = self.logprobs.completion(choice.logprobs, len(echo[index // body.n]))
+            text = echo[index // body.n] + "".join(choice.text)
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": job.request_id,
+                "object": "text_completion",
+                "created": job.created,
+                "model": job.model,
+                "choices": choices,
+                "usage": usage(job.prompt_tokens, job.completion_tokens),
+            }
+        )
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            body = parse_body(await self._read(request), ChatCompletionRequest)
+            self._check_model(body.model)
+            prompt = self._chat_prompt(body)
+            max_tokens = body.requested_max_tokens
+            if max_tokens is None:  # as vLLM: the rest of the context
+                max_tokens = max(self.max_model_len - len(prompt), 1)
+            field_name = (
+                "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            )
+            self._check_length(prompt, max_tokens, field_name)
+            job = self._job(
+                "chat", "chatcmpl", [prompt], body.sampling_for(max_tokens), body, arrival
+            )
+            await self._start(job, body)
+        except APIError as error:
+            self.metrics.finished("chat", error.status, arrival, None, 0, 0, 0, 0)
+            raise
+        if body.stream:
+            return self._sse(job, self._chat_chunks(job, body), "chat")
+        await self._collect(job, "chat")
+        choices = []
+        for index in sorted(job.choices):
+            choice = job.choices[index]
+            logprobs = None
+            if body.logprobs:
+                logprobs = {"content": self.logprobs.chat(choice.logprobs)}
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": "".join(choice.text)},
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": job.request_id,
+                "object": "chat.completion",
+                "created": job.created,
+                "model": job.model,
+                "choices": choices,
+                "usage": usage(job.prompt_tokens, job.completion_tokens),
+            }
+        )
+
+    # ------------------------------------------------------------------ checks
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        given = request.headers.get("authorization")
+        if given is None:
+            raise APIError(
+                401,
+                "missing API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        if not hmac.compare_digest(given.encode(), self._api_key):
+            raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+    async def _read(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        length = request.headers.get("content-length", "")
+        too_large = APIError(
+            413,
+            f"the request body is over the limit of {limit} bytes (max_request_bytes)",
+            code="request_too_large",
+        )
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"model: {model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        for token_id in prompt:
+            if not 0 <= token_id < self.vocab_size:
+                raise invalid(
+                    "prompt", f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})"
+                )
+        return prompt
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise invalid("messages", "this model has no chat template; use /v1/completions")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise invalid(
+                "continue_final_message", "needs add_generation_prompt to be false as well"
+            )
+        text = self.tokenizer.apply_chat_template(
+            body.conversation(),
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tokenize=False,
+        )
+        return self.tokenizer(text).input_ids
+
+    def _check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
+        if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
+            raise invalid(
+                field_name,
+                f"the prompt ({len(prompt)} tokens) plus {field_name} ({max_tokens}) is "
+                f"{len(prompt) + max_tokens} tokens, over the model's context length of "
+                f"{self.max_model_len} tokens",
+            )
+
+    def _job(
+        self,
+        kind: str,
+        prefix: str,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        body: Any,
+        arrival: float,
+    ) -> _Job:
+        timeout = min(self.config.request_timeout_s, body.timeout or math.inf)
+        return _Job(
+            kind,
+            f"{prefix}-{uuid.uuid4().hex}",
+            self.model_name,
+            prompts,
+            sampling,
+            timeout,
+            arrival + timeout,
+            arrival,
+            body.include_usage,
+        )
+
+    # ------------------------------------------------------------------ generation
+    async def _start(self, job: _Job, body: Any) -> None:
+        """Submit every prompt; on any refusal, abort the ones already started."""
+        try:
+            for k, prompt in enumerate(job.prompts):
+                remaining = job.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineError("the request's deadline passed before it was placed")
+                stream = await self.client.submit(
+                    job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{k}",
+                    prompt,
+                    job.sampling,
+                    priority=body.priority,
+                    cache_salt=body.cache_salt,
+                    timeout_s=remaining,
+                )
+                job.streams.append(stream)
+        except BaseException as error:
+            await _close(job.streams)
+            if not isinstance(error, Exception):  # cancelled: the client left
+                raise
+            raise _api_error(error) from None
+
+    async def _events(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) from all of the job's streams, until the deadline."""
+        pending = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(job.streams)}
+        try:
+            while pending:
+                timeout = job.deadline - time.monotonic()
+                done, _ = await asyncio.wait(
+                    pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    raise APIError(
+                        408,
+                        f"the request passed its deadline of {job.timeout:g} s and was aborted",
+                        type="timeout_error",
+                        code="timeout",
+                    )
+                for task in done:
+                    k = pending.pop(task)
+                    try:
+                        delta = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(anext(job.streams[k]))] = k
+                    yield k, delta
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await _close(job.streams)
+
+    def _record(self, job: _Job, k: int, delta: RequestOutput) -> _Choice:
+        choice = job.choices.setdefault(job.choice_index(k, delta), _Choice())
+        if delta.token_ids and job.first_token is None:
+            job.first_token = time.monotonic()
+        choice.text.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            choice.completion_tokens = delta.completion_tokens
+            choice.finish_reason = finish_reason(delta)
+        return choice
+
+    async def _collect(self, job: _Job, endpoint: str) -> None:
+        status = 499  # the client went away (cancelled), unless we get to the end
+        try:
+            async with contextlib.aclosing(self._events(job)) as events:
+                async for k, delta in events:
+                    self._record(job, k, delta)
+            status = 200
+        except Exception as error:
+            api_error = _api_error(error)
+            status = api_error.status
+            raise api_error from None
+        finally:
+            self._finished(job, endpoint, status)
+
+    def _finished(self, job: _Job, endpoint: str, status: int) -> None:
+        longest = max((c.completion_tokens for c in job.choices.values()), default=0)
+        self.metrics.finished(
+            endpoint,
+            status,
+            job.arrival,
+            job.first_token,
+            time.monotonic(),
+            job.prompt_tokens,
+            job.completion_tokens,
+            longest,
+        )
+
+    # ------------------------------------------------------------------ streaming
+    def _sse(self, job: _Job, chunks: AsyncIterator[dict], endpoint: str) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            status = 499
+            self.metrics.in_flight.inc()
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                status = 200
+            except Exception as error:  # after the first byte: an error event, then [DONE]
+                api_error = _api_error(error)
+                status = api_error.status
+                yield f"data: {json.dumps(api_error.body())}\n\n"
+            finally:  # also when the client left (cancelled): its requests are aborted
+                self.metrics.in_flight.dec()
+                self._finished(job, endpoint, status)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _chunk(self, job: _Job, choices: list[dict], usage_: dict | None = None) -> dict:
+        obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
+        chunk = {
+            "id": job.request_id,
+            "object": obj,
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+        }
+        if job.include_usage:
+            chunk["usage"] = usage_
+        return chunk
+
+    async def _completion_chunks(
+        self, job: _Job, body: CompletionRequest, echo: list[str]
+    ) -> AsyncIterator[dict]:
+        async with contextlib.aclosing(self._events(job)) as events:
+            async for k, delta in events:
+                index = job.choice_index(k, delta)
+                fresh = index not in job.choices
+                choice = self._record(job, k, delta)
+                text = delta.text
+                if fresh and echo[k]:
+                    text = echo[k] + text
+                    choice.offset = len(echo[k])
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs, choice.offset = self.logprobs.completion(
+                        delta.logprobs or (), choice.offset
+                    )
+                finish = choice.finish_reason if delta.finished else None
+                yield self._chunk(
+                    job,
+                    [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                )
+        if job.include_usage:
+            yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
+
+    async def _chat_chunks(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+        async with contextlib.aclosing(self._events(job)) as events:
+            async for k, delta in events:
+                choice = self._record(job, k, delta)
+                index = job.choice_index(k, delta)
+                if not choice.started:  # the first chunk of a choice names its role
+                    choice.started = True
+                    role = {"role": "assistant", "content": ""}
+                    yield self._chunk(
+                        job,
+                        [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}],
+                    )
+                logprobs = None
+                if body.logprobs:
+                    logprobs = {"content": self.logprobs.chat(delta.logprobs or ())}
+                content = {"content": delta.text} if delta.text else {}
+                finish = choice.finish_reason if delta.finished else None
+                yield self._chunk(
+                    job,
+                    [
+                        {
+                            "index": index,
+                            "delta": content,
+                            "logprobs": logprobs,
+                            "finish_reason": finish,
+                        }
+                    ],
+                )
+        if job.include_usage:
+            yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
+
+
+def build_app(config: ServeConfig) -> serve.Application:
+    """The Serve application for ``config``: replicas from its replica settings."""
+    options: dict[str, Any] = {
+        "max_ongoing_requests": config.replica_max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": 0},
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_s,
+    }
+    if config.min_replicas == config.max_replicas:
+        options["num_replicas"] = config.min_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": config.min_replicas,
+            "max_replicas": config.max_replicas,
+            "target_ongoing_requests": config.replica_target_ongoing_requests,
+        }
+    return OpenAIServer.options(**options).bind(config)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """For ``serve run cluster.serve_app:app_builder key=value ...`` and KubeRay's
+    ``serveConfigV2`` (``import_path`` + ``args``): ``args`` are ``ServeConfig``'s
+    fields."""
+    return build_app(ServeConfig.create(**args))

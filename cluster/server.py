@@ -1,0 +1,99 @@
+"""``tessera serve``: Ray, the cluster and the HTTP app, up until Ctrl-C, then down.
+
+Order of start: check the configuration and the port; join Ray (``address``) or start
+a local Ray; start the scheduler and its workers (this process owns them); start Ray
+Serve's HTTP proxy on ``host:port`` and deploy the app (``cluster.serve_app``), whose
+replicas find the scheduler by name; print the ready line. On SIGINT or SIGTERM, the
+reverse: Serve stops taking requests and lets ongoing ones finish (up to
+``graceful_shutdown_s``), then the workers and the scheduler stop, then Ray if this
+process started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+
+import ray
+from ray import serve
+
+from cluster.config import ConfigError, ServeConfig, check_environment
+from cluster.launch import Cluster
+
+logger = logging.getLogger(__name__)
+
+#: The Serve application's name.
+APP_NAME = "tessera"
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise ``ConfigError`` when ``host:port`` cannot be listened on."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as error:
+        raise ConfigError(f"port: cannot listen on {host}:{port} ({error.strerror})") from None
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _say(text: str) -> None:
+    print(f"tessera: {text}", flush=True)
+
+
+def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
+    """Serve until SIGINT/SIGTERM; return the exit code."""
+    check_environment(config)
+    check_port(config.host, config.port)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also where SIGINT was ignored (nohup, &)
+        signal.signal(sig, _interrupt)  # as Ctrl-C: drain, then stop
+    start = time.perf_counter()
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        _say("starting Ray ..." if config.address is None else f"joining Ray at {config.address}")
+        ray.init(
+            address=config.address,
+            namespace=config.namespace,
+            include_dashboard=False,
+            logging_level=log_level,
+        )
+    cluster = None
+    try:
+        _say(f"starting {config.workers} worker(s) with model {config.model_name} ...")
+        cluster = asyncio.run(Cluster.start(config.cluster_config()))
+        _say(f"starting the HTTP server on {config.host}:{config.port} ...")
+        from cluster.serve_app import build_app
+
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(
+            build_app(config),
+            name=APP_NAME,
+            route_prefix="/",
+            logging_config={"log_level": log_level},
+        )
+        url = f"http://{config.host}:{config.port}"
+        _say(
+            f"ready at {url} in {time.perf_counter() - start:.1f} s: model "
+            f"{config.model_name!r}, {config.workers} worker(s); try {url}/v1/models "
+            "(Ctrl-C stops)"
+        )
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            _say(f"draining (up to {config.graceful_shutdown_s:g} s for ongoing requests) ...")
+        return 0
+    finally:
+        serve.shutdown()
+        if cluster is not None:
+            asyncio.run(cluster.shutdown())
+        if owns_ray:
+            ray.shutdown()
+        _say("stopped")
+        sys.stdout.flush()

@@ -1,0 +1,537 @@
+"""`tessera serve` as users meet it: a real server process on 127.0.0.1 (joining the
+session's Ray), called with the official `openai` client and with httpx.
+
+Outputs are compared with the in-process engine on the same weights; errors are
+checked for their status, OpenAI's error object and the field they name, and the
+server must answer a valid request right after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.cli import main as cli_main
+from tests.helpers import run_engine, text_of, tokens_of
+from workers.api import SamplingParams
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+API_KEY = "test-key-7f3a"
+MODEL = "smol-test"
+NAMESPACE = "serve-test"
+PROMPT = "The capital of France is"
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
+
+    def post(self, path: str, body, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        data = body if isinstance(body, bytes | str) else json.dumps(body)
+        return httpx.post(f"{self.url}{path}", content=data, headers=headers, timeout=120, **kwargs)
+
+    def scheduler(self):
+        return ray.get_actor("tessera-scheduler", namespace=NAMESPACE)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_line(process: subprocess.Popen, log: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in log.read_text():
+            return
+        if process.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"no {text!r} from tessera serve; its log:\n{log.read_text()[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tmp_path_factory) -> Server:
+    """`tessera serve` with settings from a YAML file and flags, joined to the session's
+    Ray; stopped with SIGINT (Ctrl-C) at the end, which must exit cleanly."""
+    root = tmp_path_factory.mktemp("serve")
+    config = root / "serve.yaml"
+    config.write_text(
+        f"served_model_name: {MODEL}\n"
+        "num_kv_blocks: 256\n"
+        "device: cpu\n"
+        "report_interval_s: 0.1\n"
+        f"namespace: {NAMESPACE}\n"
+        "max_ongoing_requests: 16\n"
+        "max_queued_requests: 64\n"
+        "port: 1\n"  # overridden by --port: flags win over the file
+    )
+    port = free_port()
+    log = root / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "cluster.cli", "serve"),
+                *("--config", str(config)),
+                *("--address", ray.get_runtime_context().gcs_address),
+                *("--port", str(port)),
+                *("--api-key", API_KEY),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for_line(process, log, "tessera: ready at", 300)
+        yield Server(f"http://127.0.0.1:{port}", process, log)
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=120)
+    assert code == 0, log.read_text()[-5000:]
+    assert "tessera: stopped" in log.read_text()
+
+
+def engine_text(make_engine, prompt, **sampling) -> tuple[str, list[int]]:
+    engine = make_engine()
+    engine.add_request("ref", prompt, SamplingParams(**sampling))
+    deltas = run_engine(engine)["ref"]
+    return text_of(deltas), tokens_of(deltas)
+
+
+def chat_prompt(make_engine, messages) -> str:
+    return make_engine().tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+
+
+# ------------------------------------------------------------------ outputs
+def test_models_and_health(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = httpx.get(f"{server.url}/health")  # no API key needed
+    assert health.status_code == 200 and health.json()["healthy_workers"] == 1
+
+
+def test_completion_greedy_equals_the_engine(server, make_engine):
+    expected, expected_ids = engine_text(make_engine, PROMPT, max_tokens=12, temperature=0)
+    client = server.client()
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected
+    assert done.choices[0].finish_reason == "length"
+    assert done.object == "text_completion" and done.id.startswith("cmpl-")
+    assert done.created > 0 and done.model == MODEL
+    prompt_ids = make_engine().tokenizer(PROMPT).input_ids
+    assert done.usage.prompt_tokens == len(prompt_ids)
+    assert done.usage.completion_tokens == len(expected_ids) == 12
+    assert done.usage.total_tokens == len(prompt_ids) + 12
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+
+    by_ids = client.completions.create(prompt=prompt_ids, max_tokens=12, temperature=0, model=MODEL)
+    assert by_ids.choices[0].text == expected
+
+
+def test_completion_batch_of_prompts_and_echo(server, make_engine):
+    prompts = [PROMPT, "def fibonacci(n):"]
+    done = server.client().completions.create(
+        model=MODEL, prompt=prompts, max_tokens=6, temperature=0, echo=True
+    )
+    assert [c.index for c in done.choices] == [0, 1]
+    for choice, prompt in zip(done.choices, prompts, strict=True):
+        expected, _ = engine_text(make_engine, prompt, max_tokens=6, temperature=0)
+        assert choice.text == prompt + expected
+    tokenizer = make_engine().tokenizer
+    assert done.usage.prompt_tokens == sum(len(tokenizer(p).input_ids) for p in prompts)
+    assert done.usage.completion_tokens == 12
+
+
+def test_chat_greedy_equals_the_engine(server, make_engine):
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    expected, ids = engine_text(
+        make_engine, chat_prompt(make_engine, messages), max_tokens=16, temperature=0
+    )
+    client = server.client()
+    done = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    assert done.object == "chat.completion" and done.id.startswith("chatcmpl-")
+    assert done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == expected
+    assert done.usage.completion_tokens == len(ids)
+    assert done.choices[0].finish_reason == ("length" if len(ids) == 16 else "stop")
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=16, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # no include_usage asked
+
+
+def test_n3_with_a_seed_gives_three_reproducible_samples(server, make_engine):
+    client = server.client()
+
+    def sample():
+        done = client.completions.create(
+            model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=7, max_tokens=10
+        )
+        return [c.text for c in sorted(done.choices, key=lambda c: c.index)]
+
+    first = sample()
+    assert len(set(first)) == 3
+    assert sample() == first
+    for i, text in enumerate(first):  # child i samples as a lone request with seed + i
+        expected, _ = engine_text(
+            make_engine, "Once upon a time", max_tokens=10, temperature=1.0, seed=7 + i
+        )
+        assert text == expected
+
+
+def test_stop_and_max_tokens_set_the_finish_reason(server, make_engine):
+    full, _ = engine_text(make_engine, PROMPT, max_tokens=12, temperature=0)
+    stop = full.strip().split()[1]  # a word in the middle of the greedy completion
+    client = server.client()
+    done = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert done.choices[0].finish_reason == "stop"
+    assert done.choices[0].text == full[: full.index(stop)]
+    short = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+
+
+def test_logprobs_are_consistent_with_the_tokens(server):
+    client = server.client()
+    done = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3
+    )
+    logprobs = done.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 8
+    assert "".join(logprobs.tokens) == done.choices[0].text
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert logprob <= 0
+        assert top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values()))  # greedy takes the best
+        assert len(top) == 3
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    for entry in content:
+        assert [t.token for t in entry.top_logprobs][0] == entry.token  # greedy: the best
+        assert len(entry.top_logprobs) == 2
+        assert entry.bytes == list(entry.token.encode())
+
+
+def _wait_until(server, condition, timeout_s: float = 30) -> None:
+    """Poll the scheduler's stats until ``condition(stats)`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(stats := ray.get(server.scheduler().stats.remote())):
+        assert time.monotonic() < deadline, f"still not there after {timeout_s} s: {stats}"
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("port: 70000\n", "error: port: Input should be less than or equal to 65535"),
+        ("colour: blue\n", "error: colour: not a setting"),
+        ("- 1\n", "must hold a mapping of settings, got list"),
+        ("workers: [\n", "is not valid YAML"),
+        ("min_replicas: 3\n", "error: min_replicas: 3 is above max_replicas (1)"),
+        ("kv_cache_memory: lots\n", "error: kv_cache_memory: must be a size such as 512MiB"),
+    ],
+)
+def test_bad_settings_fail_at_start_naming_the_field(tmp_path, capsys, setup, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(setup)
+    assert cli_main(["serve", "--config", str(config)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_port_in_use_fails_at_start(capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert cli_main(["serve", "--port", str(port)]) == 2
+    assert f"error: port: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+ERRORS = [
+    # (path, body, status, param, words in the message)
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object, got list"),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "Unrecognized"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", "must be a string"),
+    ("/v1/completions", {"prompt": [10**8]}, 400, "prompt", "out of the vocabulary"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "between 0"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "[1, 64]"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 9000}, 400, "max_tokens", "8192"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 20}, 400, "stop", "at most 16"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 30}, 400, "logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "2**63"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "not served"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages", "required"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        400,
+        "messages.0.role",
+        "'user'",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        "logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8200},
+        400,
+        "max_completion_tokens",
+        "context length of 8192",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "words"), ERRORS)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(
+    server, path, body, status, param, words
+):
+    response = server.post(path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert words in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+
+
+def test_context_length_error_names_both_numbers_and_the_limit(server):
+    response = server.post("/v1/completions", {"prompt": [1] * 8000, "max_tokens": 500})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "8000" in message and "500" in message and "8192" in message
+
+
+def test_unknown_route_and_huge_body(server):
+    response = httpx.get(f"{server.url}/v1/nothing", headers=server.headers)
+    assert response.status_code == 404 and "error" in response.json()
+    huge = json.dumps({"prompt": "x" * (5 * 2**20)})
+    response = server.post("/v1/completions", huge)
+    assert response.status_code == 413
+    assert "4194304 bytes" in response.json()["error"]["message"]
+
+
+def test_api_key_is_required_except_for_health_and_metrics(server):
+    body = {"prompt": "Hi", "max_tokens": 2}
+    missing = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert missing.status_code == 401 and "Authorization" in missing.json()["error"]["message"]
+    wrong = httpx.post(
+        f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+    )
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_overload_gets_429_with_retry_after(server):
+    scheduler = server.scheduler()
+    ray.get(scheduler.set_admission.remote(1, 0))  # one request at a time, no queue
+    long = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", json=long, headers=server.headers, timeout=60
+        ) as running:
+            lines = running.iter_lines()  # kept: dropping it would close the connection
+            next(lines)
+            _wait_until(server, lambda stats: stats.workers[0].ongoing == 1)
+            refused = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 429, refused.text
+            assert refused.headers["Retry-After"] == "1"
+            assert "overloaded" in refused.json()["error"]["message"]
+            with pytest.raises(openai.RateLimitError):
+                server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    finally:
+        ray.get(scheduler.set_admission.remote(16, 64))
+    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_deadline_408_and_a_stream_that_fails_ends_with_an_error_event(server):
+    body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "timeout": 1.0}
+    late = server.post("/v1/completions", body)
+    assert late.status_code == 408 and "deadline of 1 s" in late.json()["error"]["message"]
+
+    lines = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={**body, "stream": True},
+        headers=server.headers,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "timeout"
+    assert len(lines) > 3  # tokens streamed before the deadline cut it
+    ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------ load, disconnects, metrics
+def _wait_idle(server, timeout_s: float = 30) -> None:
+    def idle(stats) -> bool:
+        load = stats.workers[0].load
+        return load.requests == 0 and load.running == 0 and load.waiting == 0
+
+    _wait_until(server, idle, timeout_s)
+
+
+def test_32_concurrent_streaming_clients_all_complete(server, make_engine):
+    prompts = [f"Write a sentence about the number {i}." for i in range(32)]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        async with client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(main())
+    assert all(reason in ("stop", "length") for _, reason in results)
+    for i in (0, 17, 31):  # batching does not change greedy outputs
+        expected, _ = engine_text(make_engine, prompts[i], max_tokens=12, temperature=0)
+        assert results[i][0] == expected
+    _wait_idle(server)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    _wait_idle(server)
+    body = {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60
+    ) as response:
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        busy = ray.get(server.scheduler().stats.remote()).workers[0].load
+        assert busy.running == 1
+    # 4000 tokens would take minutes: it ends at once only because it was aborted.
+    _wait_idle(server, timeout_s=15)
+    after = ray.get(server.scheduler().stats.remote()).workers[0].load
+    assert after.free_blocks == after.total_blocks  # every block is back (some cached)
+
+
+def _samples(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_parse_and_move(server):
+    before = _samples(server)
+    done = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0
+    )
+    after = _samples(server)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert moved("tessera_requests_total", endpoint="completions", status="200") == 1
+    assert moved("tessera_generation_tokens_total") == 5
+    assert moved("tessera_prompt_tokens_total") == done.usage.prompt_tokens
+    assert moved("tessera_time_to_first_token_seconds_count") == 1
+    assert moved("tessera_e2e_request_latency_seconds_count") == 1
+    assert moved("tessera_time_per_output_token_seconds_count") == 1
+    assert moved("tessera_worker_generated_tokens_total", worker="mixed-0") >= 5
+    assert after[("tessera_worker_status", (("status", "healthy"), ("worker", "mixed-0")))] == 1
+    assert after[("tessera_worker_total_kv_blocks", (("worker", "mixed-0"),))] == 256
+    assert ("tessera_worker_kv_usage_ratio", (("worker", "mixed-0"),)) in after
+    assert ("tessera_worker_prefix_cache_hit_rate", (("worker", "mixed-0"),)) in after
+    assert ("tessera_queued_requests", ()) in after
