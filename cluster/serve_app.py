@@ -163,6 +163,7 @@ class OpenAIServer:
         info = await self.cluster.scheduler.model_info.remote()
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.pool_tokens = info.total_blocks * info.block_size  # one worker's KV pool
         self.model_name = config.model_name
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.metrics = Metrics()
@@ -250,8 +251,16 @@ class OpenAIServer:
             self._check_model(body.model)
             prompt = self._chat_prompt(body)
             max_tokens = body.requested_max_tokens
-            if max_tokens is None:  # as vLLM: the rest of the context
-                max_tokens = max(self.max_model_len - len(prompt), 1)
+            if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
+                room = min(self.max_model_len, self.pool_tokens) - len(prompt)
+                if room < 1:
+                    raise invalid(
+                        "messages",
+                        f"the conversation is {len(prompt)} tokens, at or over the "
+                        f"{min(self.max_model_len, self.pool_tokens)} tokens a request may "
+                        "hold here (the context length, or the KV pool)",
+                    )
+                max_tokens = room
             field_name = (
                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             )
@@ -455,6 +464,7 @@ class OpenAIServer:
 
     async def _collect(self, job: _Job, endpoint: str) -> None:
         status = 499  # the client went away (cancelled), unless we get to the end
+        self.metrics.in_flight.inc()
         try:
             async with contextlib.aclosing(self._events(job)) as events:
                 async for k, delta in events:
@@ -465,6 +475,7 @@ class OpenAIServer:
             status = api_error.status
             raise api_error from None
         finally:
+            self.metrics.in_flight.dec()
             self._finished(job, endpoint, status)
 
     def _finished(self, job: _Job, endpoint: str, status: int) -> None:

@@ -25,7 +25,7 @@ def readme_blocks() -> list[str]:
 
 
 def test_readme_run_command_serves_and_the_curl_example_answers(tmp_path):
-    run_cmd, _, curl_cmd = (block.strip() for block in readme_blocks()[:3])
+    run_cmd, curl_cmd = (block.strip() for block in readme_blocks()[:2])
     assert run_cmd.endswith("tessera serve") and curl_cmd.startswith("curl ")
     clone = tmp_path / "tessera"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)

@@ -529,7 +529,11 @@ def test_metrics_parse_and_move(server):
     assert moved("tessera_time_to_first_token_seconds_count") == 1
     assert moved("tessera_e2e_request_latency_seconds_count") == 1
     assert moved("tessera_time_per_output_token_seconds_count") == 1
-    assert moved("tessera_worker_generated_tokens_total", worker="mixed-0") >= 5
+    deadline = time.monotonic() + 10  # the worker's counters arrive with its next report
+    while moved("tessera_worker_generated_tokens_total", worker="mixed-0") < 5:
+        assert time.monotonic() < deadline, "the worker's generated tokens did not move"
+        time.sleep(0.2)
+        after = _samples(server)
     assert after[("tessera_worker_status", (("status", "healthy"), ("worker", "mixed-0")))] == 1
     assert after[("tessera_worker_total_kv_blocks", (("worker", "mixed-0"),))] == 256
     assert ("tessera_worker_kv_usage_ratio", (("worker", "mixed-0"),)) in after
