@@ -311,15 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
     from cluster.config import ConfigError, config_from_args, load_config_file
     from cluster.server import run_server
 
     try:
         base = load_config_file(args.config) if args.config else {}
-        if "api_key" not in base and os.environ.get("TESSERA_API_KEY"):
-            base["api_key"] = os.environ["TESSERA_API_KEY"]
         config = config_from_args(args, ServeConfig, base)
         return run_server(config, args.log_level)
     except ConfigError as error:

@@ -199,10 +199,14 @@ class _Run:
                     raise item
                 yield item
         finally:
-            if not self._task.done():  # the caller left early: abort on the worker
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+            await self.stop()
+
+    async def stop(self) -> None:
+        """The caller left early: stop reading, which aborts the request on its worker."""
+        if not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
         """The deltas of every live part, as they arrive."""
@@ -280,6 +284,26 @@ async def _next(stream) -> Any:
         raise
 
 
+class RequestStream:
+    """One request's deltas (``async for``). ``aclose()`` aborts the request on its
+    worker and frees its place, whether or not any delta was read (an async generator
+    never started would skip its ``finally``)."""
+
+    def __init__(self, run: _Run) -> None:
+        self._run = run
+        self._deltas = run.stream()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        await self._deltas.aclose()
+        await self._run.stop()
+
+
 class ClusterClient:
     """Submit requests to a running cluster. Use ``Cluster.start`` or ``connect``."""
 
@@ -308,7 +332,7 @@ class ClusterClient:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Start a request; return its stream of deltas (all ``n`` outputs).
 
         Pass a request id, the prompt (text or token ids) and its sampling parameters,
@@ -336,7 +360,7 @@ class ClusterClient:
             await run.close()
             raise
         run.pump()
-        return run.stream()
+        return RequestStream(run)
 
     def _token_ids(self, prompt: str | Sequence[int] | None) -> tuple[int, ...]:
         if isinstance(prompt, str):

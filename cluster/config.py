@@ -11,6 +11,7 @@ cluster starts.
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from typing import Literal
@@ -275,6 +276,16 @@ class ServeConfig(ClusterConfig):
     def _request_bytes(cls, value):
         return _memory_value(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _api_key_from_environment(cls, data):
+        """Every way to start (the CLI, ``serve run``, KubeRay) reads the key alike."""
+        if isinstance(data, dict) and data.get("api_key") is None:
+            key = os.environ.get("TESSERA_API_KEY")
+            if key:
+                data = {**data, "api_key": key}
+        return data
+
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeConfig:
         if self.min_replicas > self.max_replicas:
@@ -350,8 +361,6 @@ def check_environment(config: ClusterConfig) -> None:
 
 
 def _machine_memory() -> int:
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

@@ -17,15 +17,15 @@ or KubeRay, where replicas come and go); otherwise it dies with its creator's pr
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import ray
 
-from cluster.client import ClusterClient
+from cluster.client import ClusterClient, RequestStream
 from cluster.config import ClusterConfig, check_environment
 from scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class
 from scheduler.api import ClusterStats
-from workers.api import Request, RequestOutput, SamplingParams
+from workers.api import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Cluster:
             owns_scheduler = True
         try:
             await scheduler.start.remote()
-            stats = await scheduler.wait_ready.remote(ready_timeout_s)
+            stats = await scheduler.wait_ready.remote(ready_timeout_s, not owns_scheduler)
         except BaseException:
             if owns_scheduler:
                 await _stop(scheduler)
@@ -103,7 +103,7 @@ class Cluster:
         prompt: str | Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
         **options,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """See ``ClusterClient.submit``."""
         return await self.client.submit(request, prompt, sampling, **options)
 

@@ -249,8 +249,11 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise invalid(None, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise invalid(None, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise invalid(None, f"the body must be a JSON object, got {type(data).__name__}")
+    data = {key: value for key, value in data.items() if value is not None}  # null: default
     try:
         return model.model_validate(data)
     except ValidationError as error:

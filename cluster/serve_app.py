@@ -173,15 +173,23 @@ class OpenAIServer:
     # ------------------------------------------------------------------ routes
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        stats = await self.client.stats()
-        healthy = sum(w.status is WorkerStatus.HEALTHY for w in stats.workers)
+        stats = await self._stats()
+        workers = stats.workers if stats is not None else ()
+        healthy = sum(w.status is WorkerStatus.HEALTHY for w in workers)
         body = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        stats = await self.client.stats()
-        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(await self._stats()), media_type=CONTENT_TYPE)
+
+    async def _stats(self):
+        """The cluster's stats; None when the scheduler does not answer."""
+        try:
+            return await self.client.stats()
+        except Exception as error:  # the scheduler is gone or restarting
+            logger.warning("no stats from the scheduler: %s", error)
+            return None
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -208,7 +216,10 @@ class OpenAIServer:
                 self._check_length(prompt, max_tokens, "max_tokens")
             sampling = body.sampling_for(max_tokens)
             job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
-            echo = [self.tokenizer.decode(p) if body.echo else "" for p in prompts]
+            echo = [
+                (text if isinstance(text, str) else self.tokenizer.decode(ids)) if body.echo else ""
+                for text, ids in zip(body.prompts(), prompts, strict=True)
+            ]
             await self._start(job, body)
         except APIError as error:
             self.metrics.finished("completions", error.status, arrival, None, 0, 0, 0, 0)
@@ -252,15 +263,16 @@ class OpenAIServer:
             prompt = self._chat_prompt(body)
             max_tokens = body.requested_max_tokens
             if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
-                room = min(self.max_model_len, self.pool_tokens) - len(prompt)
-                if room < 1:
+                width = body.beam_width or body.best_of or body.n
+                limit = min(self.max_model_len, self.pool_tokens // max(width, 1))
+                if len(prompt) >= limit:
                     raise invalid(
                         "messages",
-                        f"the conversation is {len(prompt)} tokens, at or over the "
-                        f"{min(self.max_model_len, self.pool_tokens)} tokens a request may "
-                        "hold here (the context length, or the KV pool)",
+                        f"the conversation is {len(prompt)} tokens, at or over the {limit} "
+                        "tokens each output may hold here (the context length, or the KV "
+                        "pool shared by the outputs); set max_tokens",
                     )
-                max_tokens = room
+                max_tokens = limit - len(prompt)
             field_name = (
                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             )
@@ -358,13 +370,17 @@ class OpenAIServer:
             raise invalid(
                 "continue_final_message", "needs add_generation_prompt to be false as well"
             )
-        text = self.tokenizer.apply_chat_template(
-            body.conversation(),
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            tokenize=False,
-        )
-        return self.tokenizer(text).input_ids
+        try:
+            text = self.tokenizer.apply_chat_template(
+                body.conversation(),
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tokenize=False,
+            )
+        except Exception as error:  # the template refuses the conversation
+            raise invalid("messages", f"the chat template refused them: {error}") from None
+        # The template wrote the special tokens (BOS) already.
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
         if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
@@ -411,7 +427,7 @@ class OpenAIServer:
                     job.sampling,
                     priority=body.priority,
                     cache_salt=body.cache_salt,
-                    timeout_s=remaining,
+                    timeout_s=min(remaining, self.config.queue_timeout_s),
                 )
                 job.streams.append(stream)
         except BaseException as error:

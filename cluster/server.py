@@ -12,6 +12,7 @@ process started it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -39,6 +40,17 @@ def check_port(host: str, port: int) -> None:
         raise ConfigError(f"port: cannot listen on {host}:{port} ({error.strerror})") from None
 
 
+def _serve_running() -> bool:
+    """Whether Ray Serve already runs on the Ray cluster (another app's, perhaps)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -64,12 +76,16 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
             logging_level=log_level,
         )
     cluster = None
+    serve_was_running = True  # until known otherwise: never shut down someone's Serve
     try:
         _say(f"starting {config.workers} worker(s) with model {config.model_name} ...")
         cluster = asyncio.run(Cluster.start(config.cluster_config()))
         _say(f"starting the HTTP server on {config.host}:{config.port} ...")
         from cluster.serve_app import build_app
 
+        serve_was_running = _serve_running()
+        if serve_was_running:
+            _say("Ray Serve already runs on this Ray cluster: adding the app to it")
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(
             build_app(config),
@@ -90,7 +106,11 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
             _say(f"draining (up to {config.graceful_shutdown_s:g} s for ongoing requests) ...")
         return 0
     finally:
-        serve.shutdown()
+        if serve_was_running:
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
         if cluster is not None:
             asyncio.run(cluster.shutdown())
         if owns_ray:

@@ -97,16 +97,19 @@ class Scheduler:
                 self._add_worker(role)
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
 
-    async def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ClusterStats:
-        """Wait until every pool has its starting workers healthy; raise if they
-        cannot start (the first start error says why)."""
+    async def wait_ready(
+        self, timeout_s: float = STARTUP_TIMEOUT_S, any_healthy: bool = False
+    ) -> ClusterStats:
+        """Wait until every pool has its starting workers healthy (``any_healthy``: one
+        healthy worker per pool, for a front end joining a running cluster that may have
+        scaled down); raise if they cannot start (the first start error says why)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.start_errors and len(self.start_errors) >= MAX_START_FAILURES:
                 raise RuntimeError(f"workers failed to start: {self.start_errors[0]}")
             ready = all(
                 sum(w.role == role and w.status is WorkerStatus.HEALTHY for w in self.registry)
-                >= count
+                >= (1 if any_healthy else count)
                 for role, (count, _, _) in self.config.pools.items()
             )
             if ready:

@@ -317,6 +317,7 @@ ERRORS = [
     # (path, body, status, param, words in the message)
     ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object, got list"),
+    ("/v1/completions", b"[" * 100_000, 400, None, "not valid JSON"),
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus", "Unrecognized"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
@@ -426,6 +427,28 @@ def test_overload_gets_429_with_retry_after(server):
         ray.get(scheduler.set_admission.remote(16, 64))
     ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_a_refused_prompt_of_a_batch_aborts_the_ones_already_started(server):
+    scheduler = server.scheduler()
+    _wait_idle(server)
+    ray.get(scheduler.set_admission.remote(2, 0))  # two places, no queue: prompt 3 is refused
+    try:
+        body = {"prompt": ["One", "Two", "Three"], "max_tokens": 2000, "ignore_eos": True}
+        refused = server.post("/v1/completions", body)
+        assert refused.status_code == 429, refused.text
+        # The two started prompts (2000 tokens: minutes) were aborted, not left running.
+        _wait_idle(server, timeout_s=15)
+        assert ray.get(scheduler.stats.remote()).workers[0].ongoing == 0
+    finally:
+        ray.get(scheduler.set_admission.remote(16, 64))
+
+
+def test_null_fields_take_their_defaults(server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": None, "n": None, "stop": None}
+    done = server.post("/v1/completions", body)
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 3
 
 
 def test_deadline_408_and_a_stream_that_fails_ends_with_an_error_event(server):

@@ -207,3 +207,17 @@ def test_serve_config(tmp_path):
         load_config_file(str(path))
     with pytest.raises(ConfigError, match="config: cannot read"):
         load_config_file(str(tmp_path / "missing.yaml"))
+
+
+def test_api_key_comes_from_the_environment_unless_given(monkeypatch):
+    monkeypatch.setenv("TESSERA_API_KEY", "from-env")
+    assert ServeConfig.create().api_key == "from-env"
+    assert ServeConfig.create(api_key="given").api_key == "given"
+    monkeypatch.delenv("TESSERA_API_KEY")
+    assert ServeConfig.create().api_key is None
+
+
+def test_null_fields_take_their_defaults():
+    body = completion(prompt="x", temperature=None, n=None, stop=None, seed=None)
+    assert body.sampling_for(4) == SamplingParams(max_tokens=4)
+    assert chat(messages=[{"role": "user", "content": "x"}], logprobs=None).logprobs is False
