@@ -83,6 +83,7 @@ class _Run:
         self.parts: list[_Part] = []
         self._deltas: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._closed = False
 
     # -- attempts
     def _plan(self) -> list[_Part]:
@@ -202,11 +203,14 @@ class _Run:
             await self.stop()
 
     async def stop(self) -> None:
-        """The caller left early: stop reading, which aborts the request on its worker."""
+        """The caller left early: stop reading, which aborts the request on its worker.
+        A pump cancelled before its first step never runs its ``finally``, so the
+        request is closed here too (``close`` is idempotent)."""
         if not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self.close()
 
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
         """The deltas of every live part, as they arrive."""
@@ -257,6 +261,10 @@ class _Run:
                     placement.worker.abort.remote(part.worker_request_id)
 
     async def close(self) -> None:
+        """Abort what still runs and free the request's place in the cluster (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self._cancel_parts()
         self.client._runs.pop(self.request.request_id, None)
         with contextlib.suppress(RayActorError):

@@ -149,6 +149,14 @@ async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
     assert await _freed_within(worker, "leaver", 1.0) <= 1.0
     await worker.check_integrity.remote()
 
+    # Closed straight after submit, never read: aborted, and its place freed too.
+    stream = await cluster.submit("unread", "Tell me a long story about a ship.", long)
+    await stream.aclose()
+    stats = await _wait_for(cluster, lambda s: not any(w.ongoing for w in s.workers), "release")
+    for state in stats.workers:
+        handle = await cluster.scheduler.worker_handle.remote(state.worker_id)
+        await _freed_within(handle, "unread", 5.0)
+
     stream = await cluster.submit("stopped", "Tell me another long story.", long)
     worker_id = await _worker_of(cluster)
     worker = await cluster.scheduler.worker_handle.remote(worker_id)
