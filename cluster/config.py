@@ -231,6 +231,14 @@ class ServeConfig(ClusterConfig):
 
     host: str = Field("127.0.0.1", description="address the HTTP server listens on")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    grpc_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="serve the gRPC API (tessera.v1.Generation, grpc.health.v1) on this "
+        "port, on every interface (Ray Serve's gRPC proxy has no host setting); off when "
+        "unset",
+    )
     api_key: str | None = Field(
         None,
         min_length=1,

@@ -14,12 +14,14 @@ Tessera's extras ride in the same body, as vLLM's do: ``best_of``, ``beam_width`
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from scheduler.api import DeadlineError, NoWorkerError, OverloadedError
 from workers.api import (
     MAX_TOP_LOGPROBS,
     FinishReason,
@@ -29,10 +31,14 @@ from workers.api import (
     TokenLogprob,
 )
 
+logger = logging.getLogger(__name__)
+
 #: Most stop strings one request may give.
 MAX_STOP = 16
 #: Most prompts one completions request may batch.
 MAX_PROMPTS = 64
+#: Seconds a client is told to wait before retrying an overloaded cluster.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -71,6 +77,24 @@ def invalid(param: str | None, message: str) -> APIError:
     if param is not None and not message.startswith(f"{param}:"):
         message = f"{param}: {message}"
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def api_error(error: BaseException) -> APIError:
+    """The HTTP error for whatever ended a request (the gRPC API maps it to a status
+    code)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return invalid(error.field, str(error))
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(error, DeadlineError):
+        return APIError(408, str(error), type="timeout_error", code="timeout")
+    if isinstance(error, OverloadedError):
+        return APIError(429, str(error), type="overloaded_error", code="overloaded", headers=retry)
+    if isinstance(error, NoWorkerError):
+        return APIError(503, str(error), type="unavailable_error", code="no_worker", headers=retry)
+    logger.error("request failed: %s: %s", type(error).__name__, error)
+    return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
 
 # ------------------------------------------------------------------ requests

@@ -36,6 +36,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from cluster.config import ServeConfig
+from cluster.grpc_api import GenerationService
 from cluster.launch import Cluster
 from cluster.metrics import CONTENT_TYPE, Metrics
 from cluster.openai_protocol import (
@@ -43,18 +44,17 @@ from cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LogprobFormatter,
+    api_error,
     finish_reason,
     invalid,
     parse_body,
     usage,
 )
-from scheduler.api import DeadlineError, NoWorkerError, OverloadedError, WorkerStatus
-from workers.api import InvalidRequestError, RequestOutput, SamplingParams
+from scheduler.api import DeadlineError, WorkerStatus
+from workers.api import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a client is told to wait before retrying an overloaded cluster.
-RETRY_AFTER_S = 1
 #: The default ``max_tokens`` of the completions API (OpenAI's).
 COMPLETIONS_MAX_TOKENS = 16
 
@@ -80,23 +80,6 @@ async def _render_internal_error(request: Request, error: Exception) -> JSONResp
     logger.exception("internal error on %s %s", request.method, request.url.path)
     body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
     return JSONResponse(body.body(), status_code=500)
-
-
-def _api_error(error: BaseException) -> APIError:
-    """The HTTP error for whatever ended a request."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, InvalidRequestError):
-        return invalid(error.field, str(error))
-    retry = {"Retry-After": str(RETRY_AFTER_S)}
-    if isinstance(error, DeadlineError):
-        return APIError(408, str(error), type="timeout_error", code="timeout")
-    if isinstance(error, OverloadedError):
-        return APIError(429, str(error), type="overloaded_error", code="overloaded", headers=retry)
-    if isinstance(error, NoWorkerError):
-        return APIError(503, str(error), type="unavailable_error", code="no_worker", headers=retry)
-    logger.error("request failed: %s: %s", type(error).__name__, error)
-    return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
 
 async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
@@ -152,8 +135,9 @@ class _Job:
 # when it is decorated, with the module's names as they are at that point.
 @serve.deployment(name="tessera")
 @serve.ingress(api)
-class OpenAIServer:
-    """One front-end replica; every replica shares the cluster's one scheduler."""
+class OpenAIServer(GenerationService):
+    """One front-end replica; every replica shares the cluster's one scheduler. It
+    serves the gRPC API too (``GenerationService``)."""
 
     async def __init__(self, config: ServeConfig) -> None:
         self.config = config
@@ -434,7 +418,7 @@ class OpenAIServer:
             await _close(job.streams)
             if not isinstance(error, Exception):  # cancelled: the client left
                 raise
-            raise _api_error(error) from None
+            raise api_error(error) from None
 
     async def _events(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) from all of the job's streams, until the deadline."""
@@ -487,9 +471,9 @@ class OpenAIServer:
                     self._record(job, k, delta)
             status = 200
         except Exception as error:
-            api_error = _api_error(error)
-            status = api_error.status
-            raise api_error from None
+            failure = api_error(error)
+            status = failure.status
+            raise failure from None
         finally:
             self.metrics.in_flight.dec()
             self._finished(job, endpoint, status)
@@ -518,9 +502,9 @@ class OpenAIServer:
                         yield f"data: {json.dumps(chunk)}\n\n"
                 status = 200
             except Exception as error:  # after the first byte: an error event, then [DONE]
-                api_error = _api_error(error)
-                status = api_error.status
-                yield f"data: {json.dumps(api_error.body())}\n\n"
+                failure = api_error(error)
+                status = failure.status
+                yield f"data: {json.dumps(failure.body())}\n\n"
             finally:  # also when the client left (cancelled): its requests are aborted
                 self.metrics.in_flight.dec()
                 self._finished(job, endpoint, status)

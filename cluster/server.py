@@ -1,9 +1,10 @@
 """``tessera serve``: Ray, the cluster and the HTTP app, up until Ctrl-C, then down.
 
-Order of start: check the configuration and the port; join Ray (``address``) or start
-a local Ray; start the scheduler and its workers (this process owns them); start Ray
-Serve's HTTP proxy on ``host:port`` and deploy the app (``cluster.serve_app``), whose
-replicas find the scheduler by name; print the ready line. On SIGINT or SIGTERM, the
+Order of start: check the configuration and the ports; join Ray (``address``) or
+start a local Ray; start the scheduler and its workers (this process owns them); start
+Ray Serve's HTTP proxy on ``host:port`` (and its gRPC proxy on ``grpc_port``) and
+deploy the app (``cluster.serve_app``), whose replicas find the scheduler by name;
+print the ready line. On SIGINT or SIGTERM, the
 reverse: Serve stops taking requests and lets ongoing ones finish (up to
 ``graceful_shutdown_s``), then the workers and the scheduler stop, then Ray if this
 process started it.
@@ -23,6 +24,7 @@ import ray
 from ray import serve
 
 from cluster.config import ConfigError, ServeConfig, check_environment
+from cluster.grpc_api import SERVICER_FUNCTIONS
 from cluster.launch import Cluster
 
 logger = logging.getLogger(__name__)
@@ -31,13 +33,21 @@ logger = logging.getLogger(__name__)
 APP_NAME = "tessera"
 
 
-def check_port(host: str, port: int) -> None:
-    """Raise ``ConfigError`` when ``host:port`` cannot be listened on."""
+def check_port(host: str, port: int, field: str = "port") -> None:
+    """Raise ``ConfigError`` naming ``field`` when ``host:port`` cannot be listened on."""
     try:
         with socket.create_server((host, port)):
             pass
     except OSError as error:
-        raise ConfigError(f"port: cannot listen on {host}:{port} ({error.strerror})") from None
+        where = f"{host}:{port}" if host else f"port {port}"
+        raise ConfigError(f"{field}: cannot listen on {where} ({error.strerror})") from None
+
+
+def grpc_options(config: ServeConfig) -> dict | None:
+    """Serve's ``grpc_options`` for the gRPC API; None when it is off."""
+    if config.grpc_port is None:
+        return None
+    return {"port": config.grpc_port, "grpc_servicer_functions": list(SERVICER_FUNCTIONS)}
 
 
 def _serve_running() -> bool:
@@ -63,6 +73,8 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
     """Serve until SIGINT/SIGTERM; return the exit code."""
     check_environment(config)
     check_port(config.host, config.port)
+    if config.grpc_port is not None:
+        check_port("", config.grpc_port, "grpc_port")  # Serve listens on every interface
     for sig in (signal.SIGINT, signal.SIGTERM):  # also where SIGINT was ignored (nohup, &)
         signal.signal(sig, _interrupt)  # as Ctrl-C: drain, then stop
     start = time.perf_counter()
@@ -86,7 +98,10 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         serve_was_running = _serve_running()
         if serve_was_running:
             _say("Ray Serve already runs on this Ray cluster: adding the app to it")
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(
+            http_options={"host": config.host, "port": config.port},
+            grpc_options=grpc_options(config),
+        )
         serve.run(
             build_app(config),
             name=APP_NAME,
@@ -94,8 +109,9 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
             logging_config={"log_level": log_level},
         )
         url = f"http://{config.host}:{config.port}"
+        grpc = f", gRPC on port {config.grpc_port}" if config.grpc_port is not None else ""
         _say(
-            f"ready at {url} in {time.perf_counter() - start:.1f} s: model "
+            f"ready at {url}{grpc} in {time.perf_counter() - start:.1f} s: model "
             f"{config.model_name!r}, {config.workers} worker(s); try {url}/v1/models "
             "(Ctrl-C stops)"
         )

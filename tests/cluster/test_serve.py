@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,6 +20,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli import main as cli_main
+from tests.cluster.serve_process import Server, serve_process
 from tests.helpers import run_engine, text_of, tokens_of
 from workers.api import SamplingParams
 
@@ -36,83 +32,21 @@ NAMESPACE = "serve-test"
 PROMPT = "The capital of France is"
 
 
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-    log: Path
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {API_KEY}"}
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def post(self, path: str, body, **kwargs) -> httpx.Response:
-        headers = {**self.headers, **kwargs.pop("headers", {})}
-        data = body if isinstance(body, bytes | str) else json.dumps(body)
-        return httpx.post(f"{self.url}{path}", content=data, headers=headers, timeout=120, **kwargs)
-
-    def scheduler(self):
-        return ray.get_actor("tessera-scheduler", namespace=NAMESPACE)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_line(process: subprocess.Popen, log: Path, text: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if text in log.read_text():
-            return
-        if process.poll() is not None:
-            break
-        time.sleep(0.5)
-    raise AssertionError(f"no {text!r} from tessera serve; its log:\n{log.read_text()[-5000:]}")
-
-
 @pytest.fixture(scope="module")
 def server(ray_session, tmp_path_factory) -> Server:
     """`tessera serve` with settings from a YAML file and flags, joined to the session's
     Ray; stopped with SIGINT (Ctrl-C) at the end, which must exit cleanly."""
-    root = tmp_path_factory.mktemp("serve")
-    config = root / "serve.yaml"
-    config.write_text(
+    settings = (
         f"served_model_name: {MODEL}\n"
         "num_kv_blocks: 256\n"
         "device: cpu\n"
         "report_interval_s: 0.1\n"
-        f"namespace: {NAMESPACE}\n"
         "max_ongoing_requests: 16\n"
         "max_queued_requests: 64\n"
         "port: 1\n"  # overridden by --port: flags win over the file
     )
-    port = free_port()
-    log = root / "serve.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "cluster.cli", "serve"),
-                *("--config", str(config)),
-                *("--address", ray.get_runtime_context().gcs_address),
-                *("--port", str(port)),
-                *("--api-key", API_KEY),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_for_line(process, log, "tessera: ready at", 300)
-        yield Server(f"http://127.0.0.1:{port}", process, log)
-    finally:
-        process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=120)
-    assert code == 0, log.read_text()[-5000:]
-    assert "tessera: stopped" in log.read_text()
+    with serve_process(tmp_path_factory.mktemp("serve"), settings, API_KEY, NAMESPACE) as server:
+        yield server
 
 
 def engine_text(make_engine, prompt, **sampling) -> tuple[str, list[int]]:

@@ -1,0 +1,339 @@
+"""The gRPC client API: ``tessera.v1.Generation`` and ``grpc.health.v1.Health``.
+
+Both ride on Ray Serve's gRPC ingress (``grpc_options``): Serve's gRPC proxy routes
+``/tessera.v1.Generation/Generate`` to the method ``Generate`` of the application's
+ingress deployment, so ``GenerationService`` is mixed into the HTTP app's deployment
+(``cluster.serve_app.OpenAIServer``) and uses its client, tokenizer and checks. One
+deployment, one scheduler connection, two wire formats. Serve's proxy also serves
+gRPC server reflection for the registered services.
+
+Errors end the call with a status code and a message that names the field:
+``INVALID_ARGUMENT``, ``UNAUTHENTICATED`` (metadata ``authorization: Bearer <key>``;
+health is exempt), ``NOT_FOUND`` (model), ``RESOURCE_EXHAUSTED`` (overloaded),
+``DEADLINE_EXCEEDED`` (the request's ``timeout_s``, the client's gRPC deadline as the
+Python client sends it, or ``request_timeout_s``), ``UNAVAILABLE`` (no healthy worker).
+
+Serve's gRPC proxy listens on every interface (it has no host setting): set an API
+key wherever the port is reachable from outside the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from cluster.grpc_client import API_VERSION
+from cluster.openai_protocol import api_error, invalid
+from protos.tessera.v1 import generation_pb2 as pb
+from scheduler.api import DeadlineError, WorkerStatus
+from workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+#: The services the gRPC ingress serves: ``grpc_options.grpc_servicer_functions``.
+SERVICER_FUNCTIONS = (
+    "protos.tessera.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+#: The service name health checks may ask about (besides "", the whole server).
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+#: How often ``Watch`` looks at the workers' health.
+WATCH_INTERVAL_S = 1.0
+
+#: An HTTP status of the shared error mapping -> its gRPC status code.
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+#: SamplingOptions fields that map one to one onto SamplingParams when set.
+_OPTIONAL = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "logprobs",
+    "skip_special_tokens",
+    "n",
+    "best_of",
+    "beam_width",
+    "length_penalty",
+    "early_stopping",
+)
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+class GrpcError(Exception):
+    """Ends a call with ``code``; Serve's proxy sends the code set on the context."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(code, message)  # both in args: Ray pickles it to the proxy
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def grpc_error(error: BaseException) -> GrpcError:
+    """The gRPC status for whatever ended a call (the HTTP app's mapping, translated)."""
+    if isinstance(error, GrpcError):
+        return error
+    failure = api_error(error)
+    return GrpcError(_CODES.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
+
+
+def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
+    """``SamplingOptions`` -> ``SamplingParams``; unset fields take its defaults."""
+    kwargs: dict[str, Any] = {
+        name: getattr(options, name) for name in _OPTIONAL if options.HasField(name)
+    }
+    kwargs["stop"] = tuple(options.stop)
+    kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
+    kwargs["ignore_eos"] = options.ignore_eos
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError as error:
+        raise invalid(f"sampling.{error.field}", str(error)) from None
+
+
+def response(request_id: str, delta: RequestOutput) -> pb.GenerateResponse:
+    """One delta of one output as a ``GenerateResponse`` (without usage)."""
+    message = pb.GenerateResponse(
+        version=API_VERSION,
+        request_id=request_id,
+        index=delta.index,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=_FINISH[delta.finish_reason if delta.finished else None],
+    )
+    for logprob in delta.logprobs or ():
+        message.logprobs.add(
+            token_id=logprob.token_id,
+            logprob=logprob.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
+        )
+    if isinstance(delta.stop_reason, str):
+        message.stop_string = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        message.stop_token_id = delta.stop_reason
+    if delta.cumulative_logprob is not None:
+        message.cumulative_logprob = delta.cumulative_logprob
+    return message
+
+
+def _check_version(version: int) -> None:
+    if version not in (0, API_VERSION):
+        raise invalid("version", f"this server speaks version {API_VERSION}, got {version}")
+
+
+class GenerationService:
+    """The gRPC methods of the front-end deployment (a mixin of ``OpenAIServer``,
+    whose ``client``, ``tokenizer``, ``config``, ``metrics`` and request checks it
+    uses). Each method takes the request message and Serve's ``grpc_context``."""
+
+    async def Generate(  # noqa: N802 (the RPC's name)
+        self, request: pb.GenerateRequest, grpc_context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        status, first_token, prompt, completion, longest = 200, None, [], 0, 0
+        stream = None
+        try:
+            self._grpc_authorize(grpc_context)
+            _check_version(request.version)
+            self._check_model(request.model or None)
+            prompt, sampling = self._grpc_prompt(request)
+            timeout = self.config.request_timeout_s
+            if request.HasField("timeout_s"):
+                if not (request.timeout_s > 0 and math.isfinite(request.timeout_s)):
+                    raise invalid("timeout_s", f"must be a number > 0, got {request.timeout_s}")
+                timeout = min(timeout, request.timeout_s)
+            deadline = arrival + timeout
+            request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            stream = await self.client.submit(
+                request_id,
+                prompt,
+                sampling,
+                priority=request.priority,
+                cache_salt=request.cache_salt or None,
+                timeout_s=min(timeout, self.config.queue_timeout_s),
+            )
+            finished = 0
+            while finished < sampling.n:
+                remaining = deadline - time.monotonic()
+                try:
+                    delta = await asyncio.wait_for(anext(stream), max(remaining, 0))
+                except TimeoutError:
+                    raise DeadlineError(
+                        f"the request passed its deadline of {timeout:g} s and was aborted"
+                    ) from None
+                message = response(request_id, delta)
+                if delta.token_ids and first_token is None:
+                    first_token = time.monotonic()
+                if delta.finished:
+                    finished += 1
+                    completion += delta.completion_tokens
+                    longest = max(longest, delta.completion_tokens)
+                    if finished == sampling.n:
+                        message.usage.prompt_tokens = len(prompt)
+                        message.usage.completion_tokens = completion
+                        message.usage.total_tokens = len(prompt) + completion
+                yield message
+        except (Exception, asyncio.CancelledError) as error:
+            if isinstance(error, asyncio.CancelledError):  # the client left: abort
+                status = 499
+                raise
+            failure = grpc_error(error)
+            status = _http_status(failure.code)
+            raise self._grpc_fail(grpc_context, failure) from None
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # aborts the request if it still runs
+            self.metrics.finished(
+                "grpc_generate",
+                status,
+                arrival,
+                first_token,
+                time.monotonic(),
+                len(prompt),
+                completion,
+                longest,
+            )
+
+    async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:  # noqa: N802
+        try:
+            self._grpc_authorize(grpc_context)
+            _check_version(request.version)
+            if not request.request_id:
+                raise invalid("request_id", "must not be empty")
+            aborted = await self.client.abort(request.request_id)
+        except Exception as error:
+            raise self._grpc_fail(grpc_context, grpc_error(error)) from None
+        return pb.AbortResponse(version=API_VERSION, aborted=aborted)
+
+    async def ListModels(  # noqa: N802
+        self, request: pb.ListModelsRequest, grpc_context
+    ) -> pb.ListModelsResponse:
+        try:
+            self._grpc_authorize(grpc_context)
+            _check_version(request.version)
+        except Exception as error:
+            raise self._grpc_fail(grpc_context, grpc_error(error)) from None
+        model = pb.Model(
+            id=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size
+        )
+        return pb.ListModelsResponse(version=API_VERSION, models=[model])
+
+    async def Tokenize(  # noqa: N802
+        self, request: pb.TokenizeRequest, grpc_context
+    ) -> pb.TokenizeResponse:
+        try:
+            self._grpc_authorize(grpc_context)
+            _check_version(request.version)
+            self._check_model(request.model or None)
+        except Exception as error:
+            raise self._grpc_fail(grpc_context, grpc_error(error)) from None
+        ids = self.tokenizer(request.text, add_special_tokens=request.add_special_tokens).input_ids
+        return pb.TokenizeResponse(version=API_VERSION, token_ids=ids)
+
+    # ------------------------------------------------------------------ health
+    async def Check(  # noqa: N802 (grpc.health.v1.Health)
+        self, request: health_pb2.HealthCheckRequest, grpc_context
+    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in ("", SERVICE_NAME):
+            failure = GrpcError(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise self._grpc_fail(grpc_context, failure)
+        return health_pb2.HealthCheckResponse(status=await self._serving())
+
+    async def Watch(  # noqa: N802
+        self, request: health_pb2.HealthCheckRequest, grpc_context
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        """Sends the status now and again at each change, until the client leaves."""
+        if request.service not in ("", SERVICE_NAME):
+            unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            yield health_pb2.HealthCheckResponse(status=unknown)
+            return
+        last = None
+        while True:
+            status = await self._serving()
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _serving(self) -> int:
+        stats = await self._stats()
+        workers = stats.workers if stats is not None else ()
+        if any(w.status is WorkerStatus.HEALTHY for w in workers):
+            return health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse.NOT_SERVING
+
+    # ------------------------------------------------------------------ helpers
+    def _grpc_authorize(self, grpc_context) -> None:
+        if self._api_key is None:
+            return
+        metadata = dict(grpc_context.invocation_metadata())
+        given = metadata.get("authorization")
+        if given is None:
+            raise GrpcError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing API key: send the metadata 'authorization: Bearer <key>'",
+            )
+        if not hmac.compare_digest(given.encode(), self._api_key):
+            raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key")
+
+    def _grpc_prompt(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise invalid("prompt", "must be set: text or token_ids")
+        if kind == "text":
+            if not request.text:
+                raise invalid("text", "must not be empty")
+            prompt = self._token_ids(request.text)
+        else:
+            if not request.token_ids.ids:
+                raise invalid("token_ids", "must not be empty")
+            prompt = self._token_ids(list(request.token_ids.ids))
+        sampling = sampling_params(request.sampling)
+        self._check_length(prompt, sampling.max_tokens, "sampling.max_tokens")
+        return prompt, sampling
+
+    @staticmethod
+    def _grpc_fail(grpc_context, failure: GrpcError) -> GrpcError:
+        """Set the call's status (Serve's proxy sends it) and return the error to raise."""
+        grpc_context.set_code(failure.code)
+        grpc_context.set_details(failure.message)
+        return failure
+
+
+def _http_status(code: grpc.StatusCode) -> int:
+    """The metrics' status label of a gRPC outcome (the HTTP app's numbers)."""
+    for status, mapped in _CODES.items():
+        if mapped is code:
+            return status
+    return 500
