@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between load lines while the cluster stays up (default: 10)",
     )
-    add_config_arguments(clu)
+    add_config_arguments(clu, only_given=True)
     clu.set_defaults(func=_cluster)
 
     srv = commands.add_parser(

@@ -145,6 +145,7 @@ class _Run:
                 request.priority,
                 request.cache_salt,
                 part.resume,
+                placement.prefill,  # disaggregated: pull the prompt's blocks from there
             )
         for part in parts:
             accepted = await _next(part.stream)

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from scheduler.api import MIXED
+from scheduler.api import DECODE, MIXED, PREFILL
 from scheduler.placement import POLICIES
 from workers.config import (
     DEFAULT_BLOCK_SIZE,
@@ -33,6 +33,8 @@ from workers.config import (
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
 )
+from workers.disaggregation import KVTransferConfig
+from workers.kv_transfer import TLSFiles
 
 
 class ConfigError(ValueError):
@@ -81,8 +83,25 @@ class ClusterConfig(BaseModel):
         True, description="reuse the KV blocks of earlier prompts on each worker"
     )
 
-    # -- the worker pool (the mixed role; prefill/decode pools come with disaggregation)
-    workers: int = Field(1, ge=1, description="workers started with the cluster")
+    # -- the worker pools: mixed workers, or prefill + decode workers (disaggregation)
+    workers: int = Field(
+        1,
+        ge=0,
+        description="mixed workers (each prefills and decodes its requests) started with the "
+        "cluster; default 1, or 0 with --prefill-workers/--decode-workers",
+    )
+    prefill_workers: int = Field(
+        0,
+        ge=0,
+        description="prefill workers: compute prompts' KV blocks and send them to decode "
+        "workers over gRPC (disaggregation; with --decode-workers)",
+    )
+    decode_workers: int = Field(
+        0,
+        ge=0,
+        description="decode workers: pull each request's prompt blocks from a prefill worker "
+        "(only those their own prefix cache lacks), then decode",
+    )
     min_workers: int | None = Field(
         None, ge=1, description="autoscaling floor (default: --workers)"
     )
@@ -94,6 +113,32 @@ class ClusterConfig(BaseModel):
     )
     worker_max_restarts: int = Field(
         3, ge=-1, description="times Ray restarts a crashed worker (-1: forever)"
+    )
+    role_resources: bool = Field(
+        False,
+        description="each worker asks Ray for one unit of the custom resource "
+        "'tessera-<role>' too (on KubeRay, the role's worker group offers it)",
+    )
+    kv_transfer_host: str = Field(
+        "127.0.0.1",
+        description="address the prefill workers' KV-transfer gRPC servers listen on; decode "
+        "workers must reach it",
+    )
+    kv_transfer_port: int = Field(
+        0, ge=0, le=65535, description="their port (0: a free port for each worker)"
+    )
+    kv_transfer_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="deadline of one KV transfer; past it (or on any transfer error) the "
+        "decode worker prefills the request itself",
+    )
+    kv_transfer_tls_cert: str | None = Field(
+        None, description="mutual TLS between workers: each worker's certificate (PEM file)"
+    )
+    kv_transfer_tls_key: str | None = Field(None, description="...its private key (PEM file)")
+    kv_transfer_tls_ca: str | None = Field(
+        None, description="...and the CA that signed every worker's certificate (PEM file)"
     )
 
     # -- placement and admission
@@ -156,8 +201,60 @@ class ClusterConfig(BaseModel):
     def _memory(cls, value):
         return _memory_value(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_mixed_by_default_with_roles(cls, data):
+        """``workers`` defaults to 0 once prefill/decode workers are asked for."""
+        if not isinstance(data, dict):
+            return data
+        if (data.get("prefill_workers") or data.get("decode_workers")) and "workers" not in data:
+            data = {**data, "workers": 0}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
+        if bool(self.prefill_workers) != bool(self.decode_workers):
+            raise ValueError(
+                f"prefill_workers: disaggregation needs prefill and decode workers, got "
+                f"{self.prefill_workers} prefill and {self.decode_workers} decode"
+            )
+        if self.disaggregated:
+            if self.workers:
+                raise ValueError(
+                    f"workers: mixed workers do not join a disaggregated cluster; got "
+                    f"{self.workers} with prefill/decode workers (set workers: 0)"
+                )
+            if not self.enable_prefix_caching:
+                raise ValueError(
+                    "enable_prefix_caching: disaggregation moves blocks through the prefix "
+                    "cache; it cannot be off with prefill/decode workers"
+                )
+            if self.min_workers is not None or self.max_workers is not None:
+                raise ValueError(
+                    "min_workers: autoscaling covers mixed workers only, not prefill/decode"
+                )
+            return self._check_common()
+        if not self.workers:
+            raise ValueError("workers: the cluster needs at least one worker, got 0")
+        return self._check_common()
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_workers)
+
+    @property
+    def workers_text(self) -> str:
+        """The worker pools in words, for logs."""
+        if self.disaggregated:
+            return f"{self.prefill_workers} prefill + {self.decode_workers} decode worker(s)"
+        return f"{self.workers} worker(s)"
+
+    def _check_common(self) -> ClusterConfig:
+        tls = (self.kv_transfer_tls_cert, self.kv_transfer_tls_key, self.kv_transfer_tls_ca)
+        if any(tls) and not all(tls):
+            raise ValueError(
+                "kv_transfer_tls_cert: mutual TLS needs the certificate, key and CA together"
+            )
         if self.placement not in POLICIES:
             raise ValueError(
                 f"placement: must be one of {sorted(POLICIES)}, got {self.placement!r}"
@@ -200,7 +297,22 @@ class ClusterConfig(BaseModel):
     @property
     def pools(self) -> dict[str, tuple[int, int, int]]:
         """Per role: (workers at start, min, max)."""
+        if self.disaggregated:
+            return {
+                PREFILL: (self.prefill_workers,) * 3,
+                DECODE: (self.decode_workers,) * 3,
+            }
         return {MIXED: (self.workers, *self.pool_bounds)}
+
+    def kv_transfer_config(self) -> KVTransferConfig:
+        tls = None
+        if self.kv_transfer_tls_cert:
+            tls = TLSFiles(
+                self.kv_transfer_tls_cert, self.kv_transfer_tls_key, self.kv_transfer_tls_ca
+            )
+        return KVTransferConfig(
+            self.kv_transfer_host, self.kv_transfer_port, self.kv_transfer_timeout_s, tls
+        )
 
     @property
     def capacity(self) -> int:

@@ -68,6 +68,27 @@ class _ClusterCollector(Collector):
             "prefix_cache_queries": ("prompt tokens looked up", lambda load: load.prefix_queries),
             "prefix_cache_hits": ("prompt tokens found cached", lambda load: load.prefix_hits),
             "generated_tokens": ("tokens generated", lambda load: load.generated_tokens),
+            "kv_transfers": ("KV transfers pulled into the worker", lambda load: load.kv_pulls),
+            "kv_transfer_blocks": (
+                "KV blocks pulled into the worker",
+                lambda load: load.kv_blocks_received,
+            ),
+            "kv_transfer_bytes": (
+                "KV bytes pulled into the worker",
+                lambda load: load.kv_bytes_received,
+            ),
+            "kv_transfer_seconds": (
+                "time spent in completed KV transfers",
+                lambda load: load.kv_transfer_seconds,
+            ),
+            "kv_transfer_local_hits": (
+                "disaggregated requests whose prompt blocks were all cached here already",
+                lambda load: load.kv_local_hits,
+            ),
+            "kv_transfers_served": (
+                "prefills this worker computed and sent to decode workers",
+                lambda load: load.kv_served,
+            ),
         }
         families = {
             name: GaugeMetricFamily(f"tessera_worker_{name}", help_, labels=["worker"])
@@ -92,9 +113,27 @@ class _ClusterCollector(Collector):
                 families[name].add_metric([worker.worker_id], float(value(worker, load)))
             for name, (_, value) in counters.items():
                 counter_families[name].add_metric([worker.worker_id], float(value(load)))
+        fallbacks = CounterMetricFamily(
+            "tessera_worker_kv_transfer_fallbacks",
+            "KV transfers that failed, so the decode worker prefilled itself, by reason",
+            labels=["worker", "reason"],
+        )
+        phases = GaugeMetricFamily(
+            "tessera_worker_request_phases",
+            "disaggregated requests on the worker by phase",
+            labels=["worker", "phase"],
+        )
+        for worker in stats.workers:
+            if worker.load is not None:
+                for reason, count in worker.load.kv_fallbacks:
+                    fallbacks.add_metric([worker.worker_id, reason], float(count))
+                for phase, count in worker.load.phases:
+                    phases.add_metric([worker.worker_id, phase], float(count))
         yield up
         yield from families.values()
         yield from counter_families.values()
+        yield fallbacks
+        yield phases
         yield GaugeMetricFamily(
             "tessera_queued_requests", "requests waiting in the global queue", value=stats.queued
         )

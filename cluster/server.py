@@ -90,7 +90,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
     cluster = None
     serve_was_running = True  # until known otherwise: never shut down someone's Serve
     try:
-        _say(f"starting {config.workers} worker(s) with model {config.model_name} ...")
+        _say(f"starting {config.workers_text} with model {config.model_name} ...")
         cluster = asyncio.run(Cluster.start(config.cluster_config()))
         _say(f"starting the HTTP server on {config.host}:{config.port} ...")
         from cluster.serve_app import build_app
@@ -112,7 +112,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         grpc = f", gRPC on port {config.grpc_port}" if config.grpc_port is not None else ""
         _say(
             f"ready at {url}{grpc} in {time.perf_counter() - start:.1f} s: model "
-            f"{config.model_name!r}, {config.workers} worker(s); try {url}/v1/models "
+            f"{config.model_name!r}, {config.workers_text}; try {url}/v1/models "
             "(Ctrl-C stops)"
         )
         try:

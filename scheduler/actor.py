@@ -34,6 +34,9 @@ from ray.exceptions import ActorDiedError, RayActorError
 from cluster.config import ClusterConfig
 from scheduler.admission import AdmissionQueue
 from scheduler.api import (
+    DECODE,
+    MIXED,
+    PREFILL,
     ClusterStats,
     DeadlineError,
     NoWorkerError,
@@ -47,6 +50,7 @@ from scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
 from scheduler.placement import Candidate, make_policy
 from scheduler.registry import Registry, WorkerRecord
 from workers.actor import worker_actor_class
+from workers.disaggregation import PrefillSource
 from workers.kv.prefix_cache import extend_block_hashes
 
 logger = logging.getLogger(__name__)
@@ -134,6 +138,7 @@ class Scheduler:
             .options(
                 num_cpus=self.config.worker_num_cpus,
                 num_gpus=self.num_gpus,
+                resources={f"tessera-{role}": 1} if self.config.role_resources else None,
                 max_restarts=self.config.worker_max_restarts,
                 max_task_retries=0,  # a broken stream fails over from the front end
             )
@@ -144,6 +149,7 @@ class Scheduler:
                 self.config.scheduler_name,
                 self.config.namespace,
                 max(1, int(self.config.worker_num_cpus)),
+                self.config.kv_transfer_config(),
             )
         )
         self.registry.add(WorkerRecord(worker_id, role, handle))
@@ -152,7 +158,10 @@ class Scheduler:
     def register(self, info: WorkerInfo) -> None:
         """A worker (re)started: forget what its last incarnation held and ran."""
         worker = self.registry.get(info.worker_id)
-        if worker is None or worker.incarnation == info.incarnation:
+        if worker is None:
+            return
+        if worker.incarnation == info.incarnation:
+            worker.info = info  # what may change while it runs (its KV-transfer address)
             return
         if worker.info is not None:
             self._event(f"worker {worker.worker_id} restarted as {info.incarnation}")
@@ -317,6 +326,8 @@ class Scheduler:
             self._failovers += 1
         hashes = self._prompt_hashes(prompt_token_ids, cache_salt)
         ids = worker_request_ids or (request_id,)
+        if self.config.disaggregated and role == MIXED:  # the front end asks for "a worker"
+            role = DECODE
         placement = self._try_place(request_id, role, hashes, ids)
         if placement is not None:
             return placement
@@ -393,7 +404,31 @@ class Scheduler:
             incarnation=worker.incarnation,
             worker=worker.handle,
             matched_blocks=chosen.matched_blocks,
+            prefill=self._prefill_source(hashes) if role == DECODE else None,
         )
+
+    def _prefill_source(self, hashes: list[bytes]) -> PrefillSource | None:
+        """The prefill worker a decode worker pulls from: the one holding most of the
+        prompt's leading blocks (it computes less), then the least busy. None when no
+        prefill worker is up: the decode worker then prefills itself."""
+        ready = [
+            w
+            for w in self.registry
+            if w.role == PREFILL
+            and w.status is WorkerStatus.HEALTHY
+            and w.info is not None
+            and w.info.kv_address is not None
+        ]
+        if not ready:
+            return None
+        best = max(
+            ready,
+            key=lambda w: (
+                self.registry.index.matched(w.worker_id, hashes),
+                -(w.load.requests + w.load.running if w.load else 0),
+            ),
+        )
+        return PrefillSource(best.worker_id, best.info.kv_address)
 
     def _dispatch(self) -> None:
         """Place queued requests, oldest first, while workers have room."""

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The only worker role so far; ``prefill`` / ``decode`` arrive with disaggregation.
-MIXED = "mixed"
+MIXED = "mixed"  # prefills and decodes its own requests
+PREFILL = "prefill"  # computes prompts' KV blocks for decode workers (disaggregation)
+DECODE = "decode"  # pulls a request's prompt blocks from a prefill worker, then decodes
+ROLES = (MIXED, PREFILL, DECODE)
 
 
 class WorkerStatus(str, enum.Enum):
@@ -63,6 +66,7 @@ class WorkerInfo:
     vocab_size: int
     node_id: str
     pid: int
+    kv_address: str | None = None  # host:port of its KVTransfer server (prefill workers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,15 @@ class WorkerLoad:
     # (stored?, block hash) in order; ``snapshot`` replaces the index instead.
     events: tuple[tuple[bool, bytes], ...] = ()
     snapshot: tuple[bytes, ...] | None = None
+    # KV transfers (disaggregation), ever: pulled into this worker, and served from it
+    kv_pulls: int = 0
+    kv_blocks_received: int = 0
+    kv_bytes_received: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_local_hits: int = 0  # disaggregated requests whose blocks were all here already
+    kv_fallbacks: tuple[tuple[str, int], ...] = ()  # (reason, count): prefilled here instead
+    kv_served: int = 0
+    phases: tuple[tuple[str, int], ...] = ()  # disaggregated requests per phase, now
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +109,7 @@ class Placement:
     incarnation: str
     worker: Any
     matched_blocks: int  # leading prompt blocks the worker holds (prefix affinity)
+    prefill: Any = None  # disaggregated: the PrefillSource the worker pulls blocks from
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,20 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from scheduler.api import WorkerInfo, WorkerLoad
+from scheduler.api import PREFILL, WorkerInfo, WorkerLoad
 from workers.api import RequestOutput, Resume, SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
+from workers.disaggregation import (
+    DecodeOrchestrator,
+    KVTransferConfig,
+    PhaseManager,
+    PrefillOrchestrator,
+    PrefillSource,
+    TransferCounters,
+)
 from workers.engine import Engine
+from workers.kv_transfer import KVTransferClient, KVTransferServer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +65,7 @@ class WorkerActor:
         scheduler_name: str | None = None,
         namespace: str | None = None,
         num_threads: int | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -66,6 +76,18 @@ class WorkerActor:
         engine.kv.pool.record_events()
         self.engine = AsyncEngine(engine)
         self._requests = 0
+        self.kv_config = kv_transfer or KVTransferConfig()
+        self.transfers = TransferCounters()
+        self.phases = PhaseManager(worker_id)
+        self.prefill = PrefillOrchestrator(self.engine, self.transfers)
+        self.decode = DecodeOrchestrator(
+            self.engine,
+            KVTransferClient(self.kv_config.tls),
+            self.transfers,
+            self.phases,
+            self.kv_config.timeout_s,
+        )
+        self.kv_server: KVTransferServer | None = None  # prefill workers, started on demand
         logger.info("worker %s (%s) up as %s", worker_id, role, self.incarnation)
         if scheduler_name is not None:  # tell the scheduler at once (it also polls)
             scheduler = ray.get_actor(scheduler_name, namespace=namespace)
@@ -85,7 +107,19 @@ class WorkerActor:
             vocab_size=engine.model_config.vocab_size,
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
+            kv_address=self.kv_server.address if self.kv_server is not None else None,
         )
+
+    async def _ensure_kv_server(self) -> None:
+        """A prefill worker serves ``KVTransfer`` (started in the actor's event loop, at
+        its first report; the address reaches the scheduler with that report)."""
+        if self.role == PREFILL and self.kv_server is None:
+            server = KVTransferServer(
+                self.prefill.handle, self.kv_config.host, self.kv_config.port, self.kv_config.tls
+            )
+            await server.start()
+            self.kv_server = server
+            logger.info("worker %s serves KV transfers on %s", self.worker_id, server.address)
 
     async def generate(
         self,
@@ -95,20 +129,32 @@ class WorkerActor:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: Resume | None = None,
+        prefill: PrefillSource | None = None,
     ) -> AsyncIterator[Accepted | RequestOutput]:
         """Yield ``Accepted``, then the request's deltas until all its outputs finish.
-        ``InvalidRequestError`` raises before ``Accepted``."""
-        stream = await self.engine.add_request(
-            request_id, prompt, sampling, priority, cache_salt, resume
-        )
+        ``InvalidRequestError`` raises before ``Accepted``. With ``prefill`` (a decode
+        worker), the prompt's blocks are pulled from that prefill worker first."""
         self._requests += 1
+        stream = None
+        disaggregated = prefill is not None and resume is None  # a resumed one recomputes
         try:
+            if disaggregated:
+                token_ids = self.engine.engine.validate(prompt, sampling, resume)
+                self.phases.enter(request_id, "waiting")
+                await self.decode.pull(request_id, token_ids, sampling, cache_salt, prefill)
+                prompt = token_ids
+            stream = await self.engine.add_request(
+                request_id, prompt, sampling, priority, cache_salt, resume
+            )
             yield Accepted(request_id, self.incarnation)
             async for delta in stream:
                 yield delta
         finally:
             self._requests -= 1
-            await stream.aclose()  # aborts the request if it is not over
+            if disaggregated and request_id in self.phases.phases:
+                self.phases.enter(request_id, "finished")
+            if stream is not None:
+                await stream.aclose()  # aborts the request if it is not over
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with ``finish_reason`` abort."""
@@ -118,9 +164,11 @@ class WorkerActor:
         """Who this worker is and its load now, with the prefix-cache events since the
         last report. ``resync`` (the scheduler lost a report), or too many unreported
         events, sends the whole index as a snapshot instead."""
+        await self._ensure_kv_server()
         engine = self.engine.engine
         pool = engine.kv.pool
         stats = engine.stats()
+        transfers = self.transfers
         snapshot = None
         events = tuple(pool.drain_events())
         if resync or len(events) > MAX_PENDING_EVENTS:
@@ -141,6 +189,14 @@ class WorkerActor:
             generated_tokens=stats.generated_tokens,
             events=events,
             snapshot=snapshot,
+            kv_pulls=transfers.pulls,
+            kv_blocks_received=transfers.blocks_received,
+            kv_bytes_received=transfers.bytes_received,
+            kv_transfer_seconds=transfers.seconds,
+            kv_local_hits=transfers.local_hits,
+            kv_fallbacks=tuple(sorted(transfers.fallbacks.items())),
+            kv_served=transfers.served,
+            phases=tuple(sorted(self.phases.counts().items())),
         )
         return self.info(), load
 
@@ -156,7 +212,16 @@ class WorkerActor:
     async def check_integrity(self) -> None:
         self.engine.engine.check_integrity()
 
+    async def inject_kv_fault(self, kind: str, count: int = 1) -> None:
+        """Test hook: spoil this prefill worker's next ``count`` transfers (``corrupt``
+        a chunk, ``cut`` the stream, ``stall`` past the deadline)."""
+        await self._ensure_kv_server()
+        self.kv_server.inject_fault(kind, count)
+
     async def shutdown(self) -> None:
+        if self.kv_server is not None:
+            await self.kv_server.stop(grace=None)
+        await self.decode.client.close()
         await self.engine.close()
 
 

@@ -36,6 +36,7 @@ from workers.batcher import Batcher
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.forks import Forks
+from workers.kv.handoff import BlockHandoff
 from workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from workers.kv.manager import KVCacheManager
 from workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
@@ -100,6 +101,7 @@ class Engine:
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
         self.forks = Forks(self.kv, self.tokenizer, config.enable_block_sharing)
+        self.handoff = BlockHandoff(self)  # KV blocks in and out (disaggregation)
         # What changes a block's K/V besides its tokens (the request's salt is added).
         self.hash_keys: tuple[str, ...] = (self.loaded.model_id, config.dtype)
         self.groups: dict[str, SequenceGroup] = {}
@@ -241,7 +243,8 @@ class Engine:
         return outputs
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
+        reserved = [r.blocks for r in self.handoff.reservations]  # incoming transfers
+        self.kv.pool.check_integrity([*self.kv.tables.values(), *reserved])
         held = set(self.kv.tables)
         running = {seq.seq_id for group in self.batcher.running for seq in group.seqs}
         waiting = {seq.seq_id for group in self.batcher.waiting for seq in group.seqs}

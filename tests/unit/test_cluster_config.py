@@ -45,9 +45,26 @@ def test_defaults_are_valid():
 
 
 def test_workers_zero():
-    message = create_error(workers=0)
-    assert message.startswith("workers: ")
-    assert message == "workers: Input should be greater than or equal to 1, got 0"
+    assert create_error(workers=0) == "workers: the cluster needs at least one worker, got 0"
+    assert create_error(workers=-1) == "workers: Input should be greater than or equal to 0, got -1"
+
+
+def test_disaggregation_settings():
+    config = ClusterConfig.create(prefill_workers=1, decode_workers=2)
+    assert config.workers == 0 and config.pools == {"prefill": (1, 1, 1), "decode": (2, 2, 2)}
+    assert create_error(prefill_workers=1) == (
+        "prefill_workers: disaggregation needs prefill and decode workers, got 1 prefill and "
+        "0 decode"
+    )
+    assert create_error(prefill_workers=1, decode_workers=1, workers=1).startswith(
+        "workers: mixed workers do not join a disaggregated cluster; got 1"
+    )
+    assert create_error(prefill_workers=1, decode_workers=1, max_workers=3).startswith(
+        "min_workers: autoscaling covers mixed workers only"
+    )
+    assert create_error(kv_transfer_tls_cert="c.pem") == (
+        "kv_transfer_tls_cert: mutual TLS needs the certificate, key and CA together"
+    )
 
 
 def test_block_size_zero():

@@ -1,0 +1,67 @@
+"""Moving a prompt's KV blocks from one engine to another (``workers.kv.handoff``):
+the receiver's output equals an engine that computed everything itself, the moved
+blocks serve as prefix hits, and a released reservation leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import run_engine, tokens_of
+from workers.api import SamplingParams
+from workers.kv_transfer import usable_blocks
+
+PROMPT = (
+    "A parcel left the depot on Monday morning and reached the sorting centre by noon. "
+    "The customs form was missing, so the parcel waited two days before it moved on. "
+)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def test_moved_blocks_give_the_same_tokens_as_computing_them(make_engine):
+    sender, receiver, reference = make_engine(), make_engine(), make_engine()
+    ids = sender.tokenizer(PROMPT * 2).input_ids
+    usable = usable_blocks(len(ids), sender.kv.block_size)
+    assert usable >= 3
+
+    sender.add_request("prefill", ids, SamplingParams(max_tokens=1, temperature=0))
+    run_engine(sender)
+    hashes = sender.handoff.prompt_hashes(ids, None)[:usable]
+    blocks = sender.handoff.export(hashes[1:])  # the receiver holds block 0 (say)
+    assert blocks is not None and len(blocks) == usable - 1
+    assert sender.handoff.export([b"\0" * 32]) is None  # not cached: nothing to send
+
+    reservation = receiver.handoff.reserve(1, hashes[1:])
+    receiver.check_integrity()  # reserved blocks are held, by the reservation
+    with pytest.raises(ValueError, match="out of order"):
+        receiver.handoff.write(reservation, 2, blocks[1])
+    for i, kv in enumerate(blocks, start=1):
+        receiver.handoff.write(reservation, i, kv)
+    receiver.handoff.commit(reservation)
+    receiver.check_integrity()
+    assert receiver.handoff.cached_prefix(hashes) == 0  # block 0 was never moved
+    assert receiver.handoff.cached_prefix(hashes[1:]) == usable - 1
+
+    # Give the receiver block 0 too, the way its own earlier request would have.
+    (first,) = sender.handoff.export(hashes[:1])
+    head = receiver.handoff.reserve(0, hashes[:1])
+    receiver.handoff.write(head, 0, first)
+    receiver.handoff.commit(head)
+    before = receiver.stats().prefix_cache.hits
+    receiver.add_request("decode", ids, GREEDY)
+    got = tokens_of(run_engine(receiver)["decode"])
+    assert receiver.stats().prefix_cache.hits - before == usable * receiver.kv.block_size
+
+    reference.add_request("ref", ids, GREEDY)
+    assert got == tokens_of(run_engine(reference)["ref"])
+
+
+def test_a_released_reservation_leaves_the_pool_as_it_was(make_engine):
+    engine = make_engine()
+    free = engine.kv.pool.num_free
+    reservation = engine.handoff.reserve(0, [b"a" * 32, b"b" * 32])
+    assert engine.kv.pool.num_free == free - 2
+    engine.handoff.release(reservation)
+    engine.handoff.release(reservation)  # twice is harmless
+    assert engine.kv.pool.num_free == free and not engine.kv.pool.cached
+    engine.check_integrity()
+    assert engine.handoff.reserve(0, [b"x"] * (free + 1)) is None  # no room: refused

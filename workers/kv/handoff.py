@@ -1,0 +1,118 @@
+"""Moving a prompt's KV blocks between engines (prefill/decode disaggregation).
+
+The sender reads blocks out of its pool by content hash (``export``): the prompt's
+full blocks stay in its prefix cache after its prefill, findable by hash until they
+are evicted. The receiver ``reserve``s free blocks, ``write``s each one as it arrives,
+then ``commit``s them: each is registered under its hash and released, so it sits in
+the prefix cache, and the request, admitted next, takes them as prefix hits and
+computes only its tail. ``release`` gives reserved blocks back unregistered (a failed
+transfer leaves nothing behind).
+
+Invariant: a reserved block is held (ref count 1) by its ``Reservation`` and by no
+block table; ``Engine.check_integrity`` counts reservations as holders. Every call
+that touches the pool takes the engine's step lock; ``write`` touches only the pool
+tensor's rows of blocks no sequence reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.kv.block_pool import Block
+from workers.kv.prefix_cache import extend_block_hashes
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Free blocks held for an incoming transfer: ``blocks[i]`` receives the prompt's
+    block ``first + i`` (hash ``hashes[i]``)."""
+
+    first: int
+    hashes: list[bytes]
+    blocks: list[Block] = field(default_factory=list)
+    written: int = 0
+
+
+class BlockHandoff:
+    """The engine's side of a transfer (``engine.handoff``)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.reservations: set[Reservation] = set()
+
+    @property
+    def _pool(self):
+        return self.engine.kv.pool
+
+    @property
+    def _kv(self) -> torch.Tensor:  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        return self.engine.runner.kv_cache
+
+    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
+        """The content hashes of the prompt's full blocks (as the engine computes them)."""
+        hashes: list[bytes] = []
+        keys = (*self.engine.hash_keys, cache_salt or "")
+        extend_block_hashes(hashes, token_ids, self.engine.kv.block_size, keys)
+        return hashes
+
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of ``hashes`` this engine's prefix cache holds."""
+        with self.engine._step_lock:
+            count = 0
+            for block_hash in hashes:
+                if self._pool.lookup(block_hash) is None:
+                    break
+                count += 1
+            return count
+
+    def export(self, hashes: list[bytes]) -> list[torch.Tensor] | None:
+        """Copies of the cached blocks with these hashes, each ``[layers, 2, block_size,
+        kv_heads, head_dim]`` on the CPU; None if any is no longer cached."""
+        with self.engine._step_lock:
+            blocks = [self._pool.lookup(h) for h in hashes]
+            if any(block is None for block in blocks):
+                return None
+            ids = torch.tensor([block.block_id for block in blocks], device=self._kv.device)
+            rows = self._kv.index_select(2, ids)  # [layers, 2, n, bs, heads, dim]
+        return [rows[:, :, i].to("cpu").contiguous() for i in range(len(blocks))]
+
+    def reserve(self, first: int, hashes: list[bytes]) -> Reservation | None:
+        """Hold free blocks for ``hashes`` (the prompt's blocks from ``first``); None when
+        the pool cannot spare them (the receiver then prefills itself)."""
+        with self.engine._step_lock:
+            if len(hashes) > self._pool.num_free:
+                return None
+            reservation = Reservation(first, list(hashes), self._pool.allocate(len(hashes)))
+            self.reservations.add(reservation)
+            return reservation
+
+    def write(self, reservation: Reservation, index: int, kv: torch.Tensor) -> None:
+        """Write the prompt's block ``index`` (``[layers, 2, block_size, kv_heads,
+        head_dim]``) into its reserved block; blocks come in order."""
+        slot = index - reservation.first
+        if slot != reservation.written or slot >= len(reservation.blocks):
+            raise ValueError(f"block {index} out of order (expected {reservation.written})")
+        block = reservation.blocks[slot]
+        self._kv[:, :, block.block_id].copy_(kv.to(self._kv.dtype), non_blocking=False)
+        reservation.written += 1
+
+    def commit(self, reservation: Reservation) -> None:
+        """Register every written block under its hash and release it to the cache."""
+        if reservation.written != len(reservation.blocks):
+            raise ValueError(f"{reservation.written}/{len(reservation.blocks)} blocks written")
+        with self.engine._step_lock:
+            for block, block_hash in zip(reservation.blocks, reservation.hashes, strict=True):
+                self._pool.cache(block, block_hash)  # a block cached meanwhile wins
+            self._release(reservation)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give the blocks back without registering them (a failed transfer)."""
+        with self.engine._step_lock:
+            self._release(reservation)
+
+    def _release(self, reservation: Reservation) -> None:
+        if reservation in self.reservations:
+            self.reservations.discard(reservation)
+            self._pool.free(reversed(reservation.blocks))
