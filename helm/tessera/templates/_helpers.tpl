@@ -1,0 +1,192 @@
+{{/* The worker roles, in the order their groups are rendered. */}}
+{{- define "tessera.roles" -}}
+mixed prefill decode
+{{- end }}
+
+{{/* The RayService's name. KubeRay derives longer names from it (<name>-raycluster-xxxxx,
+pods, <name>-serve-svc), so it stays short. */}}
+{{- define "tessera.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "tessera.serveServiceName" -}}
+{{ include "tessera.fullname" . }}-serve-svc
+{{- end }}
+
+{{- define "tessera.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Pod labels leave out app.kubernetes.io/name: KubeRay sets its own on the pods it makes. */}}
+{{- define "tessera.podLabels" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: {{ .Chart.Name }}
+{{- end }}
+
+{{/* Non-empty when an enabled worker group has GPUs. */}}
+{{- define "tessera.gpu" -}}
+{{- range $role := splitList " " (include "tessera.roles" .) }}
+{{- $group := index $.Values.workerGroups $role }}
+{{- if and $group.enabled (gt (int $group.gpus) 0) }}{{ $role }} {{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "tessera.image" -}}
+{{- $variant := ternary "gpu" "cpu" (ne (include "tessera.gpu" .) "") }}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion $variant) }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{/* What values.schema.json cannot say: relations between values. */}}
+{{- define "tessera.validate" -}}
+{{- $enabled := list }}
+{{- range $role, $group := .Values.workerGroups }}
+{{- if $group.enabled }}{{ $enabled = append $enabled $role }}{{ end }}
+{{- end }}
+{{- if not $enabled }}
+{{- fail "workerGroups: no worker group is enabled" }}
+{{- end }}
+{{- $tessera := .Values.tessera }}
+{{- $needed := dict
+  "mixed" (max (int $tessera.workers) (int ($tessera.max_workers | default 0)))
+  "prefill" (int ($tessera.prefill_workers | default 0))
+  "decode" (int ($tessera.decode_workers | default 0)) }}
+{{- $fields := dict "mixed" "workers" "prefill" "prefill_workers" "decode" "decode_workers" }}
+{{- range $role := splitList " " (include "tessera.roles" .) }}
+{{- $group := index $.Values.workerGroups $role }}
+{{- $where := printf "workerGroups.%s" $role }}
+{{- $capacity := 0 }}
+{{- if $group.enabled }}
+{{- $capacity = mul $group.maxReplicas $group.workersPerPod }}
+{{- if gt (int $group.minReplicas) (int $group.maxReplicas) }}
+{{- fail (printf "%s: minReplicas (%d) is above maxReplicas (%d)" $where (int $group.minReplicas) (int $group.maxReplicas)) }}
+{{- end }}
+{{- if or (lt (int $group.replicas) (int $group.minReplicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
+{{- fail (printf "%s: replicas (%d) must be between minReplicas (%d) and maxReplicas (%d)" $where (int $group.replicas) (int $group.minReplicas) (int $group.maxReplicas)) }}
+{{- end }}
+{{- if and (gt (int $group.gpus) 0) (gt (int $group.workersPerPod) (int $group.gpus)) }}
+{{- fail (printf "%s: workersPerPod (%d) is above gpus (%d); each worker takes one GPU" $where (int $group.workersPerPod) (int $group.gpus)) }}
+{{- end }}
+{{- end }}
+{{- $want := index $needed $role }}
+{{- if gt (int $want) (int $capacity) }}
+{{- if $group.enabled }}
+{{- fail (printf "tessera.%s: %d %s workers do not fit %s (maxReplicas %d x workersPerPod %d = %d)" (index $fields $role) (int $want) $role $where (int $group.maxReplicas) (int $group.workersPerPod) (int $capacity)) }}
+{{- else }}
+{{- fail (printf "tessera.%s: %d %s workers need %s, which is disabled" (index $fields $role) (int $want) $role $where) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (ne .Values.model.source "image") (not $tessera.model) }}
+{{- fail (printf "tessera.model: give the model's path under %s (model.source is %s)" .Values.model.mountPath .Values.model.source) }}
+{{- end }}
+{{- $gpu := ne (include "tessera.gpu" .) "" }}
+{{- $device := $tessera.device | default "auto" }}
+{{- if and $gpu (ne $device "cuda") }}
+{{- fail (printf "tessera.device: worker groups have GPUs, so device must be cuda, got %s (auto picks the CPU while no GPU pod has started yet)" $device) }}
+{{- end }}
+{{- if and (not $gpu) (eq $device "cuda") }}
+{{- fail "tessera.device: cuda needs a worker group with gpus > 0" }}
+{{- end }}
+{{- end }}
+
+{{/* Serve's config (serveConfigV2): the app with Tessera's settings as args. */}}
+{{- define "tessera.serveConfig" -}}
+{{- $args := deepCopy .Values.tessera }}
+{{- /* Worker actors ask for the tessera-<role> resource that only their group offers. */}}
+{{- $_ := set $args "role_resources" true }}
+{{- with .Values.kvTransferTLS }}
+{{- if .enabled }}
+{{- $_ := set $args "kv_transfer_tls_cert" (printf "%s/tls.crt" .mountPath) }}
+{{- $_ := set $args "kv_transfer_tls_key" (printf "%s/tls.key" .mountPath) }}
+{{- $_ := set $args "kv_transfer_tls_ca" (printf "%s/ca.crt" .mountPath) }}
+{{- end }}
+{{- end }}
+{{- $app := dict
+  "name" "tessera"
+  "route_prefix" "/"
+  "import_path" "cluster.serve_app:app_builder"
+  "args" $args }}
+{{- $config := dict
+  "proxy_location" .Values.serve.proxyLocation
+  "http_options" (dict "host" "0.0.0.0" "port" .Values.tessera.port)
+  "applications" (list $app) }}
+{{- if .Values.tessera.grpc_port }}
+{{- $_ := set $config "grpc_options" (dict
+  "port" .Values.tessera.grpc_port
+  "grpc_servicer_functions" .Values.serve.grpcServicerFunctions) }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* Environment of every Ray container. */}}
+{{- define "tessera.env" -}}
+{{- if .Values.apiKey.secretName }}
+- name: TESSERA_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.secretName }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- end }}
+
+{{- define "tessera.volumeMounts" -}}
+{{- if ne .Values.model.source "image" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.kvTransferTLS.enabled }}
+- name: kv-tls
+  mountPath: {{ .Values.kvTransferTLS.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tessera.volumes" -}}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- end }}
+{{- if .Values.kvTransferTLS.enabled }}
+- name: kv-tls
+  secret:
+    secretName: {{ .Values.kvTransferTLS.secretName }}
+{{- end }}
+{{- end }}
+
+{{/* Pod spec fields shared by the head and the workers: volumes, pull secrets, placement.
+Takes (dict "root" $ "placement" <head or worker group values>). */}}
+{{- define "tessera.podExtras" -}}
+{{- with include "tessera.volumes" .root | trim }}
+volumes:
+{{- . | nindent 2 }}
+{{- end }}
+{{- with .root.Values.image.pullSecrets }}
+imagePullSecrets:
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .placement.nodeSelector }}
+nodeSelector:
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .placement.tolerations }}
+tolerations:
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
