@@ -107,8 +107,18 @@ class WorkerActor:
             vocab_size=engine.model_config.vocab_size,
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
-            kv_address=self.kv_server.address if self.kv_server is not None else None,
+            kv_address=self._kv_address(),
         )
+
+    def _kv_address(self) -> str | None:
+        """Where decode workers reach this worker's KV-transfer server: bound to every
+        interface (in a pod), it is reached at this node's IP."""
+        if self.kv_server is None:
+            return None
+        host, port = self.kv_server.address.rsplit(":", 1)
+        if host in ("0.0.0.0", "[::]"):
+            host = ray.util.get_node_ip_address()
+        return f"{host}:{port}"
 
     async def _ensure_kv_server(self) -> None:
         """A prefill worker serves ``KVTransfer`` (started in the actor's event loop, at
@@ -119,7 +129,7 @@ class WorkerActor:
             )
             await server.start()
             self.kv_server = server
-            logger.info("worker %s serves KV transfers on %s", self.worker_id, server.address)
+            logger.info("worker %s serves KV transfers on %s", self.worker_id, self._kv_address())
 
     async def generate(
         self,

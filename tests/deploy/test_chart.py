@@ -29,6 +29,7 @@ CHART_OWNED = {
     "host",  # Serve's proxy listens on 0.0.0.0 in a pod
     "address",  # the app runs inside the Ray cluster
     "role_resources",  # worker groups offer tessera-<role>; always on
+    "kv_transfer_host",  # 0.0.0.0 in a pod; a worker advertises its node's IP
     "kv_transfer_tls_cert",  # the kvTransferTLS Secret's files
     "kv_transfer_tls_key",
     "kv_transfer_tls_ca",

@@ -103,6 +103,8 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- $args := deepCopy .Values.tessera }}
 {{- /* Worker actors ask for the tessera-<role> resource that only their group offers. */}}
 {{- $_ := set $args "role_resources" true }}
+{{- /* Prefill workers listen on the pod's interfaces and advertise the node's IP. */}}
+{{- $_ := set $args "kv_transfer_host" "0.0.0.0" }}
 {{- with .Values.kvTransferTLS }}
 {{- if .enabled }}
 {{- $_ := set $args "kv_transfer_tls_cert" (printf "%s/tls.crt" .mountPath) }}
