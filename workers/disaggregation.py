@@ -229,7 +229,14 @@ class DecodeOrchestrator:
             self.counters.local_hits += 1
             return
         self.phases.enter(request_id, "prefilling", source.worker_id)
-        reservation = await asyncio.to_thread(handoff.reserve, have, hashes[have:])
+        reserving = asyncio.ensure_future(asyncio.to_thread(handoff.reserve, have, hashes[have:]))
+        try:
+            reservation = await asyncio.shield(reserving)
+        except asyncio.CancelledError:  # the caller left: free what the thread reserves
+            reserving.add_done_callback(
+                lambda done: done.result() and handoff.release(done.result())
+            )
+            raise
         if reservation is None:
             self._fallback(request_id, "no_room", "no free blocks to receive into")
             return
@@ -256,6 +263,9 @@ class DecodeOrchestrator:
             result = await self.client.pull_blocks(
                 source.address, request, timeout_s=self.timeout_s, on_block=on_block
             )
+        except asyncio.CancelledError:  # the caller left (or its deadline passed)
+            handoff.release(reservation)  # at once: this task may not await any more
+            raise
         except TransferError as error:
             await asyncio.to_thread(handoff.release, reservation)
             self._fallback(request_id, error.reason, error.message)
@@ -276,3 +286,9 @@ class DecodeOrchestrator:
         logger.warning("request %s: KV transfer failed (%s: %s); prefilling here",
                        request_id, reason, message)  # fmt: skip
         self.phases.enter(request_id, "decoding", "local prefill")
+
+
+def _release_when_reserved(handoff, reserving: asyncio.Future) -> None:
+    """A reservation made for a caller that left meanwhile goes straight back."""
+    if not reserving.cancelled() and reserving.exception() is None and reserving.result():
+        handoff.release(reserving.result())

@@ -4,11 +4,20 @@ blocks serve as prefix hits, and a released reservation leaves nothing behind.""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.helpers import run_engine, tokens_of
 from workers.api import SamplingParams
-from workers.kv_transfer import usable_blocks
+from workers.async_engine import AsyncEngine
+from workers.disaggregation import (
+    DecodeOrchestrator,
+    PhaseManager,
+    PrefillSource,
+    TransferCounters,
+)
+from workers.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
 
 PROMPT = (
     "A parcel left the depot on Monday morning and reached the sorting centre by noon. "
@@ -65,3 +74,38 @@ def test_a_released_reservation_leaves_the_pool_as_it_was(make_engine):
     assert engine.kv.pool.num_free == free and not engine.kv.pool.cached
     engine.check_integrity()
     assert engine.handoff.reserve(0, [b"x"] * (free + 1)) is None  # no room: refused
+
+
+async def test_a_pull_cancelled_mid_transfer_gives_its_reserved_blocks_back(make_engine):
+    """The caller leaves (or its deadline passes) while the prefill worker is still
+    working: the decode side's reservation must not leak."""
+    engine = AsyncEngine(make_engine())
+    free = engine.engine.kv.pool.num_free
+    handling = asyncio.Event()
+
+    async def stalled(request, time_remaining):
+        handling.set()
+        await asyncio.sleep(60)
+
+    server = KVTransferServer(stalled)
+    await server.start()
+    client = KVTransferClient()
+    counters = TransferCounters()
+    decode = DecodeOrchestrator(engine, client, counters, PhaseManager("w"), timeout_s=30)
+    ids = engine.engine.tokenizer(PROMPT * 2).input_ids
+    try:
+        pull = asyncio.ensure_future(
+            decode.pull("r", ids, GREEDY, None, PrefillSource("prefill-0", server.address))
+        )
+        await asyncio.wait_for(handling.wait(), 10)
+        assert engine.engine.kv.pool.num_free < free  # reserved for the transfer
+        pull.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+    finally:
+        await client.close()
+        await server.stop(None)
+        await engine.close()
+    assert engine.engine.kv.pool.num_free == free and not engine.engine.handoff.reservations
+    engine.engine.check_integrity()
+    assert not counters.fallbacks  # not a transfer failure: the request is gone
