@@ -133,7 +133,7 @@ async def test_pool_scales_up_under_load_and_drains_back(ray_session):
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"workers": 0}, "workers: Input should be greater than or equal to 1, got 0"),
+        ({"workers": 0}, "workers: the cluster needs at least one worker, got 0"),
         ({"block_size": 0}, "block_size: Input should be greater than or equal to 1, got 0"),
         ({"kv_cache_memory": 10**15}, "kv_cache_memory: 1000000000000000 bytes per worker"),
         ({"model": "/no/such/model.gguf"}, "model: path '/no/such/model.gguf' does not exist"),

@@ -26,7 +26,7 @@ def test_help_has_a_flag_for_every_config_field():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--workers", "0"], "error: workers: Input should be greater than or equal to 1"),
+        (["--workers", "0"], "error: workers: the cluster needs at least one worker, got 0"),
         (["--block-size", "0"], "error: block_size: Input should be greater than or equal to 1"),
         (["--model", "/no/such/dir"], "error: model: path '/no/such/dir' does not exist"),
         (["--kv-cache-memory", "1000TiB"], "error: kv_cache_memory: "),
