@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import Counter
@@ -233,9 +234,7 @@ class DecodeOrchestrator:
         try:
             reservation = await asyncio.shield(reserving)
         except asyncio.CancelledError:  # the caller left: free what the thread reserves
-            reserving.add_done_callback(
-                lambda done: done.result() and handoff.release(done.result())
-            )
+            reserving.add_done_callback(functools.partial(_release_when_reserved, handoff))
             raise
         if reservation is None:
             self._fallback(request_id, "no_room", "no free blocks to receive into")
