@@ -11,12 +11,15 @@
 last one has ``usage``). Sampling options are ``SamplingOptions``' fields as keyword
 arguments. ``timeout`` is the call's gRPC deadline, and is sent as the request's
 ``timeout_s`` too, so the server stops the request (and its queue wait) at the same
-moment the client gives up. Errors raise ``grpc.RpcError`` with the server's status
+moment the client gives up. Leaving a stream early (or an error ending it) cancels the
+call and aborts the request by name. Errors raise ``grpc.RpcError`` with the server's status
 code and message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -26,6 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.tessera.v1 import generation_pb2 as pb
 from protos.tessera.v1 import generation_pb2_grpc
 
+#: Seconds an abort sent by a stream left early may take.
+ABORT_TIMEOUT_S = 5.0
 #: The version of the API's messages (their ``version`` field; a server reads 0 as 1).
 API_VERSION = 1
 
@@ -61,6 +66,14 @@ def generate_request(
     return request
 
 
+def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """Name the request here when the caller did not, so that leaving early can abort
+    it by name (the server's cancellation of a dropped call is not relied on alone)."""
+    if not request.request_id:
+        request.request_id = f"grpc-{uuid.uuid4().hex}"
+    return request
+
+
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
@@ -83,12 +96,17 @@ class GenerationClient:
     ) -> Iterator[pb.GenerateResponse]:
         """Stream the request's deltas; ``options``: see ``generate_request``. Closing
         the iterator early cancels the call, which aborts the request."""
-        request = generate_request(prompt, timeout=timeout, **options)
+        request = _with_id(generate_request(prompt, timeout=timeout, **options))
         call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        done = False
         try:
             yield from call
+            done = True
         finally:
-            call.cancel()
+            if not done:  # left early or failed: make sure the request stops
+                call.cancel()
+                with contextlib.suppress(grpc.RpcError):
+                    self.abort(request.request_id, timeout=ABORT_TIMEOUT_S)
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
         """Abort a running request; False when none has that id."""
@@ -135,13 +153,18 @@ class AsyncGenerationClient:
     async def generate(
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **options: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request = generate_request(prompt, timeout=timeout, **options)
+        request = _with_id(generate_request(prompt, timeout=timeout, **options))
         call = self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+        done = False
         try:
             async for response in call:
                 yield response
+            done = True
         finally:
-            call.cancel()
+            if not done:  # left early or failed: make sure the request stops
+                call.cancel()
+                with contextlib.suppress(grpc.RpcError):
+                    await self.abort(request.request_id, timeout=ABORT_TIMEOUT_S)
 
     async def abort(self, request_id: str, timeout: float | None = None) -> bool:
         request = pb.AbortRequest(version=API_VERSION, request_id=request_id)
