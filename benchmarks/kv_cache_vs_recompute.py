@@ -47,7 +47,7 @@ def recompute(loaded, prompt: list[int], new: int, dtype: torch.dtype) -> list[i
     for _ in range(new):
         seq = Sequence(Request("r", tuple(prompt)), 0, list(tokens), None, None)
         kv.allocate("r", len(tokens))
-        logits, _ = runner.execute([(seq, len(tokens))])
+        logits = runner.execute([seq.chunk(len(tokens))])
         kv.free("r")
         tokens.append(int(logits[0].argmax()))
     return tokens[len(prompt) :]

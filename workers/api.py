@@ -15,6 +15,14 @@ MAX_TOP_LOGPROBS = 20
 #: The most sequences one request may fork into (n, best_of, beam_width).
 MAX_WIDTH = 64
 EARLY_STOPPING_VALUES = (True, False, "never")
+#: Proposers of draft tokens: prompt lookup (n-gram) and a draft model.
+SPECULATIVE_METHODS = ("ngram", "draft")
+#: The most draft tokens one verification step may check.
+MAX_SPECULATIVE_TOKENS = 16
+#: How the tokens of one parallel set see each other.
+PARALLEL_MODES = ("isolated", "visible")
+#: The most tokens one parallel set may hold.
+MAX_PARALLEL_WIDTH = 16
 
 
 class InvalidRequestError(ValueError):
@@ -51,6 +59,73 @@ def _check_number(name: str, value: object, *, integer: bool = False) -> None:
         raise InvalidRequestError(name, f"must be {kind}, got {value!r}")
     if not integer and math.isnan(value):
         raise InvalidRequestError(name, "must not be NaN")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeParams:
+    """Speculative decoding for one request: ``method`` proposes up to ``num_tokens``
+    draft tokens per step and the target verifies them all in one forward pass.
+
+    ``ngram`` (prompt lookup) proposes what followed the latest earlier occurrence of
+    the last few tokens; ``draft`` runs the worker's draft model. With ``adaptive`` the
+    number proposed follows the request's recent acceptance rate, between the worker's
+    ``speculative_min_tokens`` and ``num_tokens``. ``num_tokens=0`` turns speculation off
+    for the request (also when the worker speculates by default). Greedy output equals
+    non-speculative output; sampled output has the target's distribution.
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                "speculative.method",
+                f"must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}",
+            )
+        _check_number("speculative.num_tokens", self.num_tokens, integer=True)
+        if not 0 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequestError(
+                "speculative.num_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_tokens}",
+            )
+        if not isinstance(self.adaptive, bool):
+            raise InvalidRequestError(
+                "speculative.adaptive", f"must be true or false, got {self.adaptive!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelTokensParams:
+    """Parallel tokens (TEMPO): at each step, the sampled token and every other token
+    whose probability reaches ``threshold`` (up to ``max_width`` in all) are appended
+    together at one shared position. ``isolated``: each sees the context and itself;
+    ``visible``: each also sees the rest of its set. The next step samples from the
+    mean of the members' next-token distributions.
+    """
+
+    threshold: float = 0.1
+    max_width: int = 4
+    mode: str = "isolated"
+
+    def __post_init__(self) -> None:
+        _check_number("parallel_tokens.threshold", self.threshold)
+        if not 0.0 < self.threshold <= 1.0:
+            raise InvalidRequestError(
+                "parallel_tokens.threshold", f"must be in (0, 1], got {self.threshold}"
+            )
+        _check_number("parallel_tokens.max_width", self.max_width, integer=True)
+        if not 1 <= self.max_width <= MAX_PARALLEL_WIDTH:
+            raise InvalidRequestError(
+                "parallel_tokens.max_width",
+                f"must be in [1, {MAX_PARALLEL_WIDTH}], got {self.max_width}",
+            )
+        if self.mode not in PARALLEL_MODES:
+            raise InvalidRequestError(
+                "parallel_tokens.mode",
+                f"must be one of {', '.join(PARALLEL_MODES)}, got {self.mode!r}",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +169,8 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    speculative: SpeculativeParams | None = None  # None: the worker's default
+    parallel_tokens: ParallelTokensParams | None = None
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, integer=True)
@@ -152,6 +229,32 @@ class SamplingParams:
                     "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
                 )
         self._check_forks()
+        self._check_multi_token()
+
+    def _check_multi_token(self) -> None:
+        for name, kind in (
+            ("speculative", SpeculativeParams),
+            ("parallel_tokens", ParallelTokensParams),
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise InvalidRequestError(name, f"must be {kind.__name__} or None, got {value!r}")
+        features = {"speculative": self.speculative, "parallel_tokens": self.parallel_tokens}
+        for name, value in features.items():
+            if value is None or (name == "speculative" and value.num_tokens == 0):
+                continue
+            for other, given in (
+                ("beam_width", self.beam_width > 1),
+                ("n", self.n > 1),
+                ("best_of", (self.best_of or 1) > 1),
+            ):
+                if given:
+                    raise InvalidRequestError(name, f"is not supported with {other} > 1")
+        speculates = self.speculative is not None and self.speculative.num_tokens > 0
+        if self.parallel_tokens is not None and speculates:
+            raise InvalidRequestError(
+                "parallel_tokens", "is not supported together with speculative"
+            )
 
     def _check_forks(self) -> None:
         for name in ("n", "beam_width"):
@@ -220,6 +323,35 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelSet:
+    """The tokens one step of a ``parallel_tokens`` request appended, at one position."""
+
+    position: int  # their shared logical (RoPE) position
+    token_ids: tuple[int, ...]  # the sampled token first, then the others by probability
+    tokens: tuple[str, ...]  # each token's own text
+    probs: tuple[float, ...]  # each token's probability in the distribution of that step
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeStats:
+    """A request's speculation so far: draft tokens ``proposed`` and ``accepted``, the
+    verification ``steps`` and the ``tokens`` those steps produced (accepted + 1 each)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One delta of a request's output stream.
 
@@ -242,6 +374,8 @@ class RequestOutput:
     cumulative_logprob: float | None = None  # n > 1 and beam search: sum of token logprobs
     score: float | None = None  # beam search: cumulative_logprob / length ** length_penalty
     seed: int | None = None  # the seed this output sampled with (None for beam search)
+    parallel_sets: tuple[ParallelSet, ...] | None = None  # parallel_tokens: this delta's sets
+    speculative: SpeculativeStats | None = None  # speculation so far (when it speculates)
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,6 +124,8 @@ class Batcher:
             hits = self.kv.find_cached(seq.block_hashes, seq.num_tokens) if fresh else ()
             start = seq.num_computed_tokens + len(hits) * bs
             n = 0 if fresh and lead_busy else min(seq.num_tokens - start, budget)
+            if n:
+                n = seq.fit(start, start + n) - start  # whole draft runs and parallel sets
             if i == 0:
                 lead_busy = start < seq.num_tokens - 1
             budget -= n
@@ -152,6 +154,7 @@ class Batcher:
         self.running.remove(group)
         for seq in group.seqs:
             self.kv.free(seq.seq_id)
+            seq.drop_drafts()
             seq.num_computed_tokens = 0
             seq.num_preemptions += 1
         self.num_preemptions += 1

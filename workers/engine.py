@@ -9,11 +9,17 @@ without holding that lock, so a block cannot be freed twice by racing callers.
 
 Each request is a ``SequenceGroup``: one sequence, forked into ``n``/``best_of``
 children once its prompt is computed (``workers.forks``), or into beams.
+
+A step may add several tokens to one sequence: the drafts a speculating sequence
+proposed (``workers.speculative``: verified, then rolled back to what was accepted),
+or a set of parallel tokens (``workers.parallel_tokens``). Both are chunks of the same
+forward pass as everything else (``model_runner.Chunk``).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import secrets
 import threading
@@ -25,6 +31,7 @@ import torch
 from workers.api import (
     FinishReason,
     InvalidRequestError,
+    ParallelSet,
     Phase,
     Request,
     RequestOutput,
@@ -43,8 +50,10 @@ from workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
 from workers.model.loader import DTYPES, LoadedModel, load_model
 from workers.model_runner import ModelRunner
 from workers.outputs import aborted_outputs, beam_outputs, sequence_output
-from workers.sampling import Sampler, SamplingRow
+from workers.parallel_tokens import choose_set, mean_distribution_logits
+from workers.sampling import Sampler, SampleResult, SamplingRow
 from workers.sequence import Sequence, SequenceGroup
+from workers.speculative import DraftModel, Speculator, load_draft
 from workers.stop import StopStringMatcher
 from workers.validation import validate_request
 
@@ -71,6 +80,18 @@ class EngineStats:
     peak_used_blocks: int  # most blocks in use at any step so far
     shared_blocks: int  # blocks held by more than one sequence right now
     recent_step_time: float  # seconds, moving average over the last steps that ran a batch
+    spec_proposed: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # of them accepted
+    spec_steps: int = 0  # verification steps (one per speculating sequence and step)
+    spec_tokens: int = 0  # tokens those steps produced
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def spec_tokens_per_step(self) -> float:
+        return self.spec_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
 class Engine:
@@ -100,6 +121,17 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv, kv_cache)
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
+        draft = None
+        if config.draft_model is not None:
+            drafter = load_draft(config.draft_model, self.loaded, config.dtype, config.device)
+            draft = DraftModel(drafter, num_blocks, config.block_size, dtype, device)
+        self.speculator = Speculator(
+            self.sampler,
+            self._sampling_row,
+            config.default_speculative,
+            config.speculative_min_tokens,
+            draft,
+        )
         self.forks = Forks(self.kv, self.tokenizer, config.enable_block_sharing)
         self.handoff = BlockHandoff(self)  # KV blocks in and out (disaggregation)
         # What changes a block's K/V besides its tokens (the request's salt is added).
@@ -138,6 +170,7 @@ class Engine:
         resume: Resume | None = None,
     ) -> tuple[int, ...]:
         """Check a prompt against the model and pool; return its token ids."""
+        self.speculator.check(sampling)
         return validate_request(
             prompt,
             sampling,
@@ -197,22 +230,53 @@ class Engine:
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
+        self.speculator.propose(self._speculating(), self.max_model_len)
         batch = self.batcher.schedule()
+        for group in batch.preempted:
+            for seq in group.seqs:
+                self.speculator.free(seq)
+        scheduled = {id(seq) for seq, _ in batch.items}
+        for group in self.batcher.running:
+            for seq in group.seqs:
+                if seq.num_draft and id(seq) not in scheduled:
+                    seq.drop_drafts()  # not verified this step: propose afresh next time
         if not batch.items:
             return []
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
         started = time.perf_counter()
-        logits, sampled = self.runner.execute(batch.items)
+        chunks = [seq.chunk(n) for seq, n in batch.items]
+        logits = self.runner.execute(chunks)
         bs = self.kv.block_size
         for seq, n in batch.items:
             first_full = seq.num_computed_tokens // bs
             seq.num_computed_tokens += n
             if seq.num_output_tokens == 0:
                 self._prompt_tokens += n
-            self.kv.cache_blocks(
-                seq.seq_id, seq.block_hashes, first_full, seq.num_computed_tokens // bs
-            )
+            # block_hashes cover real tokens only: never a block holding drafts
+            last_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
+            self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
         outputs: list[RequestOutput] = []
+        sampled: list[Sequence] = []
+        next_logits: list[torch.Tensor] = []
+        verifying: list[tuple[Sequence, torch.Tensor]] = []
+        offset = 0
+        for (seq, _), chunk in zip(batch.items, chunks, strict=True):
+            count = len(chunk.logits_rows)
+            if not count:
+                continue
+            seq_logits = logits[offset : offset + count]
+            offset += count
+            if seq.num_draft:
+                verifying.append((seq, seq_logits))
+            else:
+                sampled.append(seq)
+                # after a parallel set: the mean of its members' distributions
+                merged = seq_logits[0] if count == 1 else mean_distribution_logits(seq_logits)
+                next_logits.append(merged)
+        if verifying or len(sampled) != len(logits):
+            logits = torch.stack(next_logits) if next_logits else logits[:0]
+        for seq, seq_logits in verifying:
+            outputs += self._verify(self.groups[seq.request.request_id], seq, seq_logits)
         rows: dict[int, int] = {id(seq): i for i, seq in enumerate(sampled)}
         targets: list[tuple[SequenceGroup, Sequence]] = []
         logit_rows: list[int] = []
@@ -231,8 +295,11 @@ class Engine:
             if logit_rows != list(range(len(sampled))):
                 logits = logits[logit_rows]
             results = self.sampler.sample(logits, [self._sampling_row(s) for _, s in targets])
-            for (group, seq), result in zip(targets, results, strict=True):
-                self._append_token(group, seq, result.token_id, result.logprob)
+            for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
+                if seq.request.sampling.parallel_tokens is not None:
+                    self._append_set(group, seq, result, logits[i])
+                else:
+                    self._append_token(group, seq, result.token_id, result.logprob)
                 outputs += self._emit(group, seq)
         elapsed = time.perf_counter() - started
         self._step_time = elapsed if not self._steps else 0.8 * self._step_time + 0.2 * elapsed
@@ -242,6 +309,75 @@ class Engine:
         self._last = (len(batch.items), batch.num_tokens)
         return outputs
 
+    def _speculating(self) -> list[Sequence]:
+        """Running sequences that speculate and are decoding (their last token is the
+        only one to compute)."""
+        return [
+            seq
+            for group in self.batcher.running
+            for seq in group.seqs
+            if seq.spec is not None
+            and seq.num_output_tokens > 0
+            and seq.num_computed_tokens == seq.num_tokens - 1
+        ]
+
+    def _verify(
+        self, group: SequenceGroup, seq: Sequence, logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Accept what the target agrees with, roll the rest back, append the tokens."""
+        results = self.speculator.verify(seq, logits)
+        real = seq.num_real_tokens
+        seq.drop_drafts()
+        computed = real + len(results) - 1  # the last real token and the accepted drafts
+        seq.num_computed_tokens = computed
+        self.kv.truncate(seq.seq_id, computed)
+        self.speculator.rollback(seq, computed)
+        for result in results:
+            self._append_token(group, seq, result.token_id, result.logprob)
+            if seq.finished:
+                break
+        else:
+            bs = self.kv.block_size
+            last_full = min(computed // bs, len(seq.block_hashes))
+            self.kv.cache_blocks(seq.seq_id, seq.block_hashes, real // bs, last_full)
+        return self._emit(group, seq)
+
+    def _append_set(
+        self, group: SequenceGroup, seq: Sequence, result: SampleResult, logits: torch.Tensor
+    ) -> None:
+        """Parallel tokens: the sampled token and every other one at or above the
+        threshold, all at the next logical position."""
+        params = seq.request.sampling
+        row = self._sampling_row(seq)
+        if params.greedy:  # the set is chosen by probability: softmax at temperature 1
+            row = dataclasses.replace(row, params=dataclasses.replace(params, temperature=1.0))
+        probs = self.sampler.probs(logits[None], [row])[0]
+        room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        members = choose_set(
+            result.token_id, probs, params.parallel_tokens, self._end_token_ids(params), room
+        )
+        position = (seq.positions[-1] if seq.positions else seq.num_tokens - 1) + 1
+        if len(members) > 1:
+            if seq.positions is None:
+                seq.positions = list(range(seq.num_tokens))
+            seq.parallel_sets.append((seq.num_tokens, len(members)))
+        seq.pending_sets.append(
+            ParallelSet(
+                position=position,
+                token_ids=tuple(members),
+                tokens=tuple(self.tokenizer.decode([t]) for t in members),
+                probs=tuple(probs[members].tolist()),
+            )
+        )
+        rows = [self._sampling_row(seq)] * len(members)
+        logprobs = self.sampler.with_logprobs(logits.expand(len(members), -1), rows, members)
+        for token_id, member in zip(members, logprobs, strict=True):
+            if seq.positions is not None:
+                seq.positions.append(position)
+            self._append_token(group, seq, token_id, member.logprob)
+            if seq.finished:
+                break
+
     def check_integrity(self) -> None:
         reserved = [r.blocks for r in self.handoff.reservations]  # incoming transfers
         self.kv.pool.check_integrity([*self.kv.tables.values(), *reserved])
@@ -250,6 +386,15 @@ class Engine:
         waiting = {seq.seq_id for group in self.batcher.waiting for seq in group.seqs}
         assert not running & waiting, "a sequence is both running and waiting"
         assert held <= running, f"blocks held by sequences that are not running: {held - running}"
+        self.speculator.check_integrity(running)
+        for group in self.batcher.running + self.batcher.waiting:
+            for seq in group.seqs:
+                assert not seq.num_draft, f"{seq.seq_id} kept draft tokens past a step"
+                table = self.kv.tables.get(seq.seq_id, [])
+                need = -(-seq.num_computed_tokens // self.kv.block_size)
+                assert len(table) <= max(need, -(-seq.num_tokens // self.kv.block_size)), (
+                    f"{seq.seq_id} holds {len(table)} blocks for {seq.num_tokens} tokens"
+                )
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -279,6 +424,7 @@ class Engine:
                 seq.stop_matcher.feed(seq.detokenizer.push(token_id))
             seq.cumulative_logprob = resume.cumulative_logprob
         self._update_hashes(seq)
+        self.speculator.start(seq)
         group = SequenceGroup(request, [seq], sampling.num_samples, self._order)
         if sampling.beam_width > 1:
             group.beam = self.forks.new_beam_search(sampling, self._end_token_ids(sampling))
@@ -287,25 +433,34 @@ class Engine:
         self.batcher.add(group)
 
     def _update_hashes(self, seq: Sequence) -> None:
+        """Hash the sequence's new full blocks. Blocks from its first parallel set on
+        are not hashed: their K/V depend on positions and masks, not tokens alone."""
         if self.config.enable_prefix_caching:
             keys = (*self.hash_keys, seq.request.cache_salt or "")
-            extend_block_hashes(seq.block_hashes, seq.token_ids, self.kv.block_size, keys)
+            tokens = seq.token_ids
+            if seq.parallel_sets:
+                tokens = tokens[: seq.parallel_sets[0][0]]
+            extend_block_hashes(seq.block_hashes, tokens, self.kv.block_size, keys)
 
     def _end_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         return tuple(dict.fromkeys(eos + tuple(params.stop_token_ids)))
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, length: int | None = None) -> SamplingRow:
+        """The row that samples the token after the first ``length`` tokens (default:
+        all of them) of ``seq``."""
         params = seq.request.sampling
+        length = seq.num_tokens if length is None else length
+        num_output = length - seq.num_prompt_tokens
         suppressed: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             suppressed = self._end_token_ids(params)
         return SamplingRow(
             params=params,
             seed=seq.seed,
-            token_index=seq.num_output_tokens,
+            token_index=num_output,
             prompt_token_ids=seq.request.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=seq.token_ids[seq.num_prompt_tokens : length],
             suppressed_token_ids=suppressed,
         )
 
@@ -353,6 +508,7 @@ class Engine:
         group.seqs.remove(seq)
         group.finished_seqs.append(seq)
         self.kv.free(seq.seq_id)
+        self.speculator.free(seq)
         if not group.seqs:
             self._end_group(group)
 
@@ -368,6 +524,7 @@ class Engine:
         for seq in live:
             seq.finish_reason = FinishReason.ABORT
             seq.phase = Phase.FINISHED
+            self.speculator.free(seq)
         self.batcher.remove(group)  # frees the live sequences' blocks
         group.seqs = []
         self._end_group(group)
@@ -430,4 +587,8 @@ class Engine:
             peak_used_blocks=self._peak_used_blocks,
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
             recent_step_time=self._step_time,
+            spec_proposed=self.speculator.proposed,
+            spec_accepted=self.speculator.accepted,
+            spec_steps=self.speculator.steps,
+            spec_tokens=self.speculator.tokens,
         )

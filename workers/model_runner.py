@@ -1,4 +1,10 @@
-"""Turn a scheduled batch into flat tensors and run the model over the paged KV cache.
+"""Turn a step's chunks into flat tensors and run the model over the paged KV cache.
+
+A ``Chunk`` is what one sequence computes in one forward pass: some new tokens, the
+cache indices they are written to, their RoPE positions and which earlier tokens each
+may see. Every way a sequence adds tokens is a chunk: a prefill or a piece of one, a
+decode step, the draft tokens a target verifies (speculative decoding), and a set of
+parallel tokens that share one position and see each other (or not) by a mask.
 
 The batch layout (one row per new token, several rows per sequence allowed)::
 
@@ -13,6 +19,8 @@ The batch layout (one row per new token, several rows per sequence allowed)::
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +28,49 @@ from workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
 from workers.attention.paged import plan_decode
 from workers.kv.manager import KVCacheManager
 from workers.model.llama import LlamaModel
-from workers.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """New tokens of one sequence for one forward pass.
+
+    The tokens go to cache indices ``start .. start + len(token_ids) - 1`` of the
+    sequence's block table (which must already hold them); attention then covers
+    cache indices ``0 .. start + len(token_ids) - 1``.
+
+    ``positions``: the RoPE position of each new token; None means its cache index.
+    ``mask``: bool ``[len(token_ids), start + len(token_ids)]``, True where a new token
+    may attend; None means causal by cache index.
+    ``logits_rows``: the new tokens (indices into ``token_ids``) whose next-token
+    logits the caller wants, in this order.
+    """
+
+    seq_id: str
+    token_ids: Seq[int]
+    start: int
+    positions: Seq[int] | None = None
+    mask: torch.Tensor | None = None
+    logits_rows: Seq[int] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError(f"chunk of {self.seq_id!r} has no tokens")
+        if self.positions is not None and len(self.positions) != n:
+            raise ValueError(f"{len(self.positions)} positions for {n} tokens")
+        if self.mask is not None and tuple(self.mask.shape) != (n, self.start + n):
+            raise ValueError(f"mask {tuple(self.mask.shape)}, expected ({n}, {self.start + n})")
+        if any(not 0 <= row < n for row in self.logits_rows):
+            raise ValueError(f"logits_rows {list(self.logits_rows)} not in [0, {n})")
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token that sees everything before it: the batched decode path takes it."""
+        return len(self.token_ids) == 1 and self.mask is None
 
 
 class ModelRunner:
@@ -31,46 +81,52 @@ class ModelRunner:
         self.device = kv_cache.device
         self.block_size = kv.block_size
 
-    def execute(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute ``n`` new tokens of each (sequence, n); return logits of the sequences
-        that reached their last token ([S, vocab], float32) and those sequences.
+    def execute(self, chunks: Seq[Chunk]) -> torch.Tensor:
+        """Compute every chunk's tokens (writing their K/V); return the logits of each
+        chunk's ``logits_rows``, chunk after chunk, as float32 ``[sum of rows, vocab]``.
 
-        Single-token sequences must come first (the batcher orders them so).
         Pending copy-on-write block copies are applied first, in the order recorded.
         """
         for src, dst in self.kv.take_copies():
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        # Single-token chunks first: the attention backend batches them as decodes.
+        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
+        masks: list[torch.Tensor | None] = []
+        row_of: dict[tuple[int, int], int] = {}  # (chunk, logits row) -> batch row
         num_decodes = 0
-        for seq, n in items:
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(end)
-            tables.append(self.kv.block_ids(seq.seq_id))
-            if n == 1 and num_decodes == len(seq_lens) - 1:
+        for i in order:
+            chunk = chunks[i]
+            base = query_start[-1]
+            input_ids.extend(chunk.token_ids)
+            positions.extend(
+                range(chunk.start, chunk.end) if chunk.positions is None else chunk.positions
+            )
+            query_start.append(base + len(chunk.token_ids))
+            seq_lens.append(chunk.end)
+            tables.append(self.kv.block_ids(chunk.seq_id))
+            if chunk.is_decode:
                 num_decodes += 1
-            if end == seq.num_tokens:
-                logits_rows.append(query_start[-1] - 1)
-                sampled.append(seq)
+            else:
+                masks.append(chunk.mask)
+            for row in chunk.logits_rows:
+                row_of[i, row] = base + row
+        logits_rows = [row_of[i, r] for i, chunk in enumerate(chunks) for r in chunk.logits_rows]
         width = max(len(t) for t in tables)
         dev = self.device
         block_tables = torch.tensor(
             [t + [PAD_BLOCK_ID] * (width - len(t)) for t in tables], device=dev
         )
         query_lens = torch.tensor([b - a for a, b in itertools.pairwise(query_start)], device=dev)
-        positions_t = torch.tensor(positions, device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(items), device=dev), query_lens)
-        slot_mapping = block_tables[seq_index, positions_t // bs] * bs + positions_t % bs
+        slots = torch.cat([torch.arange(c.start, c.end) for c in map(chunks.__getitem__, order)])
+        slots = slots.to(dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(chunks), device=dev), query_lens)
+        slot_mapping = block_tables[seq_index, slots // bs] * bs + slots % bs
         seq_lens_t = torch.tensor(seq_lens, device=dev)
         decode_plan = None
         if num_decodes:
@@ -89,13 +145,15 @@ class ModelRunner:
             num_decodes=num_decodes,
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
+            attn_masks=None
+            if all(m is None for m in masks)
+            else tuple(None if m is None else m.to(dev) for m in masks),
             decode_plan=decode_plan,
         )
-        logits = self.model(
+        return self.model(
             torch.tensor(input_ids, device=dev),
-            positions_t,
+            torch.tensor(positions, device=dev),
             self.kv_cache,
             meta,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
-        return logits, sampled

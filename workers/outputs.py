@@ -26,10 +26,13 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
         index=seq.index if index is None else index,
         cumulative_logprob=seq.cumulative_logprob if params.num_samples > 1 else None,
         seed=seq.seed,
+        parallel_sets=tuple(seq.pending_sets) if params.parallel_tokens is not None else None,
+        speculative=seq.spec.stats() if seq.spec is not None else None,
     )
     seq.pending_text = ""
     seq.pending_token_ids = []
     seq.pending_logprobs = []
+    seq.pending_sets = []
     return output
 
 

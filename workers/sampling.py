@@ -264,19 +264,21 @@ class Sampler:
         prepared = self._prepare(logits, rows)
         token_ids = prepared.token_ids
         if prepared.random_probs is not None:
-            probs = prepared.random_probs
-            noise = torch.empty_like(probs)  # [R, V], one keyed stream per row
-            for j, i in enumerate(prepared.random_rows):
-                row = rows[i]
-                gen = random_generator(row.seed, row.token_index, device=probs.device)
-                noise[j].uniform_(generator=gen)
-            # E = -log(U) with U in [0, 1) is Exp(1) and never 0, so p / E is never 0/0
-            # (a NaN argmax would pick); torch's own exponential_ is 4x slower on CPU.
-            noise.log_().neg_()
-            token_ids[prepared.random_rows] = probs.div_(noise).argmax(dim=1)
-        ids = token_ids.tolist()
+            chosen = _race(prepared.random_probs, [rows[i] for i in prepared.random_rows])
+            token_ids[prepared.random_rows] = chosen
+        return self.with_logprobs(logits, rows, token_ids.tolist())
+
+    def sample_from(self, probs: torch.Tensor, row: SamplingRow) -> int:
+        """One token from the distribution ``probs`` [V] with ``row``'s keyed noise."""
+        return int(_race(probs.unsqueeze(0).clone(), [row])[0])
+
+    def with_logprobs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: Sequence[int]
+    ) -> list[SampleResult]:
+        """``token_ids`` (one per row of ``logits``) with their raw logprobs, for the
+        rows that ask for logprobs or have n > 1 (for cumulative_logprob and best_of)."""
+        ids = list(token_ids)
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        # n > 1 needs the chosen token's logprob for cumulative_logprob (and best_of).
         want = [
             i
             for i, row in enumerate(rows)
@@ -284,7 +286,8 @@ class Sampler:
         ]
         if want:
             raw = torch.log_softmax(logits[want].to(torch.float32), dim=1)  # [L, V]
-            chosen = raw.gather(1, token_ids[want].unsqueeze(1)).squeeze(1).tolist()
+            index = torch.tensor([ids[i] for i in want], device=raw.device).unsqueeze(1)
+            chosen = raw.gather(1, index).squeeze(1).tolist()
             n_top = max(rows[i].params.logprobs or 0 for i in want)
             top_vals, top_ids = raw.topk(n_top, dim=1, sorted=True)
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
@@ -293,3 +296,22 @@ class Sampler:
                 top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
                 logprobs[i] = TokenLogprob(ids[i], chosen[j], top)
         return [SampleResult(t, lp) for t, lp in zip(ids, logprobs, strict=True)]
+
+
+def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The exponential race over ``probs`` [R, V] (consumed), one keyed stream per row:
+    ``argmax p / E`` with ``E ~ Exp(1)``; returns [R] token ids."""
+    noise = torch.empty_like(probs)
+    for j, row in enumerate(rows):
+        gen = random_generator(row.seed, row.token_index, device=probs.device)
+        noise[j].uniform_(generator=gen)
+    # E = -log(U) with U in [0, 1) is Exp(1) and never 0, so p / E is never 0/0
+    # (a NaN argmax would pick); torch's own exponential_ is 4x slower on CPU.
+    noise.log_().neg_()
+    return probs.div_(noise).argmax(dim=1)
+
+
+def keyed_uniform(seed: int, token_index: int) -> float:
+    """One uniform draw in [0, 1) keyed by (seed, token_index), like the sampler's noise."""
+    gen = random_generator(seed, token_index)
+    return float(torch.rand((), generator=gen))

@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.api import FinishReason, Phase, Request, TokenLogprob
+from workers.api import FinishReason, ParallelSet, Phase, Request, TokenLogprob
 from workers.detokenizer import IncrementalDetokenizer
+from workers.model_runner import Chunk
+from workers.parallel_tokens import parallel_mask
 from workers.stop import StopStringMatcher
 
 if TYPE_CHECKING:
     from workers.beam import BeamSearch
+    from workers.speculative import SpecState
 
 
 @dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its contents
@@ -44,6 +47,14 @@ class Sequence:
     pending_text: str = ""
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_sets: list[ParallelSet] = field(default_factory=list)
+    # Speculative decoding: the last ``num_draft`` of token_ids are unverified drafts.
+    spec: SpecState | None = None
+    num_draft: int = 0
+    # Parallel tokens: each token's logical position (None: its index), and the
+    # (first index, width) of every set of two or more tokens, in order.
+    positions: list[int] | None = None
+    parallel_sets: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def seq_id(self) -> str:
@@ -70,6 +81,57 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens without the unverified drafts."""
+        return len(self.token_ids) - self.num_draft
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Keep only the first ``keep`` draft tokens (none by default)."""
+        if self.num_draft > keep:
+            del self.token_ids[len(self.token_ids) - self.num_draft + keep :]
+            self.num_draft = keep
+            if self.spec is not None:
+                self.spec.drop_drafts(keep)
+
+    def fit(self, start: int, end: int) -> int:
+        """Where a step computing from ``start`` with room up to ``end`` must stop:
+        drafts that do not fit are dropped (a verification step checks them all at
+        once), and a parallel set is never split (its tokens see each other)."""
+        if end < self.num_tokens and self.num_draft:
+            self.drop_drafts(max(0, self.num_draft - (self.num_tokens - end)))
+            end = min(end, self.num_tokens)
+        for first, width in reversed(self.parallel_sets):
+            if first < end < first + width:
+                return max(first, start)
+            if first + width <= end:
+                break
+        return end
+
+    def chunk(self, n: int) -> Chunk:
+        """The next ``n`` tokens to compute, and the rows whose logits decide what
+        follows: the last token's, every draft's and the one before them (speculative),
+        or every member's of a final parallel set."""
+        start = self.num_computed_tokens
+        end = start + n
+        rows: range | tuple[int, ...] = ()
+        if end == self.num_tokens:
+            last = 1
+            if self.num_draft:
+                last = self.num_draft + 1
+            elif self.parallel_sets and sum(self.parallel_sets[-1]) == end:
+                last = self.parallel_sets[-1][1]
+            rows = range(n - last, n)
+        mode = self.request.sampling.parallel_tokens
+        return Chunk(
+            self.seq_id,
+            self.token_ids[start:end],
+            start,
+            positions=None if self.positions is None else self.positions[start:end],
+            mask=parallel_mask(self.parallel_sets, start, end, mode.mode) if mode else None,
+            logits_rows=rows,
+        )
 
 
 @dataclass(slots=True, eq=False)  # identity, so groups can key dicts and sets

@@ -52,6 +52,13 @@ def validate_request(
             f"{total} exceeds the model's context length of {max_model_len} tokens",
         )
     _check_width(len(token_ids), total, sampling, config, num_blocks)
+    parallel = sampling.parallel_tokens
+    if parallel is not None and parallel.max_width > config.max_num_batched_tokens:
+        raise InvalidRequestError(
+            "parallel_tokens.max_width",
+            f"{parallel.max_width} exceeds the engine's max_num_batched_tokens "
+            f"({config.max_num_batched_tokens}): a set is computed in one step",
+        )
     if resume is not None:
         _check_resume(resume, sampling, model)
     return token_ids
@@ -61,6 +68,10 @@ def _check_resume(resume: Resume, sampling: SamplingParams, model: ModelConfig) 
     if sampling.num_samples > 1:
         raise InvalidRequestError(
             "resume", "only a request with one output (n=1, no best_of, no beams) resumes"
+        )
+    if sampling.parallel_tokens is not None:
+        raise InvalidRequestError(
+            "resume", "a parallel_tokens request cannot resume: its sets' positions are lost"
         )
     if len(resume.token_ids) >= sampling.max_tokens:
         raise InvalidRequestError(

@@ -196,6 +196,20 @@ class KVCacheManager:
         self.copies += [(a.block_id, b.block_id) for a, b in zip(table, copy, strict=True)]
         return copy
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Return the blocks past the first ``num_tokens`` tokens to the pool (rejected
+        speculative tokens). They were written this step, so they are private and
+        carry no hash."""
+        table = self.tables.get(seq_id)
+        if table is None:
+            return
+        keep = blocks_needed(num_tokens, self.block_size)
+        if len(table) > keep:
+            dropped = table[keep:]
+            del table[keep:]
+            assert all(b.ref_count == 1 and b.block_hash is None for b in dropped), dropped
+            self.pool.free(reversed(dropped))
+
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks, tail first (so its tail is reused first)."""
         table = self.tables.pop(seq_id, None)

@@ -9,6 +9,8 @@ so float32 outputs match transformers to rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -117,6 +119,21 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(config, dtype, device)
+
+    def first_layers(self, num_layers: int) -> LlamaModel:
+        """A model of this one's first ``num_layers`` layers, sharing its weights (a
+        self-speculative draft: the same embedding, final norm and head)."""
+        if not 1 <= num_layers <= self.config.num_layers:
+            raise ValueError(f"num_layers: must be in [1, {self.config.num_layers}]")
+        model = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(model)
+        model.config = dataclasses.replace(self.config, num_layers=num_layers)
+        model.embed_tokens = self.embed_tokens
+        model.layers = nn.ModuleList(self.layers[:num_layers])
+        model.norm = self.norm
+        model.lm_head = self.lm_head
+        model.rope = self.rope
+        return model
 
     @torch.inference_mode()
     def forward(
