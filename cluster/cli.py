@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 
 from cluster.config import ServeConfig, add_config_arguments, memory_size
-from workers.api import InvalidRequestError, SamplingParams
+from workers.api import (
+    PARALLEL_MODES,
+    SPECULATIVE_METHODS,
+    InvalidRequestError,
+    ParallelTokensParams,
+    SamplingParams,
+    SpeculativeParams,
+)
 from workers.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -103,8 +111,16 @@ def _generate(args: argparse.Namespace) -> int:
             beam_width=args.beam_width,
             length_penalty=args.length_penalty,
             early_stopping=args.early_stopping,
+            speculative=None
+            if args.speculative is None
+            else SpeculativeParams(args.speculative, args.num_speculative_tokens),
+            parallel_tokens=None
+            if args.parallel_tokens is None
+            else ParallelTokensParams(
+                args.parallel_tokens, args.parallel_max_width, args.parallel_mode
+            ),
         )
-        config = _engine_config(args)
+        config = dataclasses.replace(_engine_config(args), draft_model=args.draft_model)
     except (InvalidRequestError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -134,19 +150,35 @@ def _generate(args: argparse.Namespace) -> int:
         for output in engine.step():
             if first_token_at is None and output.token_ids:
                 first_token_at = time.perf_counter()
-            sys.stdout.write(output.text)
+            sys.stdout.write(output.text if output.parallel_sets is None else _sets(output))
             sys.stdout.flush()
             if output.finished:
                 elapsed = time.perf_counter() - start
                 sys.stdout.write("\n")
+                spec = output.speculative
+                speculation = ""
+                if spec is not None:
+                    speculation = (
+                        f", drafts accepted {spec.accepted}/{spec.proposed} "
+                        f"({spec.acceptance_rate:.0%}), {spec.mean_tokens_per_step:.2f} "
+                        "tokens per verification step"
+                    )
                 print(
                     f"[{output.completion_tokens} tokens in {elapsed:.2f} s, "
                     f"{output.completion_tokens / elapsed:.1f} tok/s, "
-                    f"time to first token {(first_token_at or time.perf_counter()) - start:.3f} s, "
-                    f"finish reason: {output.finish_reason.value}]",
+                    f"time to first token {(first_token_at or time.perf_counter()) - start:.3f} s"
+                    f"{speculation}, finish reason: {output.finish_reason.value}]",
                     file=sys.stderr,
                 )
     return 0
+
+
+def _sets(output) -> str:
+    """A parallel-tokens delta as text, each set of two or more tokens as [a|b|c]."""
+    return "".join(
+        s.tokens[0] if len(s.tokens) == 1 else "[" + "|".join(s.tokens) + "]"
+        for s in output.parallel_sets
+    )
 
 
 def _print_whole(engine) -> int:
@@ -262,6 +294,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="beam search: true stops at --beam-width finished beams, false when no "
         "running beam can win, never runs the canonical search (default: false)",
+    )
+    spec = gen.add_argument_group("several tokens per step")
+    spec.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="speculative decoding: ngram proposes what followed the last tokens earlier in "
+        "prompt + output (prompt lookup); draft runs --draft-model (default: off)",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="most draft tokens verified per step; fewer while drafts are rejected (default: 4)",
+    )
+    spec.add_argument(
+        "--draft-model",
+        default=None,
+        help="the draft model: a Hugging Face directory or .gguf sharing the model's "
+        "vocabulary, 'target' (the model itself) or 'target:K' (its first K layers)",
+    )
+    spec.add_argument(
+        "--parallel-tokens",
+        type=float,
+        default=None,
+        metavar="THRESHOLD",
+        help="parallel tokens (TEMPO): also append every token at least this probable at "
+        "the same position; the output shows each set as [a|b|c] (default: off)",
+    )
+    spec.add_argument(
+        "--parallel-max-width",
+        type=int,
+        default=4,
+        help="most tokens in one parallel set (default: 4)",
+    )
+    spec.add_argument(
+        "--parallel-mode",
+        choices=PARALLEL_MODES,
+        default="isolated",
+        help="isolated: each token of a set sees the context and itself; visible: also "
+        "the rest of its set (default: isolated)",
     )
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)

@@ -27,6 +27,7 @@ from pydantic import (
 
 from scheduler.api import DECODE, MIXED, PREFILL
 from scheduler.placement import POLICIES
+from workers.api import MAX_SPECULATIVE_TOKENS
 from workers.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -81,6 +82,28 @@ class ClusterConfig(BaseModel):
     )
     enable_prefix_caching: bool = Field(
         True, description="reuse the KV blocks of earlier prompts on each worker"
+    )
+
+    # -- several tokens per step
+    speculative_method: Literal["ngram", "draft"] | None = Field(
+        None,
+        description="speculative decoding for every request by default (a request's own "
+        "speculative settings win): ngram (prompt lookup) or draft (--draft-model)",
+    )
+    speculative_num_tokens: int = Field(
+        4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="most draft tokens verified per step"
+    )
+    speculative_min_tokens: int = Field(
+        1,
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+        description="fewest draft tokens proposed per step while drafts are rejected",
+    )
+    draft_model: str | None = Field(
+        None,
+        description="each worker's draft model for speculative method draft: a Hugging Face "
+        "directory or .gguf sharing the model's vocabulary, 'target' (the model itself) or "
+        "'target:K' (its first K layers)",
     )
 
     # -- the worker pools: mixed workers, or prefill + decode workers (disaggregation)
@@ -267,6 +290,7 @@ class ClusterConfig(BaseModel):
             raise ValueError(
                 f"min_workers: {self.min_workers} is above max_workers ({self.max_workers})"
             )
+        self.engine_config("cpu")  # the engine's own checks (speculative settings)
         low, high = self.pool_bounds
         if self.workers > high:
             raise ValueError(f"workers: {self.workers} is above max_workers ({high})")
@@ -334,6 +358,10 @@ class ClusterConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            speculative_method=self.speculative_method,
+            speculative_num_tokens=self.speculative_num_tokens,
+            speculative_min_tokens=self.speculative_min_tokens,
+            draft_model=self.draft_model,
         )
 
 
@@ -464,6 +492,16 @@ def check_environment(config: ClusterConfig) -> None:
         resolve_model_path(config.model)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(str(error)) from None
+    draft = config.draft_model
+    if draft is not None and not draft.startswith("target"):
+        try:
+            resolve_model_path(draft)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(f"draft_model: {error}") from None
+    for name in ("kv_transfer_tls_cert", "kv_transfer_tls_key", "kv_transfer_tls_ca"):
+        path = getattr(config, name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{name}: no such file: {path!r}")
     if config.kv_cache_memory is not None:
         total = _machine_memory()
         if config.kv_cache_memory > total:

@@ -36,7 +36,14 @@ from cluster.grpc_client import API_VERSION
 from cluster.openai_protocol import api_error, invalid
 from protos.tessera.v1 import generation_pb2 as pb
 from scheduler.api import DeadlineError, WorkerStatus
-from workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+from workers.api import (
+    FinishReason,
+    InvalidRequestError,
+    ParallelTokensParams,
+    RequestOutput,
+    SamplingParams,
+    SpeculativeParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +123,26 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
     kwargs["ignore_eos"] = options.ignore_eos
     try:
+        if options.HasField("speculative"):
+            kwargs["speculative"] = SpeculativeParams(
+                **_set_fields(options.speculative, ("num_tokens", "adaptive"), "method")
+            )
+        if options.HasField("parallel_tokens"):
+            kwargs["parallel_tokens"] = ParallelTokensParams(
+                **_set_fields(options.parallel_tokens, ("threshold", "max_width"), "mode")
+            )
         return SamplingParams(**kwargs)
     except InvalidRequestError as error:
-        raise invalid(f"sampling.{error.field}", str(error)) from None
+        raise invalid(f"sampling.{error.field}", error.message) from None
+
+
+def _set_fields(options: Any, optional: tuple[str, ...], name: str) -> dict[str, Any]:
+    """The fields of an options message that are set: ``optional`` ones when present,
+    the string ``name`` when not empty (empty: the engine's default)."""
+    fields = {field: getattr(options, field) for field in optional if options.HasField(field)}
+    if getattr(options, name):
+        fields[name] = getattr(options, name)
+    return fields
 
 
 def response(request_id: str, delta: RequestOutput) -> pb.GenerateResponse:
@@ -143,6 +167,20 @@ def response(request_id: str, delta: RequestOutput) -> pb.GenerateResponse:
         message.stop_token_id = delta.stop_reason
     if delta.cumulative_logprob is not None:
         message.cumulative_logprob = delta.cumulative_logprob
+    for parallel in delta.parallel_sets or ():
+        message.parallel_sets.add(
+            position=parallel.position,
+            token_ids=parallel.token_ids,
+            tokens=parallel.tokens,
+            probs=parallel.probs,
+        )
+    if delta.speculative is not None:
+        stats = delta.speculative
+        message.speculative.SetInParent()  # present even when every count is 0
+        message.speculative.proposed = stats.proposed
+        message.speculative.accepted = stats.accepted
+        message.speculative.steps = stats.steps
+        message.speculative.tokens = stats.tokens
     return message
 
 

@@ -8,8 +8,13 @@
             print(delta.text, end="")
 
 ``generate`` yields ``GenerateResponse`` messages (one delta of one output each; the
-last one has ``usage``). Sampling options are ``SamplingOptions``' fields as keyword
-arguments. ``timeout`` is the call's gRPC deadline, and is sent as the request's
+last one has ``usage``; a ``parallel_tokens`` request's deltas carry ``parallel_sets``,
+a speculating one's ``speculative``, its counts so far). Sampling options are
+``SamplingOptions``' fields as keyword arguments; ``speculative`` and
+``parallel_tokens`` take a dict of their fields (``speculative={"method": "ngram",
+"num_tokens": 4}``, ``parallel_tokens={"threshold": 0.1, "max_width": 4, "mode":
+"visible"}``) or ``workers.api``'s ``SpeculativeParams`` / ``ParallelTokensParams``.
+``timeout`` is the call's gRPC deadline, and is sent as the request's
 ``timeout_s`` too, so the server stops the request (and its queue wait) at the same
 moment the client gives up. Leaving a stream early (or an error ending it) cancels the
 call and aborts the request by name. Errors raise ``grpc.RpcError`` with the server's status
@@ -19,6 +24,7 @@ code and message.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -49,6 +55,12 @@ def generate_request(
     unknown = sorted(set(sampling) - set(pb.SamplingOptions.DESCRIPTOR.fields_by_name))
     if unknown:
         raise TypeError(f"unknown sampling option(s) {unknown}; see SamplingOptions")
+    for name, kind in (
+        ("speculative", pb.SpeculativeOptions),
+        ("parallel_tokens", pb.ParallelTokensOptions),
+    ):
+        if name in sampling:
+            sampling[name] = _options(name, kind, sampling[name])
     request = pb.GenerateRequest(
         version=API_VERSION,
         request_id=request_id,
@@ -64,6 +76,21 @@ def generate_request(
     if timeout is not None:
         request.timeout_s = timeout
     return request
+
+
+def _options(name: str, kind: type, value: Any) -> Any:
+    """A ``speculative`` / ``parallel_tokens`` option as its message: from a dict of
+    its fields, the engine's params dataclass, or the message itself (None: unset)."""
+    if value is None or isinstance(value, kind):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict of {kind.__name__} fields, got {value!r}")
+    unknown = sorted(set(value) - set(kind.DESCRIPTOR.fields_by_name))
+    if unknown:
+        raise TypeError(f"unknown {name} option(s) {unknown}; see {kind.__name__}")
+    return kind(**{field: given for field, given in value.items() if given is not None})
 
 
 def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:

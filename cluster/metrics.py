@@ -62,6 +62,16 @@ class _ClusterCollector(Collector):
                     load.prefix_hits / load.prefix_queries if load.prefix_queries else 0.0
                 ),
             ),
+            "spec_acceptance_rate": (
+                "speculative decoding: draft tokens accepted / proposed",
+                lambda w, load: (
+                    load.spec_accepted / load.spec_proposed if load.spec_proposed else 0.0
+                ),
+            ),
+            "spec_tokens_per_step": (
+                "speculative decoding: mean tokens a verification step produced",
+                lambda w, load: load.spec_tokens / load.spec_steps if load.spec_steps else 0.0,
+            ),
         }
         counters = {
             "preemptions": ("sequences preempted for KV space", lambda load: load.preemptions),
@@ -88,6 +98,18 @@ class _ClusterCollector(Collector):
             "kv_transfers_served": (
                 "prefills this worker computed and sent to decode workers",
                 lambda load: load.kv_served,
+            ),
+            "spec_proposed_tokens": (
+                "speculative decoding: draft tokens proposed",
+                lambda load: load.spec_proposed,
+            ),
+            "spec_accepted_tokens": (
+                "speculative decoding: draft tokens the target accepted",
+                lambda load: load.spec_accepted,
+            ),
+            "spec_verification_steps": (
+                "speculative decoding: verification steps (per sequence)",
+                lambda load: load.spec_steps,
             ),
         }
         families = {

@@ -7,8 +7,11 @@ that the HTTP app renders as ``{"error": {"message", "type", "param", "code"}}``
 
 Tessera's extras ride in the same body, as vLLM's do: ``best_of``, ``beam_width`` /
 ``use_beam_search``, ``length_penalty``, ``early_stopping``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``priority`` and
-``cache_salt``.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``priority``,
+``cache_salt``, ``speculative`` (``{"method", "num_tokens", "adaptive"}``) and
+``parallel_tokens`` (``{"threshold", "max_width", "mode"}``). A choice of a request that
+speculated carries ``speculative`` (its counters); one of a ``parallel_tokens`` request
+carries ``parallel_tokens``, its sets in order.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ from workers.api import (
     MAX_TOP_LOGPROBS,
     FinishReason,
     InvalidRequestError,
+    ParallelSet,
+    ParallelTokensParams,
     RequestOutput,
     SamplingParams,
+    SpeculativeParams,
+    SpeculativeStats,
     TokenLogprob,
 )
 
@@ -106,6 +113,18 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class SpeculativeBody(_Body):
+    method: str = "ngram"
+    num_tokens: int = 4
+    adaptive: bool = True
+
+
+class ParallelTokensBody(_Body):
+    threshold: float = 0.1
+    max_width: int = 4
+    mode: str = "isolated"
+
+
 class _Sampling(_Body):
     """Fields both endpoints share."""
 
@@ -137,6 +156,8 @@ class _Sampling(_Body):
     priority: int = 0
     cache_salt: str | None = None
     timeout: float | None = None  # seconds; the server's request_timeout_s caps it
+    speculative: SpeculativeBody | None = None
+    parallel_tokens: ParallelTokensBody | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -182,6 +203,11 @@ class _Sampling(_Body):
                 "best_of": self.best_of,
             }
         try:
+            if self.speculative is not None:
+                fields["speculative"] = SpeculativeParams(**self.speculative.model_dump())
+            if self.parallel_tokens is not None:
+                parallel = self.parallel_tokens.model_dump()
+                fields["parallel_tokens"] = ParallelTokensParams(**parallel)
             return SamplingParams(**fields)
         except InvalidRequestError as error:
             raise invalid(error.field, error.message) from None
@@ -316,6 +342,32 @@ def finish_reason(output: RequestOutput) -> str | None:
     if output.finish_reason is FinishReason.ABORT:
         return "abort"
     return output.finish_reason.value
+
+
+def parallel_sets(sets: Sequence[ParallelSet]) -> list[dict[str, Any]]:
+    """A choice's ``parallel_tokens``: each set's position, token ids, token texts and
+    probabilities."""
+    return [
+        {
+            "position": s.position,
+            "token_ids": list(s.token_ids),
+            "tokens": list(s.tokens),
+            "probs": list(s.probs),
+        }
+        for s in sets
+    ]
+
+
+def speculative_stats(stats: SpeculativeStats) -> dict[str, Any]:
+    """A choice's ``speculative``: its draft tokens proposed and accepted, and steps."""
+    return {
+        "proposed": stats.proposed,
+        "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "steps": stats.steps,
+        "tokens": stats.tokens,
+        "mean_tokens_per_step": stats.mean_tokens_per_step,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

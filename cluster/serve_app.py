@@ -47,11 +47,13 @@ from cluster.openai_protocol import (
     api_error,
     finish_reason,
     invalid,
+    parallel_sets,
     parse_body,
+    speculative_stats,
     usage,
 )
 from scheduler.api import DeadlineError, WorkerStatus
-from workers.api import RequestOutput, SamplingParams
+from workers.api import RequestOutput, SamplingParams, SpeculativeStats
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,19 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False  # a streamed chat choice has sent its role
     offset: int = 0  # completions logprobs: text offset of the next token
+    parallel_sets: list = field(default_factory=list)  # parallel_tokens requests
+    speculative: SpeculativeStats | None = None  # the latest counters of a speculating one
+
+    def extras(self, delta: RequestOutput | None = None) -> dict:
+        """The choice's ``parallel_tokens`` and ``speculative`` fields: a streamed
+        ``delta``'s own sets, or (None) all of them."""
+        out: dict = {}
+        sets = self.parallel_sets if delta is None else delta.parallel_sets
+        if sets is not None and (delta is None or delta.parallel_sets is not None):
+            out["parallel_tokens"] = parallel_sets(sets)
+        if self.speculative is not None and (delta is None or delta.finished):
+            out["speculative"] = speculative_stats(self.speculative)
+        return out
 
 
 @dataclass
@@ -224,6 +239,7 @@ class OpenAIServer(GenerationService):
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
+                    **choice.extras(),
                 }
             )
         return JSONResponse(
@@ -283,6 +299,7 @@ class OpenAIServer(GenerationService):
                     "message": {"role": "assistant", "content": "".join(choice.text)},
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
+                    **choice.extras(),
                 }
             )
         return JSONResponse(
@@ -457,6 +474,10 @@ class OpenAIServer(GenerationService):
         choice.text.append(delta.text)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
+        if delta.parallel_sets:
+            choice.parallel_sets.extend(delta.parallel_sets)
+        if delta.speculative is not None:
+            choice.speculative = delta.speculative
         if delta.finished:
             choice.completion_tokens = delta.completion_tokens
             choice.finish_reason = finish_reason(delta)
@@ -543,10 +564,9 @@ class OpenAIServer(GenerationService):
                         delta.logprobs or (), choice.offset
                     )
                 finish = choice.finish_reason if delta.finished else None
-                yield self._chunk(
-                    job,
-                    [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-                )
+                entry = {"index": index, "text": text, "logprobs": logprobs}
+                entry["finish_reason"] = finish
+                yield self._chunk(job, [entry | choice.extras(delta)])
         if job.include_usage:
             yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
 
@@ -567,17 +587,13 @@ class OpenAIServer(GenerationService):
                     logprobs = {"content": self.logprobs.chat(delta.logprobs or ())}
                 content = {"content": delta.text} if delta.text else {}
                 finish = choice.finish_reason if delta.finished else None
-                yield self._chunk(
-                    job,
-                    [
-                        {
-                            "index": index,
-                            "delta": content,
-                            "logprobs": logprobs,
-                            "finish_reason": finish,
-                        }
-                    ],
-                )
+                entry = {
+                    "index": index,
+                    "delta": content,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                }
+                yield self._chunk(job, [entry | choice.extras(delta)])
         if job.include_usage:
             yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
 

@@ -98,6 +98,12 @@ class WorkerLoad:
     kv_fallbacks: tuple[tuple[str, int], ...] = ()  # (reason, count): prefilled here instead
     kv_served: int = 0
     phases: tuple[tuple[str, int], ...] = ()  # disaggregated requests per phase, now
+    # speculative decoding, ever: draft tokens proposed and accepted, verification steps
+    # and the tokens they produced
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
+    spec_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

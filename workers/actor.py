@@ -207,6 +207,10 @@ class WorkerActor:
             kv_fallbacks=tuple(sorted(transfers.fallbacks.items())),
             kv_served=transfers.served,
             phases=tuple(sorted(self.phases.counts().items())),
+            spec_proposed=stats.spec_proposed,
+            spec_accepted=stats.spec_accepted,
+            spec_steps=stats.spec_steps,
+            spec_tokens=stats.spec_tokens,
         )
         return self.info(), load
 

@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/tessera/v1/generation.proto\x12\ntessera.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfb\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\x0c\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x11 \x01(\rH\r\x88\x01\x01\x12\x17\n\nbeam_width\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x13 \x01(\x01H\x0f\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\x14 \x01(\x08H\x10\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stopping\"\x85\x02\n\x0fGenerateRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.tessera.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x16\n\ttimeout_s\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0c\n\n_timeout_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xdd\x02\n\x10GenerateResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.tessera.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x1f\n\x12\x63umulative_logprob\x18\n \x01(\x01H\x01\x88\x01\x01\x12 \n\x05usage\x18\x0b \x01(\x0b\x32\x11.tessera.v1.UsageB\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"3\n\x0c\x41\x62ortRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"1\n\rAbortResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\"$\n\x11ListModelsRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\">\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"H\n\x12ListModelsResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12!\n\x06models\x18\x02 \x03(\x0b\x32\x11.tessera.v1.Model\"[\n\x0fTokenizeRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\"6\n\x10TokenizeResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa7\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.tessera.v1.TokenizeRequest\x1a\x1c.tessera.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/tessera/v1/generation.proto\x12\ntessera.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xec\x06\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\x0c\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x11 \x01(\rH\r\x88\x01\x01\x12\x17\n\nbeam_width\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x13 \x01(\x01H\x0f\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\x14 \x01(\x08H\x10\x88\x01\x01\x12\x33\n\x0bspeculative\x18\x15 \x01(\x0b\x32\x1e.tessera.v1.SpeculativeOptions\x12:\n\x0fparallel_tokens\x18\x16 \x01(\x0b\x32!.tessera.v1.ParallelTokensOptionsB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stopping\"p\n\x12SpeculativeOptions\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\x08\x61\x64\x61ptive\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\r\n\x0b_num_tokensB\x0b\n\t_adaptive\"q\n\x15ParallelTokensOptions\x12\x16\n\tthreshold\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tmax_width\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04mode\x18\x03 \x01(\tB\x0c\n\n_thresholdB\x0c\n\n_max_width\"\x85\x02\n\x0fGenerateRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.tessera.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x16\n\ttimeout_s\x18\t \x01(\x01H\x01\x88\x01\x01\x42\x08\n\x06promptB\x0c\n\n_timeout_s\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.tessera.v1.TopLogprob\"Q\n\x0bParallelSet\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\t\x12\r\n\x05probs\x18\x04 \x03(\x02\"U\n\x10SpeculativeStats\x12\x10\n\x08proposed\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\r\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xc0\x03\n\x10GenerateResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tessera.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.tessera.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x1f\n\x12\x63umulative_logprob\x18\n \x01(\x01H\x01\x88\x01\x01\x12 \n\x05usage\x18\x0b \x01(\x0b\x32\x11.tessera.v1.Usage\x12.\n\rparallel_sets\x18\x0c \x03(\x0b\x32\x17.tessera.v1.ParallelSet\x12\x31\n\x0bspeculative\x18\r \x01(\x0b\x32\x1c.tessera.v1.SpeculativeStatsB\r\n\x0bstop_reasonB\x15\n\x13_cumulative_logprob\"3\n\x0c\x41\x62ortRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"1\n\rAbortResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\"$\n\x11ListModelsRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\">\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"H\n\x12ListModelsResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12!\n\x06models\x18\x02 \x03(\x0b\x32\x11.tessera.v1.Model\"[\n\x0fTokenizeRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\"6\n\x10TokenizeResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa7\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.tessera.v1.GenerateRequest\x1a\x1c.tessera.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.tessera.v1.AbortRequest\x1a\x19.tessera.v1.AbortResponse\x12K\n\nListModels\x12\x1d.tessera.v1.ListModelsRequest\x1a\x1e.tessera.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.tessera.v1.TokenizeRequest\x1a\x1c.tessera.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.tessera.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2104
-  _globals['_FINISHREASON']._serialized_end=2224
+  _globals['_FINISHREASON']._serialized_start=2715
+  _globals['_FINISHREASON']._serialized_end=2835
   _globals['_TOKENIDS']._serialized_start=50
   _globals['_TOKENIDS']._serialized_end=73
   _globals['_SAMPLINGOPTIONS']._serialized_start=76
-  _globals['_SAMPLINGOPTIONS']._serialized_end=839
-  _globals['_GENERATEREQUEST']._serialized_start=842
-  _globals['_GENERATEREQUEST']._serialized_end=1103
-  _globals['_TOPLOGPROB']._serialized_start=1105
-  _globals['_TOPLOGPROB']._serialized_end=1152
-  _globals['_TOKENLOGPROB']._serialized_start=1154
-  _globals['_TOKENLOGPROB']._serialized_end=1240
-  _globals['_USAGE']._serialized_start=1242
-  _globals['_USAGE']._serialized_end=1321
-  _globals['_GENERATERESPONSE']._serialized_start=1324
-  _globals['_GENERATERESPONSE']._serialized_end=1673
-  _globals['_ABORTREQUEST']._serialized_start=1675
-  _globals['_ABORTREQUEST']._serialized_end=1726
-  _globals['_ABORTRESPONSE']._serialized_start=1728
-  _globals['_ABORTRESPONSE']._serialized_end=1777
-  _globals['_LISTMODELSREQUEST']._serialized_start=1779
-  _globals['_LISTMODELSREQUEST']._serialized_end=1815
-  _globals['_MODEL']._serialized_start=1817
-  _globals['_MODEL']._serialized_end=1879
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1881
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1953
-  _globals['_TOKENIZEREQUEST']._serialized_start=1955
-  _globals['_TOKENIZEREQUEST']._serialized_end=2046
-  _globals['_TOKENIZERESPONSE']._serialized_start=2048
-  _globals['_TOKENIZERESPONSE']._serialized_end=2102
-  _globals['_GENERATION']._serialized_start=2227
-  _globals['_GENERATION']._serialized_end=2522
+  _globals['_SAMPLINGOPTIONS']._serialized_end=952
+  _globals['_SPECULATIVEOPTIONS']._serialized_start=954
+  _globals['_SPECULATIVEOPTIONS']._serialized_end=1066
+  _globals['_PARALLELTOKENSOPTIONS']._serialized_start=1068
+  _globals['_PARALLELTOKENSOPTIONS']._serialized_end=1181
+  _globals['_GENERATEREQUEST']._serialized_start=1184
+  _globals['_GENERATEREQUEST']._serialized_end=1445
+  _globals['_TOPLOGPROB']._serialized_start=1447
+  _globals['_TOPLOGPROB']._serialized_end=1494
+  _globals['_TOKENLOGPROB']._serialized_start=1496
+  _globals['_TOKENLOGPROB']._serialized_end=1582
+  _globals['_PARALLELSET']._serialized_start=1584
+  _globals['_PARALLELSET']._serialized_end=1665
+  _globals['_SPECULATIVESTATS']._serialized_start=1667
+  _globals['_SPECULATIVESTATS']._serialized_end=1752
+  _globals['_USAGE']._serialized_start=1754
+  _globals['_USAGE']._serialized_end=1833
+  _globals['_GENERATERESPONSE']._serialized_start=1836
+  _globals['_GENERATERESPONSE']._serialized_end=2284
+  _globals['_ABORTREQUEST']._serialized_start=2286
+  _globals['_ABORTREQUEST']._serialized_end=2337
+  _globals['_ABORTRESPONSE']._serialized_start=2339
+  _globals['_ABORTRESPONSE']._serialized_end=2388
+  _globals['_LISTMODELSREQUEST']._serialized_start=2390
+  _globals['_LISTMODELSREQUEST']._serialized_end=2426
+  _globals['_MODEL']._serialized_start=2428
+  _globals['_MODEL']._serialized_end=2490
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2492
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2564
+  _globals['_TOKENIZEREQUEST']._serialized_start=2566
+  _globals['_TOKENIZEREQUEST']._serialized_end=2657
+  _globals['_TOKENIZERESPONSE']._serialized_start=2659
+  _globals['_TOKENIZERESPONSE']._serialized_end=2713
+  _globals['_GENERATION']._serialized_start=2838
+  _globals['_GENERATION']._serialized_end=3133
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "n", "best_of", "beam_width", "length_penalty", "early_stopping")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "n", "best_of", "beam_width", "length_penalty", "early_stopping", "speculative", "parallel_tokens")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class SamplingOptions(_message.Message):
     BEAM_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -66,7 +68,29 @@ class SamplingOptions(_message.Message):
     beam_width: int
     length_penalty: float
     early_stopping: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ...) -> None: ...
+    speculative: SpeculativeOptions
+    parallel_tokens: ParallelTokensOptions
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., parallel_tokens: _Optional[_Union[ParallelTokensOptions, _Mapping]] = ...) -> None: ...
+
+class SpeculativeOptions(_message.Message):
+    __slots__ = ("method", "num_tokens", "adaptive")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_tokens: int
+    adaptive: bool
+    def __init__(self, method: _Optional[str] = ..., num_tokens: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+
+class ParallelTokensOptions(_message.Message):
+    __slots__ = ("threshold", "max_width", "mode")
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    threshold: float
+    max_width: int
+    mode: str
+    def __init__(self, threshold: _Optional[float] = ..., max_width: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("version", "request_id", "model", "text", "token_ids", "sampling", "priority", "cache_salt", "timeout_s")
@@ -108,6 +132,30 @@ class TokenLogprob(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
+class ParallelSet(_message.Message):
+    __slots__ = ("position", "token_ids", "tokens", "probs")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SpeculativeStats(_message.Message):
+    __slots__ = ("proposed", "accepted", "steps", "tokens")
+    PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    proposed: int
+    accepted: int
+    steps: int
+    tokens: int
+    def __init__(self, proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., steps: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -119,7 +167,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("version", "request_id", "index", "text", "token_ids", "logprobs", "finish_reason", "stop_string", "stop_token_id", "cumulative_logprob", "usage")
+    __slots__ = ("version", "request_id", "index", "text", "token_ids", "logprobs", "finish_reason", "stop_string", "stop_token_id", "cumulative_logprob", "usage", "parallel_sets", "speculative")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +179,8 @@ class GenerateResponse(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_SETS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     version: int
     request_id: str
     index: int
@@ -142,7 +192,9 @@ class GenerateResponse(_message.Message):
     stop_token_id: int
     cumulative_logprob: float
     usage: Usage
-    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    parallel_sets: _containers.RepeatedCompositeFieldContainer[ParallelSet]
+    speculative: SpeculativeStats
+    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., parallel_sets: _Optional[_Iterable[_Union[ParallelSet, _Mapping]]] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("version", "request_id")
