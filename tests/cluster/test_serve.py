@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.cli import main as cli_main
 from tests.cluster.serve_process import Server, serve_process
 from tests.helpers import run_engine, text_of, tokens_of
-from workers.api import SamplingParams
+from workers.api import ParallelTokensParams, SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -43,6 +43,7 @@ def server(ray_session, tmp_path_factory) -> Server:
         "report_interval_s: 0.1\n"
         "max_ongoing_requests: 16\n"
         "max_queued_requests: 64\n"
+        "draft_model: target:8\n"  # the first 8 layers draft for speculative method draft
         "port: 1\n"  # overridden by --port: flags win over the file
     )
     with serve_process(tmp_path_factory.mktemp("serve"), settings, API_KEY, NAMESPACE) as server:
@@ -99,6 +100,74 @@ def test_completion_greedy_equals_the_engine(server, make_engine):
 
     by_ids = client.completions.create(prompt=prompt_ids, max_tokens=12, temperature=0, model=MODEL)
     assert by_ids.choices[0].text == expected
+
+
+def test_speculative_decoding_over_http_equals_the_engine(server, make_engine):
+    expected, _ = engine_text(make_engine, PROMPT, max_tokens=16, temperature=0)
+    client = server.client()
+    before = _samples(server)
+    proposed = 0
+    for spec in ({"method": "ngram", "num_tokens": 3}, {"method": "draft", "num_tokens": 3}):
+        done = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            extra_body={"speculative": spec},
+        )
+        assert done.choices[0].text == expected, spec
+        stats = done.choices[0].model_extra["speculative"]
+        assert stats["steps"] > 0 and stats["proposed"] >= stats["accepted"] >= 0
+        assert stats["tokens"] == stats["accepted"] + stats["steps"]
+        proposed += stats["proposed"]
+    assert proposed > 0
+    key = ("tessera_worker_spec_proposed_tokens_total", (("worker", "mixed-0"),))
+    deadline = time.monotonic() + 10  # the worker's counters arrive with its next report
+    while _samples(server).get(key, 0) - before.get(key, 0) < proposed:
+        assert time.monotonic() < deadline, "the worker's speculative counters did not move"
+        time.sleep(0.2)
+
+
+def test_parallel_tokens_over_http_carry_their_sets(server, make_engine):
+    parallel = {"threshold": 0.05, "max_width": 3, "mode": "visible"}
+    engine = make_engine()
+    engine.add_request(
+        "ref",
+        PROMPT,
+        SamplingParams(
+            max_tokens=12, temperature=0, parallel_tokens=ParallelTokensParams(**parallel)
+        ),
+    )
+    deltas = run_engine(engine)["ref"]
+    expected_sets = [s for d in deltas for s in d.parallel_sets]
+    client = server.client()
+    done = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"parallel_tokens": parallel},
+    )
+    assert done.choices[0].text == text_of(deltas)
+    sets = done.choices[0].model_extra["parallel_tokens"]
+    assert [s["token_ids"] for s in sets] == [list(s.token_ids) for s in expected_sets]
+    assert [s["position"] for s in sets] == [s.position for s in expected_sets]
+    assert all(set(s) == {"position", "token_ids", "tokens", "probs"} for s in sets)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"parallel_tokens": parallel},
+        )
+    )
+    streamed = [
+        s for c in chunks if c.choices for s in c.choices[0].model_extra.get("parallel_tokens", [])
+    ]
+    assert sum(len(s["token_ids"]) for s in streamed) == chunks[-1].usage.completion_tokens > 0
 
 
 def test_completion_batch_of_prompts_and_echo(server, make_engine):

@@ -15,8 +15,12 @@ from scheduler.api import DeadlineError, NoWorkerError, OverloadedError
 from workers.api import (
     FinishReason,
     InvalidRequestError,
+    ParallelSet,
+    ParallelTokensParams,
     RequestOutput,
     SamplingParams,
+    SpeculativeParams,
+    SpeculativeStats,
     TokenLogprob,
 )
 
@@ -41,6 +45,57 @@ def test_a_bad_option_names_its_field_under_sampling():
         sampling_params(pb.SamplingOptions(top_p=1.5))
     assert caught.value.status == 400
     assert caught.value.message.startswith("sampling.top_p: ")
+
+
+def test_speculative_and_parallel_tokens_round_trip_from_the_client():
+    request = generate_request("hi", speculative={"method": "draft", "num_tokens": 6})
+    assert sampling_params(request.sampling).speculative == SpeculativeParams("draft", 6)
+    given = SpeculativeParams("ngram", 0, adaptive=False)
+    assert sampling_params(generate_request("hi", speculative=given).sampling).speculative == given
+    # an empty message: the engine's defaults
+    assert sampling_params(generate_request("hi", speculative={}).sampling).speculative == (
+        SpeculativeParams()
+    )
+    assert sampling_params(pb.SamplingOptions()).speculative is None
+
+    request = generate_request(
+        "hi", parallel_tokens={"threshold": 0.25, "max_width": 3, "mode": "visible"}
+    )
+    assert sampling_params(request.sampling).parallel_tokens == ParallelTokensParams(
+        0.25, 3, "visible"
+    )
+    request = generate_request("hi", parallel_tokens=ParallelTokensParams(max_width=2))
+    assert sampling_params(request.sampling).parallel_tokens == ParallelTokensParams(max_width=2)
+    request = generate_request("hi", parallel_tokens={"max_width": 8})
+    assert not request.sampling.parallel_tokens.HasField("threshold")
+    assert sampling_params(request.sampling).parallel_tokens == ParallelTokensParams(max_width=8)
+    assert sampling_params(pb.SamplingOptions()).parallel_tokens is None
+    assert not generate_request("hi", speculative=None).sampling.HasField("speculative")
+
+    with pytest.raises(TypeError, match=r"unknown speculative option\(s\) \['tokens'\]"):
+        generate_request("hi", speculative={"tokens": 4})
+    with pytest.raises(TypeError, match="parallel_tokens must be a dict"):
+        generate_request("hi", parallel_tokens=0.1)
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"speculative": {"num_tokens": 17}}, "sampling.speculative.num_tokens"),
+        ({"speculative": {"method": "eagle"}}, "sampling.speculative.method"),
+        ({"parallel_tokens": {"mode": "shared"}}, "sampling.parallel_tokens.mode"),
+        ({"parallel_tokens": {"threshold": 0.0}}, "sampling.parallel_tokens.threshold"),
+        ({"parallel_tokens": {"max_width": 0}}, "sampling.parallel_tokens.max_width"),
+        ({"parallel_tokens": {}, "n": 2}, "sampling.parallel_tokens"),
+    ],
+)
+def test_a_bad_multi_token_option_names_its_field(options, field):
+    with pytest.raises(APIError) as caught:
+        sampling_params(generate_request("hi", **options).sampling)
+    assert caught.value.status == 400
+    assert caught.value.param == field
+    assert caught.value.message.startswith(f"{field}: ")
+    assert caught.value.message.count(":") == 1  # the field is named once
 
 
 @pytest.mark.parametrize(
@@ -90,3 +145,26 @@ def test_the_client_builds_requests_and_refuses_unknown_options():
     assert not generate_request("hi").HasField("timeout_s")
     with pytest.raises(TypeError, match=r"unknown sampling option\(s\) \['temprature'\]"):
         generate_request("hi", temprature=0)
+
+
+def test_a_delta_carries_its_parallel_sets_and_speculative_stats():
+    sets = (
+        ParallelSet(7, (5, 9), ("a", "b"), (0.5, 0.25)),
+        ParallelSet(8, (3,), (" c",), (0.75,)),
+    )
+    message = response("r", RequestOutput("r", "a c", (5, 9, 3), parallel_sets=sets))
+    assert [
+        (s.position, list(s.token_ids), list(s.tokens), list(s.probs))
+        for s in message.parallel_sets
+    ] == [(7, [5, 9], ["a", "b"], [0.5, 0.25]), (8, [3], [" c"], [0.75])]
+    assert not message.HasField("speculative")
+
+    stats = SpeculativeStats(proposed=8, accepted=5, steps=3, tokens=8)
+    message = response("r", RequestOutput("r", "x", (1,), speculative=stats))
+    got = message.speculative
+    assert (got.proposed, got.accepted, got.steps, got.tokens) == (8, 5, 3, 8)
+    assert not message.parallel_sets
+    # a request that speculated nothing yet still says that it speculates
+    assert response("r", RequestOutput("r", "", (), speculative=SpeculativeStats())).HasField(
+        "speculative"
+    )

@@ -103,6 +103,31 @@ def test_beam_search_extras():
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "suffix: Input should be None"),
         ({}, "prompt", "prompt: is required"),
+        (
+            {"prompt": "x", "speculative": {"method": "eagle"}},
+            "speculative.method",
+            "must be one of ngram, draft, got 'eagle'",
+        ),
+        (
+            {"prompt": "x", "speculative": {"num_tokens": 99}},
+            "speculative.num_tokens",
+            "must be in [0, 16], got 99",
+        ),
+        (
+            {"prompt": "x", "speculative": {"method": "ngram", "k": 2}},
+            "speculative.k",
+            "Unrecognized request argument supplied: speculative.k",
+        ),
+        (
+            {"prompt": "x", "parallel_tokens": {"threshold": 1.5}},
+            "parallel_tokens.threshold",
+            "must be in (0, 1], got 1.5",
+        ),
+        (
+            {"prompt": "x", "n": 2, "parallel_tokens": {}},
+            "parallel_tokens",
+            "is not supported with n > 1",
+        ),
     ],
 )
 def test_completion_errors_name_the_field(body, param, message):
@@ -120,6 +145,17 @@ def test_completion_errors_name_the_field(body, param, message):
             "code": "invalid_value",
         }
     }
+
+
+def test_speculative_and_parallel_tokens_map_to_the_engine():
+    from workers.api import ParallelTokensParams, SpeculativeParams
+
+    spec = completion(prompt="x", speculative={"method": "draft", "num_tokens": 2})
+    assert spec.sampling_for(4).speculative == SpeculativeParams("draft", 2, True)
+    assert completion(prompt="x").sampling_for(4).speculative is None
+    body = {"threshold": 0.2, "max_width": 3, "mode": "visible"}
+    parallel = chat(messages=[{"role": "user", "content": "hi"}], parallel_tokens=body)
+    assert parallel.sampling_for(4).parallel_tokens == ParallelTokensParams(0.2, 3, "visible")
 
 
 def test_malformed_bodies():
