@@ -24,7 +24,7 @@ from protos.tessera.v1 import generation_pb2 as pb
 from protos.tessera.v1 import generation_pb2_grpc
 from tests.cluster.serve_process import free_port, serve_process
 from tests.helpers import run_engine, text_of, tokens_of
-from workers.api import SamplingParams
+from workers.api import ParallelTokensParams, SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -104,6 +104,27 @@ def test_generate_streams_what_the_engine_gives(server, client, make_engine):
     usage = deltas[-1].usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 12)
     assert usage.total_tokens == prompt_tokens + 12
+
+
+def test_speculative_and_parallel_tokens_over_grpc(server, client, make_engine):
+    _, ids, _ = engine_output(make_engine, PROMPT, max_tokens=12, temperature=0)
+    spec = {"method": "ngram", "num_tokens": 3}
+    deltas = list(client.generate(PROMPT, max_tokens=12, temperature=0, speculative=spec))
+    assert [t for d in deltas for t in d.token_ids] == ids
+    stats = deltas[-1].speculative
+    assert deltas[-1].HasField("speculative") and stats.steps > 0
+    assert stats.tokens == stats.accepted + stats.steps
+    parallel = ParallelTokensParams(0.05, 3, "isolated")
+    _, ids, ref = engine_output(
+        make_engine, PROMPT, max_tokens=12, temperature=0, parallel_tokens=parallel
+    )
+    deltas = list(client.generate(PROMPT, max_tokens=12, temperature=0, parallel_tokens=parallel))
+    assert [t for d in deltas for t in d.token_ids] == ids
+    got = [(s.position, list(s.token_ids)) for d in deltas for s in d.parallel_sets]
+    assert got == [(s.position, list(s.token_ids)) for d in ref for s in d.parallel_sets]
+    error = _error(lambda: list(client.generate(PROMPT, parallel_tokens={"mode": "shared"})))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("sampling.parallel_tokens.mode: must be one of")
 
 
 async def test_async_client_token_prompt_logprobs_and_stop(server, make_engine):

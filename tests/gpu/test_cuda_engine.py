@@ -57,3 +57,31 @@ def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine)
         assert engine.stats().prefix_cache.hits > 0
     assert results[0]["beam"] == results[1]["beam"]
     assert results[0]["again"] == results[1]["again"]
+
+
+def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make_engine):
+    """Speculative decoding (prompt lookup, a self-speculative draft) and parallel tokens
+    on CUDA give the CPU engine's greedy tokens and sets."""
+    from workers.api import ParallelTokensParams, SpeculativeParams
+    from workers.engine import Engine
+    from workers.model.loader import load_model
+
+    loaded = load_model(smollm2_path, "float32", "cuda")
+    config = EngineConfig(device="cuda", num_kv_blocks=64, draft_model="target:8")
+    cuda = Engine(config, loaded=loaded)
+    cpu = make_engine(num_kv_blocks=64, draft_model="target:8")
+    prompt = "Repeat after me: the lighthouse keeper climbed the stairs. Again: the"
+    greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    requests = {
+        "ngram": SamplingParams(speculative=SpeculativeParams("ngram", 4), **greedy),
+        "draft": SamplingParams(speculative=SpeculativeParams("draft", 3), **greedy),
+        "parallel": SamplingParams(parallel_tokens=ParallelTokensParams(0.05, 3), **greedy),
+    }
+    results = []
+    for engine in (cuda, cpu):
+        for rid, params in requests.items():
+            engine.add_request(rid, prompt, params)
+        out = run_engine(engine)
+        sets = [s.token_ids for d in out["parallel"] for s in d.parallel_sets]
+        results.append(({rid: tokens_of(out[rid]) for rid in requests}, sets))
+    assert results[0] == results[1]
