@@ -67,10 +67,12 @@ class Chunk:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
-    @property
-    def is_decode(self) -> bool:
-        """One token that sees everything before it: the batched decode path takes it."""
-        return len(self.token_ids) == 1 and self.mask is None
+
+#: Causal chunks of at most this many tokens run as one decode entry per token: the
+#: batched decode kernel then takes a verification step's rows along with the plain
+#: decodes (a per-sequence prefill call would run for each). Each entry reads its own
+#: context, so long chunks stay whole.
+DECODE_SPLIT_TOKENS = 8
 
 
 class ModelRunner:
@@ -89,33 +91,47 @@ class ModelRunner:
         """
         for src, dst in self.kv.take_copies():
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        # Single-token chunks first: the attention backend batches them as decodes.
-        order = sorted(range(len(chunks)), key=lambda i: not chunks[i].is_decode)
+        # Attention entries: a short causal chunk (a decode, or a target verifying a few
+        # drafts) becomes one decode entry per token, each seeing the cache up to itself
+        # (every K/V of the step is written before attention reads it); other chunks
+        # are one entry each. Decode entries go first: the backend batches them.
+        entries: list[tuple[int, int, int]] = []  # (chunk, first token, tokens)
+        for i, chunk in enumerate(chunks):
+            n = len(chunk.token_ids)
+            if chunk.mask is None and n <= DECODE_SPLIT_TOKENS:
+                entries += [(i, row, 1) for row in range(n)]
+            else:
+                entries.append((i, 0, n))
+        entries.sort(key=lambda entry: entry[2] != 1)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         masks: list[torch.Tensor | None] = []
-        row_of: dict[tuple[int, int], int] = {}  # (chunk, logits row) -> batch row
+        row_of: dict[tuple[int, int], int] = {}  # (chunk, token) -> batch row
         num_decodes = 0
-        for i in order:
+        for i, first, n in entries:
             chunk = chunks[i]
             base = query_start[-1]
-            input_ids.extend(chunk.token_ids)
-            positions.extend(
-                range(chunk.start, chunk.end) if chunk.positions is None else chunk.positions
-            )
-            query_start.append(base + len(chunk.token_ids))
-            seq_lens.append(chunk.end)
+            start = chunk.start + first
+            input_ids.extend(chunk.token_ids[first : first + n])
+            if chunk.positions is None:
+                positions.extend(range(start, start + n))
+            else:
+                positions.extend(chunk.positions[first : first + n])
+            slots.extend(range(start, start + n))
+            query_start.append(base + n)
+            seq_lens.append(start + n)
             tables.append(self.kv.block_ids(chunk.seq_id))
-            if chunk.is_decode:
+            if n == 1 and chunk.mask is None:
                 num_decodes += 1
             else:
                 masks.append(chunk.mask)
-            for row in chunk.logits_rows:
-                row_of[i, row] = base + row
+            for row in range(first, first + n):
+                row_of[i, row] = base + row - first
         logits_rows = [row_of[i, r] for i, chunk in enumerate(chunks) for r in chunk.logits_rows]
         width = max(len(t) for t in tables)
         dev = self.device
@@ -123,10 +139,9 @@ class ModelRunner:
             [t + [PAD_BLOCK_ID] * (width - len(t)) for t in tables], device=dev
         )
         query_lens = torch.tensor([b - a for a, b in itertools.pairwise(query_start)], device=dev)
-        slots = torch.cat([torch.arange(c.start, c.end) for c in map(chunks.__getitem__, order)])
-        slots = slots.to(dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks), device=dev), query_lens)
-        slot_mapping = block_tables[seq_index, slots // bs] * bs + slots % bs
+        slots_t = torch.tensor(slots, device=dev)
+        seq_index = torch.repeat_interleave(torch.arange(len(entries), device=dev), query_lens)
+        slot_mapping = block_tables[seq_index, slots_t // bs] * bs + slots_t % bs
         seq_lens_t = torch.tensor(seq_lens, device=dev)
         decode_plan = None
         if num_decodes:

@@ -4,7 +4,7 @@ Layout of the ``T`` new tokens (rows of q/k/v) for ``B`` sequences::
 
     rows:  | d0 | d1 | ... | d{n-1} | p0 p0 p0 p0 | p1 p1 | ...
              one new token each       any number of new tokens each
-             (num_decodes sequences)  (chunked prefill, prefix hits, speculation)
+             (num_decodes sequences)  (prefill chunks, drafts, parallel sets)
 
 ``query_start_loc[i]:query_start_loc[i + 1]`` are the rows of sequence ``i``; its new tokens
 occupy the last ``q_len`` of its ``seq_len`` cache positions.
@@ -31,8 +31,8 @@ class AttentionMetadata:
     """A flattened batch of B sequences and T new tokens.
 
     Sequences ``0..num_decodes-1`` have exactly one new token each and come first; the rest
-    may have any number (chunked prefill, prefill after a cached prefix, later several
-    speculative / parallel tokens).
+    may have any number (chunked prefill, prefill after a cached prefix, a target verifying
+    draft tokens, a set of parallel tokens with its mask).
     """
 
     # [T] int64: block_id * block_size + offset where each new token's K/V is written
