@@ -205,3 +205,38 @@ def test_a_draft_with_another_vocabulary_is_refused(make_engine, tiny_llama):
     path, _ = tiny_llama
     with pytest.raises(ValueError, match="draft_model: its vocabulary has 512 tokens"):
         make_engine(draft_model=str(path))
+
+
+def test_logprobs_stop_strings_and_max_tokens_are_kept(make_engine):
+    """Accepted drafts go through the same bookkeeping as sampled tokens: their logprobs
+    are the target's, a stop string inside an accepted run ends the output there, and
+    max_tokens is never passed."""
+    prompt = PROMPTS[0]
+    requests = {
+        "logprobs": {"max_tokens": 24, "logprobs": 2},
+        "stop": {"max_tokens": 40, "stop": ("stairs",)},
+        "short": {"max_tokens": 3},
+    }
+    results = []
+    for spec in (None, SpeculativeParams("ngram", 4)):
+        engine = make_engine()
+        for rid, kwargs in requests.items():
+            engine.add_request(rid, prompt, greedy_with(speculative=spec, **kwargs))
+        results.append(run_engine(engine))
+    plain, fast = results
+    assert fast["stop"][-1].speculative.accepted > 0
+    assert plain["stop"][-1].stop_reason == "stairs"  # the copied passage reaches it
+    for rid in requests:
+        assert tokens_of(fast[rid]) == tokens_of(plain[rid]), rid
+        assert "".join(d.text for d in fast[rid]) == "".join(d.text for d in plain[rid])
+        assert fast[rid][-1].finish_reason == plain[rid][-1].finish_reason
+    assert len(tokens_of(fast["short"])) == 3
+    want = [lp for d in plain["logprobs"] for lp in d.logprobs]
+    got = [lp for d in fast["logprobs"] for lp in d.logprobs]
+    assert [g.token_id for g in got] == [w.token_id for w in want]
+    assert [g.logprob for g in got] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert [[t for t, _ in g.top] for g in got] == [[t for t, _ in w.top] for w in want]
+
+
+def greedy_with(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, ignore_eos=True, **kwargs)
