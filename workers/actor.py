@@ -15,6 +15,7 @@ engine, cache and requests are new; callers of the old one fail over).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import uuid
@@ -25,7 +26,7 @@ import ray
 import torch
 
 from scheduler.api import PREFILL, WorkerInfo, WorkerLoad
-from workers.api import RequestOutput, Resume, SamplingParams
+from workers.api import Request, RequestOutput, Resume, SamplingParams
 from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.disaggregation import (
@@ -38,6 +39,7 @@ from workers.disaggregation import (
 )
 from workers.engine import Engine
 from workers.kv_transfer import KVTransferClient, KVTransferServer
+from workers.outputs import aborted_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class WorkerActor:
         self.kv_config = kv_transfer or KVTransferConfig()
         self.transfers = TransferCounters()
         self.phases = PhaseManager(worker_id)
+        self._pulls: dict[str, asyncio.Task] = {}  # decode worker: KV pulls under way
+        self._aborted_pulls: set[str] = set()  # aborted before they reached the engine
         self.prefill = PrefillOrchestrator(self.engine, self.transfers)
         self.decode = DecodeOrchestrator(
             self.engine,
@@ -151,7 +155,23 @@ class WorkerActor:
             if disaggregated:
                 token_ids = self.engine.engine.validate(prompt, sampling, resume)
                 self.phases.enter(request_id, "waiting")
-                await self.decode.pull(request_id, token_ids, sampling, cache_salt, prefill)
+                pull = asyncio.ensure_future(
+                    self.decode.pull(request_id, token_ids, sampling, cache_salt, prefill)
+                )
+                self._pulls[request_id] = pull
+                try:
+                    await pull
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise  # the caller went away, not an abort
+                finally:
+                    self._pulls.pop(request_id, None)
+                if request_id in self._aborted_pulls:  # a cancelled pull gave its blocks back
+                    self._aborted_pulls.discard(request_id)
+                    yield Accepted(request_id, self.incarnation)
+                    for delta in aborted_outputs(Request(request_id, token_ids, sampling)):
+                        yield delta
+                    return
                 prompt = token_ids
             stream = await self.engine.add_request(
                 request_id, prompt, sampling, priority, cache_salt, resume
@@ -161,13 +181,19 @@ class WorkerActor:
                 yield delta
         finally:
             self._requests -= 1
+            self._aborted_pulls.discard(request_id)
             if disaggregated and request_id in self.phases.phases:
                 self.phases.enter(request_id, "finished")
             if stream is not None:
                 await stream.aclose()  # aborts the request if it is not over
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with ``finish_reason`` abort."""
+        """Abort a request; its stream ends with ``finish_reason`` abort (also while its
+        KV blocks are still being pulled: the pull is cancelled)."""
+        pull = self._pulls.get(request_id)
+        if pull is not None:
+            self._aborted_pulls.add(request_id)
+            pull.cancel()
         self.engine.abort(request_id)
 
     async def report(self, resync: bool = False) -> tuple[WorkerInfo, WorkerLoad]:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.metrics import Metrics
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, tokens_of
-from workers.api import SamplingParams
+from workers.api import FinishReason, SamplingParams
 from workers.kv_transfer import usable_blocks
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -159,3 +159,29 @@ async def test_a_killed_prefill_worker_falls_back_to_a_local_prefill(cluster, ma
     assert got == engine_outputs(make_engine, [("k", prompt, params)])
     after = (await fresh_load(cluster)).kv_fallbacks
     assert sum(c for _, c in after) == sum(c for _, c in before) + 1
+
+
+async def test_an_abort_during_the_transfer_ends_the_request_at_once(cluster):
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompt = "aborted: " + SYSTEM * 4 + "Where is my parcel now?"
+    for _ in range(300):  # a test before may have killed it: wait for its restart
+        try:
+            await (await prefill_worker(cluster)).inject_kv_fault.remote("stall")
+            break
+        except ray.exceptions.ActorUnavailableError:
+            await asyncio.sleep(0.2)
+    submitted = asyncio.ensure_future(cluster.submit("ab", prompt, params))
+    for _ in range(100):  # until the decode worker reports the pull under way
+        phases = dict((await decode_load(cluster)).phases)
+        if phases.get("prefilling", 0) + phases.get("transferring", 0) == 1:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"the pull did not start: {phases}")
+    assert await cluster.abort("ab")
+    stream = await asyncio.wait_for(submitted, 10)  # well before the 30 s transfer deadline
+    deltas = [d async for d in stream]
+    assert [(d.finish_reason, d.token_ids) for d in deltas] == [(FinishReason.ABORT, ())]
+    load = await fresh_load(cluster)
+    assert load.free_blocks == load.total_blocks  # the reservation went back
+    assert not {"prefilling", "transferring"} & set(dict(load.phases))
