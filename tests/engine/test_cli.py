@@ -32,6 +32,12 @@ def test_help_explains_every_option():
         "--length-penalty",
         "--early-stopping",
         "--no-prefix-caching",
+        "--speculative",
+        "--num-speculative-tokens",
+        "--draft-model",
+        "--parallel-tokens",
+        "--parallel-max-width",
+        "--parallel-mode",
     ):
         assert flag in out.stdout
 
@@ -51,6 +57,47 @@ def test_generate_streams_the_greedy_completion(smollm2, hf_reference):
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == expected
     assert "tok/s" in out.stderr and "finish reason" in out.stderr
+
+
+def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
+    from tests.helpers import run_engine, text_of
+    from workers.api import ParallelTokensParams, SamplingParams
+
+    prompt = "Repeat: the cat sat on the mat. Repeat: the cat sat"
+    engine = make_engine()
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    engine.add_request("plain", prompt, SamplingParams(**greedy))
+    parallel = ParallelTokensParams(0.05, 3, "isolated")
+    engine.add_request("sets", prompt, SamplingParams(parallel_tokens=parallel, **greedy))
+    out = run_engine(engine)
+    common = [*CLI, "generate", "--prompt", prompt, "--max-tokens", "12", "--temperature", "0"]
+    spec = subprocess.run(
+        [*common, "--speculative", "draft", "--draft-model", "target:10"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout.rstrip("\n") == text_of(out["plain"])
+    assert re.search(r"drafts accepted \d+/\d+ \(\d+%\)", spec.stderr), spec.stderr
+    sets = subprocess.run(
+        [*common, "--parallel-tokens", "0.05", "--parallel-max-width", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert sets.returncode == 0, sets.stderr
+    expected = "".join(
+        s.tokens[0] if len(s.tokens) == 1 else "[" + "|".join(s.tokens) + "]"
+        for d in out["sets"]
+        for s in d.parallel_sets
+    )
+    assert "[" in expected and sets.stdout.rstrip("\n") == expected
+    bad = subprocess.run(
+        [*common, "--speculative", "draft"], capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2
+    assert "speculative.method: 'draft' needs a worker started with a draft model" in bad.stderr
 
 
 def test_beam_search_prints_each_beam_with_its_score(smollm2, hf_reference):
