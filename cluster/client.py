@@ -270,9 +270,8 @@ class _Run:
         live = [part for part in self.parts if not part.done and part.stream is not None]
         self._cancel_parts()
         if placement is not None:  # by name too: Ray may drop a cancel of a stream
-            for part in live:
-                with contextlib.suppress(Exception):
-                    await placement.worker.abort.remote(part.worker_request_id)
+            for part in live:  # sent now, not awaited: nothing may hold up the release
+                placement.worker.abort.remote(part.worker_request_id)
         self.client._runs.pop(self.request.request_id, None)
         with contextlib.suppress(RayActorError):
             await self.client.scheduler.release.remote(self.request.request_id)
