@@ -14,6 +14,18 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 
+#: Open-ended chat questions (little to copy from the prompt).
+CHAT_QUESTIONS = [
+    "What are some good ways to stay focused while studying?",
+    "Why do cats purr?",
+    "Give me three ideas for a rainy weekend.",
+    "How does a bicycle stay upright when it moves?",
+    "What should I pack for a week-long hiking trip?",
+    "Explain what a black hole is to a ten-year-old.",
+    "Suggest a simple recipe for dinner tonight.",
+    "What is the difference between weather and climate?",
+]
+
 
 def machine() -> dict[str, Any]:
     return {
@@ -195,3 +207,16 @@ def run_on_local_ray(main: Coroutine[Any, Any, Any], num_cpus: int, namespace: s
         asyncio.run(main)
     finally:
         ray.shutdown()
+
+
+def chat_prompts(tokenizer, texts: list[str], count: int) -> list[list[int]]:
+    """``count`` prompts through the chat template (cycling ``texts`` past its length)."""
+    prompts = []
+    for i in range(count):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": texts[i % len(texts)]}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts

@@ -28,35 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchmarks.common as common  # noqa: E402
-from benchmarks.common import report, side_panels  # noqa: E402
+from benchmarks.common import CHAT_QUESTIONS, chat_prompts, report, side_panels  # noqa: E402
 from workers.api import PARALLEL_MODES, ParallelTokensParams, SamplingParams  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.model.loader import DTYPES, load_model  # noqa: E402
-
-QUESTIONS = [
-    "What are some good ways to stay focused while studying?",
-    "Why do cats purr?",
-    "Give me three ideas for a rainy weekend.",
-    "How does a bicycle stay upright when it moves?",
-    "What should I pack for a week-long hiking trip?",
-    "Explain what a black hole is to a ten-year-old.",
-    "Suggest a simple recipe for dinner tonight.",
-    "What is the difference between weather and climate?",
-]
-
-
-def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    """``count`` questions through the chat template (cycling past the list's length)."""
-    prompts = []
-    for i in range(count):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
-    return prompts
 
 
 def run(
@@ -135,7 +111,7 @@ def main() -> None:
         parser.error("--max-tokens must be at least 2 (one prefill step, one decode step)")
     common.RESULTS = args.out  # report() writes there
     loaded = load_model(None, args.dtype)
-    prompts = chat_prompts(loaded.tokenizer, args.batch)
+    prompts = chat_prompts(loaded.tokenizer, CHAT_QUESTIONS, args.batch)
     blocks = args.batch * -(-(max(len(p) for p in prompts) + args.max_tokens) // 16) + 16
     settings: list[tuple[str, float | None, ParallelTokensParams | None]] = [("plain", None, None)]
     for mode in args.modes:

@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchmarks.common as common  # noqa: E402
-from benchmarks.common import report  # noqa: E402
+from benchmarks.common import CHAT_QUESTIONS, chat_prompts, report  # noqa: E402
 from workers.api import SamplingParams  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine import Engine  # noqa: E402
@@ -71,34 +71,11 @@ TEMPLATES = [
     "nothing else:\n\n{}",
     "Repeat the following passage exactly, word for word:\n\n{}",
 ]
-QUESTIONS = [
-    "What are some good ways to stay focused while studying?",
-    "Why do cats purr?",
-    "Give me three ideas for a rainy weekend.",
-    "How does a bicycle stay upright when it moves?",
-    "What should I pack for a week-long hiking trip?",
-    "Explain what a black hole is to a ten-year-old.",
-    "Suggest a simple recipe for dinner tonight.",
-    "What is the difference between weather and climate?",
-]
 # Distinct copy prompts, alternating the two instructions over the four paragraphs.
 COPY_TASKS = [TEMPLATES[(i + i // 4) % 2].format(PARAGRAPHS[i % 4]) for i in range(8)]
-WORKLOADS = {"copy-heavy": COPY_TASKS, "open chat": QUESTIONS}
+WORKLOADS = {"copy-heavy": COPY_TASKS, "open chat": CHAT_QUESTIONS}
 #: The seed note's claim (seeds/002-flash-speculative-batching-notes.md).
 CLAIM = (2.0, 3.0)
-
-
-def chat_prompts(tokenizer, texts: list[str], count: int) -> list[list[int]]:
-    """``count`` prompts through the chat template (cycling ``texts`` past its length)."""
-    prompts = []
-    for i in range(count):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": texts[i % len(texts)]}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
-    return prompts
 
 
 def configs(args) -> dict[str, dict]:
