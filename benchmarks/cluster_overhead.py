@@ -39,14 +39,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from tessera.cluster.config import ClusterConfig  # noqa: E402
+from tessera.cluster.launch import Cluster  # noqa: E402
+from tessera.workers.api import SamplingParams  # noqa: E402
+from tessera.workers.async_engine import AsyncEngine  # noqa: E402
+from tessera.workers.config import EngineConfig  # noqa: E402
+from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.model.loader import load_model  # noqa: E402
+
 from benchmarks.common import mixed_workload, paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from cluster.launch import Cluster  # noqa: E402
-from workers.api import SamplingParams  # noqa: E402
-from workers.async_engine import AsyncEngine  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.model.loader import load_model  # noqa: E402
 
 NAMESPACE = "tessera-bench-overhead"
 DTYPE = "float32"
@@ -218,7 +219,7 @@ async def bench(args) -> None:
         "cluster_overhead" + ("_quick" if args.quick else ""),
         rows,
         {
-            "peer": "the same engine in-process (workers.async_engine.AsyncEngine), "
+            "peer": "the same engine in-process (tessera.workers.async_engine.AsyncEngine), "
             "same torch threads, same engine settings",
             "threads": args.threads,
             "worker_num_cpus": float(args.threads),

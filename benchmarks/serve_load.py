@@ -40,7 +40,7 @@ servers' dtype (e.g. ``--serve-args --dtype bfloat16``).
         --peer-name vLLM-cpu
     python benchmarks/serve_load.py --dry-run --rates 0.5 1 2   # print the schedule only
 
-``--start`` runs ``python -m cluster.cli serve --port <--url's port> <--serve-args>``,
+``--start`` runs ``python -m tessera.cluster.cli serve --port <--url's port> <--serve-args>``,
 waits for its "ready" line, measures, then stops that process with SIGINT.
 """
 
@@ -346,7 +346,7 @@ def start_server(args) -> subprocess.Popen:
     port = urlsplit(args.url).port
     if port is None:
         raise SystemExit("--start needs a port in --url")
-    command = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "tessera.cluster.cli", "serve", "--port", str(port)]
     command += args.serve_args
     log_fd, log_name = tempfile.mkstemp(prefix="tessera-serve-", suffix=".log")
     print(f"starting: {shlex.join(command)} (output in {log_name})", flush=True)

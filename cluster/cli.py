@@ -8,8 +8,8 @@ import logging
 import sys
 import time
 
-from cluster.config import ServeConfig, add_config_arguments, memory_size
-from workers.api import (
+from tessera.cluster.config import ServeConfig, add_config_arguments, memory_size
+from tessera.workers.api import (
     PARALLEL_MODES,
     SPECULATIVE_METHODS,
     InvalidRequestError,
@@ -17,13 +17,13 @@ from workers.api import (
     SamplingParams,
     SpeculativeParams,
 )
-from workers.config import (
+from tessera.workers.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
 )
-from workers.model.loader import DTYPES
+from tessera.workers.model.loader import DTYPES
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -96,7 +96,7 @@ def _early_stopping(text: str) -> bool | str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from workers.engine import Engine
+    from tessera.workers.engine import Engine
 
     try:
         sampling = SamplingParams(
@@ -384,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.config import ConfigError, config_from_args, load_config_file
-    from cluster.server import run_server
+    from tessera.cluster.config import ConfigError, config_from_args, load_config_file
+    from tessera.cluster.server import run_server
 
     try:
         base = load_config_file(args.config) if args.config else {}
@@ -401,7 +401,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace) -> int:
     import asyncio
 
-    from cluster.config import ConfigError, config_from_args
+    from tessera.cluster.config import ConfigError, config_from_args
 
     try:
         config = config_from_args(args)
@@ -423,7 +423,7 @@ def _cluster(args: argparse.Namespace) -> int:
 async def _run_cluster(config, sampling: SamplingParams, args: argparse.Namespace) -> int:
     import asyncio
 
-    from cluster.launch import Cluster
+    from tessera.cluster.launch import Cluster
 
     print("starting the cluster ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -36,10 +36,9 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-
-from scheduler.api import MIXED, ClusterStats, NoWorkerError, Placement, Refusal
-from workers.actor import Accepted
-from workers.api import InvalidRequestError, Request, RequestOutput, Resume, SamplingParams
+from tessera.scheduler.api import MIXED, ClusterStats, NoWorkerError, Placement, Refusal
+from tessera.workers.actor import Accepted
+from tessera.workers.api import InvalidRequestError, Request, RequestOutput, Resume, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +330,7 @@ class ClusterClient:
         cls, scheduler_name: str = "tessera-scheduler", namespace: str = "tessera"
     ) -> ClusterClient:
         """A client for a cluster already running in this Ray cluster."""
-        from workers.model.loader import load_tokenizer
+        from tessera.workers.model.loader import load_tokenizer
 
         scheduler = ray.get_actor(scheduler_name, namespace=namespace)
         config = ray.get(scheduler.get_config.remote())
@@ -350,7 +349,7 @@ class ClusterClient:
         """Start a request; return its stream of deltas (all ``n`` outputs).
 
         Pass a request id, the prompt (text or token ids) and its sampling parameters,
-        or a whole ``workers.api.Request``. ``timeout_s`` is how long it may wait in the
+        or a whole ``tessera.workers.api.Request``. ``timeout_s`` is how long it may wait in the
         global queue for a worker (default: the cluster's ``queue_timeout_s``). Raises
         ``InvalidRequestError``, ``OverloadedError`` or ``NoWorkerError`` before any
         output.

@@ -24,18 +24,17 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-
-from scheduler.api import DECODE, MIXED, PREFILL
-from scheduler.placement import POLICIES
-from workers.api import MAX_SPECULATIVE_TOKENS
-from workers.config import (
+from tessera.scheduler.api import DECODE, MIXED, PREFILL
+from tessera.scheduler.placement import POLICIES
+from tessera.workers.api import MAX_SPECULATIVE_TOKENS
+from tessera.workers.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     EngineConfig,
 )
-from workers.disaggregation import KVTransferConfig
-from workers.kv_transfer import TLSFiles
+from tessera.workers.disaggregation import KVTransferConfig
+from tessera.workers.kv_transfer import TLSFiles
 
 
 class ConfigError(ValueError):
@@ -449,7 +448,7 @@ class ServeConfig(ClusterConfig):
     @property
     def model_name(self) -> str:
 
-        from workers.model.loader import resolve_model_path
+        from tessera.workers.model.loader import resolve_model_path
 
         if self.served_model_name:
             return self.served_model_name
@@ -484,9 +483,8 @@ def load_config_file(path: str) -> dict[str, typing.Any]:
 def check_environment(config: ClusterConfig) -> None:
     """What only this machine can tell: the model exists, the KV pool fits in memory."""
     import torch
-
-    from workers.kv.kv_cache import available_memory
-    from workers.model.loader import resolve_model_path
+    from tessera.workers.kv.kv_cache import available_memory
+    from tessera.workers.model.loader import resolve_model_path
 
     try:
         resolve_model_path(config.model)

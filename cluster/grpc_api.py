@@ -3,7 +3,7 @@
 Both ride on Ray Serve's gRPC ingress (``grpc_options``): Serve's gRPC proxy routes
 ``/tessera.v1.Generation/Generate`` to the method ``Generate`` of the application's
 ingress deployment, so ``GenerationService`` is mixed into the HTTP app's deployment
-(``cluster.serve_app.OpenAIServer``) and uses its client, tokenizer and checks. One
+(``tessera.cluster.serve_app.OpenAIServer``) and uses its client, tokenizer and checks. One
 deployment, one scheduler connection, two wire formats. Serve's proxy also serves
 gRPC server reflection for the registered services.
 
@@ -31,12 +31,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
-
-from cluster.grpc_client import API_VERSION
-from cluster.openai_protocol import api_error, invalid
-from protos.tessera.v1 import generation_pb2 as pb
-from scheduler.api import DeadlineError, WorkerStatus
-from workers.api import (
+from tessera.cluster.grpc_client import API_VERSION
+from tessera.cluster.openai_protocol import api_error, invalid
+from tessera.protos.tessera.v1 import generation_pb2 as pb
+from tessera.scheduler.api import DeadlineError, WorkerStatus
+from tessera.workers.api import (
     FinishReason,
     InvalidRequestError,
     ParallelTokensParams,
@@ -49,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 #: The services the gRPC ingress serves: ``grpc_options.grpc_servicer_functions``.
 SERVICER_FUNCTIONS = (
-    "protos.tessera.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "tessera.protos.tessera.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )
 #: The service name health checks may ask about (besides "", the whole server).

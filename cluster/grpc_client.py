@@ -1,6 +1,6 @@
 """Python clients of the gRPC API (``tessera.v1.Generation``), sync and async.
 
-    from cluster.grpc_client import GenerationClient
+    from tessera.cluster.grpc_client import GenerationClient
 
     with GenerationClient("127.0.0.1:9000", api_key="...") as client:
         for delta in client.generate("The capital of France is", max_tokens=8,
@@ -13,7 +13,7 @@ a speculating one's ``speculative``, its counts so far). Sampling options are
 ``SamplingOptions``' fields as keyword arguments; ``speculative`` and
 ``parallel_tokens`` take a dict of their fields (``speculative={"method": "ngram",
 "num_tokens": 4}``, ``parallel_tokens={"threshold": 0.1, "max_width": 4, "mode":
-"visible"}``) or ``workers.api``'s ``SpeculativeParams`` / ``ParallelTokensParams``.
+"visible"}``) or ``tessera.workers.api``'s ``SpeculativeParams`` / ``ParallelTokensParams``.
 ``timeout`` is the call's gRPC deadline, and is sent as the request's
 ``timeout_s`` too, so the server stops the request (and its queue wait) at the same
 moment the client gives up. Leaving a stream early (or an error ending it) cancels the
@@ -31,9 +31,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from protos.tessera.v1 import generation_pb2 as pb
-from protos.tessera.v1 import generation_pb2_grpc
+from tessera.protos.tessera.v1 import generation_pb2 as pb
+from tessera.protos.tessera.v1 import generation_pb2_grpc
 
 #: Seconds an abort sent by a stream left early may take.
 ABORT_TIMEOUT_S = 5.0

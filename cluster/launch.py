@@ -20,12 +20,11 @@ import logging
 from collections.abc import Sequence
 
 import ray
-
-from cluster.client import ClusterClient, RequestStream
-from cluster.config import ClusterConfig, check_environment
-from scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class
-from scheduler.api import ClusterStats
-from workers.api import Request, SamplingParams
+from tessera.cluster.client import ClusterClient, RequestStream
+from tessera.cluster.config import ClusterConfig, check_environment
+from tessera.scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class
+from tessera.scheduler.api import ClusterStats
+from tessera.workers.api import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class Cluster:
     ) -> Cluster:
         """Start (or join) the cluster ``config`` describes; raise ``ConfigError``
         naming the field for a configuration that cannot run here."""
-        from workers.model.loader import load_tokenizer
+        from tessera.workers.model.loader import load_tokenizer
 
         check_environment(config)
         owns_ray = not ray.is_initialized()

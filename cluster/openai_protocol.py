@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from scheduler.api import DeadlineError, NoWorkerError, OverloadedError
-from workers.api import (
+from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
+from tessera.workers.api import (
     MAX_TOP_LOGPROBS,
     FinishReason,
     InvalidRequestError,

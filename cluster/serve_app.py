@@ -6,7 +6,7 @@ server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models``,
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
 or creates it (detached, so that it outlives the replica) when this app is the first
-to run: ``tessera serve``, ``serve run cluster.serve_app:app_builder`` and KubeRay's
+to run: ``tessera serve``, ``serve run tessera.cluster.serve_app:app_builder`` and KubeRay's
 ``serveConfigV2`` all start the same way. Replicas are thin (no CPU reserved): they
 tokenize, place each request through the scheduler and relay the worker's stream.
 
@@ -34,12 +34,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
-
-from cluster.config import ServeConfig
-from cluster.grpc_api import GenerationService
-from cluster.launch import Cluster
-from cluster.metrics import CONTENT_TYPE, Metrics
-from cluster.openai_protocol import (
+from tessera.cluster.config import ServeConfig
+from tessera.cluster.grpc_api import GenerationService
+from tessera.cluster.launch import Cluster
+from tessera.cluster.metrics import CONTENT_TYPE, Metrics
+from tessera.cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,8 +51,8 @@ from cluster.openai_protocol import (
     speculative_stats,
     usage,
 )
-from scheduler.api import DeadlineError, WorkerStatus
-from workers.api import RequestOutput, SamplingParams, SpeculativeStats
+from tessera.scheduler.api import DeadlineError, WorkerStatus
+from tessera.workers.api import RequestOutput, SamplingParams, SpeculativeStats
 
 logger = logging.getLogger(__name__)
 
@@ -617,7 +616,7 @@ def build_app(config: ServeConfig) -> serve.Application:
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """For ``serve run cluster.serve_app:app_builder key=value ...`` and KubeRay's
+    """For ``serve run tessera.cluster.serve_app:app_builder key=value ...`` and KubeRay's
     ``serveConfigV2`` (``import_path`` + ``args``): ``args`` are ``ServeConfig``'s
     fields."""
     return build_app(ServeConfig.create(**args))

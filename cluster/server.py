@@ -3,7 +3,7 @@
 Order of start: check the configuration and the ports; join Ray (``address``) or
 start a local Ray; start the scheduler and its workers (this process owns them); start
 Ray Serve's HTTP proxy on ``host:port`` (and its gRPC proxy on ``grpc_port``) and
-deploy the app (``cluster.serve_app``), whose replicas find the scheduler by name;
+deploy the app (``tessera.cluster.serve_app``), whose replicas find the scheduler by name;
 print the ready line. On SIGINT or SIGTERM, the
 reverse: Serve stops taking requests and lets ongoing ones finish (up to
 ``graceful_shutdown_s``), then the workers and the scheduler stop, then Ray if this
@@ -22,10 +22,9 @@ import time
 
 import ray
 from ray import serve
-
-from cluster.config import ConfigError, ServeConfig, check_environment
-from cluster.grpc_api import SERVICER_FUNCTIONS
-from cluster.launch import Cluster
+from tessera.cluster.config import ConfigError, ServeConfig, check_environment
+from tessera.cluster.grpc_api import SERVICER_FUNCTIONS
+from tessera.cluster.launch import Cluster
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         _say(f"starting {config.workers_text} with model {config.model_name} ...")
         cluster = asyncio.run(Cluster.start(config.cluster_config()))
         _say(f"starting the HTTP server on {config.host}:{config.port} ...")
-        from cluster.serve_app import build_app
+        from tessera.cluster.serve_app import build_app
 
         serve_was_running = _serve_running()
         if serve_was_running:

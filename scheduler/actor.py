@@ -6,7 +6,7 @@ the scheduler never sees a token.
 
 What it holds:
 
-- **the registry** (``scheduler.registry``): every worker it started, with role,
+- **the registry** (``tessera.scheduler.registry``): every worker it started, with role,
   status, incarnation, last load report and the requests placed on it, and the prefix
   index: per worker, the block hashes its prefix cache holds (fed by the reports),
   which prefix-affinity placement matches against the prompt's block hashes;
@@ -30,10 +30,9 @@ import time
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
-
-from cluster.config import ClusterConfig
-from scheduler.admission import AdmissionQueue
-from scheduler.api import (
+from tessera.cluster.config import ClusterConfig
+from tessera.scheduler.admission import AdmissionQueue
+from tessera.scheduler.api import (
     DECODE,
     MIXED,
     PREFILL,
@@ -46,12 +45,12 @@ from scheduler.api import (
     WorkerInfo,
     WorkerStatus,
 )
-from scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
-from scheduler.placement import Candidate, make_policy
-from scheduler.registry import Registry, WorkerRecord
-from workers.actor import worker_actor_class
-from workers.disaggregation import PrefillSource
-from workers.kv.prefix_cache import extend_block_hashes
+from tessera.scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
+from tessera.scheduler.placement import Candidate, make_policy
+from tessera.scheduler.registry import Registry, WorkerRecord
+from tessera.workers.actor import worker_actor_class
+from tessera.workers.disaggregation import PrefillSource
+from tessera.workers.kv.prefix_cache import extend_block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ MAX_START_FAILURES = 3
 
 
 class Scheduler:
-    """Use ``scheduler_actor_class()`` for the Ray actor; ``cluster.launch`` starts it."""
+    """Use ``scheduler_actor_class()`` for the Ray actor; ``tessera.cluster.launch`` starts it."""
 
     def __init__(self, config: ClusterConfig, device: str, num_gpus: float) -> None:
         self.config = config
@@ -214,7 +213,7 @@ class Scheduler:
         except ActorDiedError as error:
             self._on_dead(worker, error)
             return
-        except (RayActorError, asyncio.TimeoutError) as error:
+        except (TimeoutError, RayActorError) as error:
             if worker.status is WorkerStatus.HEALTHY:
                 self._event(f"worker {worker.worker_id} unhealthy: {type(error).__name__}")
                 worker.status = WorkerStatus.UNHEALTHY

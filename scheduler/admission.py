@@ -59,7 +59,7 @@ class AdmissionQueue:
         self._live[request_id] = waiter
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if future.done():  # dispatched just as the deadline passed
                 return future.result()
             self._withdraw(waiter)

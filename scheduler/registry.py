@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.api import WorkerInfo, WorkerLoad, WorkerState, WorkerStatus
-from scheduler.prefix_index import PrefixIndex
+from tessera.scheduler.api import WorkerInfo, WorkerLoad, WorkerState, WorkerStatus
+from tessera.scheduler.prefix_index import PrefixIndex
 
 
 @dataclass(eq=False)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tessera.workers.model.loader import builtin_model_path
 
 from tests.helpers import RAY_NAMESPACE, TransformersReference
-from workers.model.loader import builtin_model_path
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
     """Our load of the built-in model, float32, shared by every engine in the session."""
-    from workers.model.loader import load_model
+    from tessera.workers.model.loader import load_model
 
     return load_model(smollm2_path, "float32")
 
@@ -55,8 +55,8 @@ def hf_reference(smollm2_path) -> TransformersReference:
 @pytest.fixture
 def make_engine(smollm2):
     """Build an engine over the session's model; pass EngineConfig fields as keywords."""
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine import Engine
 
     def make(**kwargs):
         kwargs.setdefault("num_kv_blocks", 256)

@@ -6,12 +6,11 @@ import functools
 from dataclasses import dataclass
 
 import torch
-
-from workers.api import Request, RequestOutput
-from workers.kv.kv_cache import allocate_kv_cache
-from workers.kv.manager import KVCacheManager
-from workers.model_runner import ModelRunner
-from workers.sequence import Sequence
+from tessera.workers.api import Request, RequestOutput
+from tessera.workers.kv.kv_cache import allocate_kv_cache
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.model_runner import ModelRunner
+from tessera.workers.sequence import Sequence
 
 #: DESIGN.md's exactness rule: a greedy divergence from transformers is acceptable only
 #: at a step where the reference's top-2 logit gap is below this.

@@ -24,12 +24,11 @@ from dataclasses import dataclass
 
 import ray
 import torch
-
-from scheduler.api import PREFILL, WorkerInfo, WorkerLoad
-from workers.api import Request, RequestOutput, Resume, SamplingParams
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
-from workers.disaggregation import (
+from tessera.scheduler.api import PREFILL, WorkerInfo, WorkerLoad
+from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
+from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.config import EngineConfig
+from tessera.workers.disaggregation import (
     DecodeOrchestrator,
     KVTransferConfig,
     PhaseManager,
@@ -37,9 +36,9 @@ from workers.disaggregation import (
     PrefillSource,
     TransferCounters,
 )
-from workers.engine import Engine
-from workers.kv_transfer import KVTransferClient, KVTransferServer
-from workers.outputs import aborted_outputs
+from tessera.workers.engine import Engine
+from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer
+from tessera.workers.outputs import aborted_outputs
 
 logger = logging.getLogger(__name__)
 

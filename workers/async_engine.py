@@ -14,8 +14,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from workers.api import RequestOutput, Resume, SamplingParams
-from workers.engine import Engine, EngineStats
+from tessera.workers.api import RequestOutput, Resume, SamplingParams
+from tessera.workers.engine import Engine, EngineStats
 
 logger = logging.getLogger(__name__)
 

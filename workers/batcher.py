@@ -19,9 +19,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from workers.api import Phase
-from workers.kv.manager import KVCacheManager, Write
-from workers.sequence import Sequence, SequenceGroup
+from tessera.workers.api import Phase
+from tessera.workers.kv.manager import KVCacheManager, Write
+from tessera.workers.sequence import Sequence, SequenceGroup
 
 
 @dataclass(slots=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.api import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeParams
-from workers.model.loader import DTYPES
+from tessera.workers.api import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeParams
+from tessera.workers.model.loader import DTYPES
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048

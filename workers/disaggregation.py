@@ -29,10 +29,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from protos.tessera.v1 import generation_pb2, kv_transfer_pb2
-from workers.api import SamplingParams
-from workers.async_engine import AsyncEngine
-from workers.kv_transfer import (
+from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
+from tessera.workers.api import SamplingParams
+from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.kv_transfer import (
     API_VERSION,
     KVTransferClient,
     PrefillResult,

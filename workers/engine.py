@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-
-from workers.api import (
+from tessera.workers.api import (
     FinishReason,
     InvalidRequestError,
     ParallelSet,
@@ -39,23 +38,23 @@ from workers.api import (
     SamplingParams,
     TokenLogprob,
 )
-from workers.batcher import Batcher
-from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
-from workers.forks import Forks
-from workers.kv.handoff import BlockHandoff
-from workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
-from workers.kv.manager import KVCacheManager
-from workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
-from workers.model.loader import DTYPES, LoadedModel, load_model
-from workers.model_runner import ModelRunner
-from workers.outputs import aborted_outputs, beam_outputs, sequence_output
-from workers.parallel_tokens import choose_set, mean_distribution_logits
-from workers.sampling import Sampler, SampleResult, SamplingRow
-from workers.sequence import Sequence, SequenceGroup
-from workers.speculative import DraftModel, Speculator, load_draft
-from workers.stop import StopStringMatcher
-from workers.validation import validate_request
+from tessera.workers.batcher import Batcher
+from tessera.workers.config import EngineConfig
+from tessera.workers.detokenizer import IncrementalDetokenizer
+from tessera.workers.forks import Forks
+from tessera.workers.kv.handoff import BlockHandoff
+from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
+from tessera.workers.model.loader import DTYPES, LoadedModel, load_model
+from tessera.workers.model_runner import ModelRunner
+from tessera.workers.outputs import aborted_outputs, beam_outputs, sequence_output
+from tessera.workers.parallel_tokens import choose_set, mean_distribution_logits
+from tessera.workers.sampling import Sampler, SampleResult, SamplingRow
+from tessera.workers.sequence import Sequence, SequenceGroup
+from tessera.workers.speculative import DraftModel, Speculator, load_draft
+from tessera.workers.stop import StopStringMatcher
+from tessera.workers.validation import validate_request
 
 logger = logging.getLogger(__name__)
 

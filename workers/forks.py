@@ -13,13 +13,12 @@ pool is short, no blocks at all and recomputes its tokens.
 from __future__ import annotations
 
 import torch
-
-from workers.api import Phase, SamplingParams
-from workers.beam import BeamSearch
-from workers.detokenizer import IncrementalDetokenizer
-from workers.kv.manager import KVCacheManager
-from workers.sequence import Sequence, SequenceGroup
-from workers.stop import StopStringMatcher
+from tessera.workers.api import Phase, SamplingParams
+from tessera.workers.beam import BeamSearch
+from tessera.workers.detokenizer import IncrementalDetokenizer
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.sequence import Sequence, SequenceGroup
+from tessera.workers.stop import StopStringMatcher
 
 _SEED_MOD = 2**63
 

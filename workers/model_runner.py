@@ -23,11 +23,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-
-from workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
-from workers.attention.paged import plan_decode
-from workers.kv.manager import KVCacheManager
-from workers.model.llama import LlamaModel
+from tessera.workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
+from tessera.workers.attention.paged import plan_decode
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.model.llama import LlamaModel
 
 
 @dataclass(frozen=True, slots=True)

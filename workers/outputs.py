@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from workers.api import FinishReason, Request, RequestOutput
-from workers.beam import BeamHypothesis
-from workers.sequence import Sequence
+from tessera.workers.api import FinishReason, Request, RequestOutput
+from tessera.workers.beam import BeamHypothesis
+from tessera.workers.sequence import Sequence
 
 
 def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:

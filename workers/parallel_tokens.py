@@ -18,9 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
-
-from workers.api import ParallelTokensParams
-from workers.attention.paged import causal_mask
+from tessera.workers.api import ParallelTokensParams
+from tessera.workers.attention.paged import causal_mask
 
 
 def parallel_mask(

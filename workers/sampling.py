@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from workers.api import SamplingParams, TokenLogprob
+from tessera.workers.api import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea and Flood, "Fast splittable pseudorandom number

@@ -16,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from workers.api import FinishReason, ParallelSet, Phase, Request, TokenLogprob
-from workers.detokenizer import IncrementalDetokenizer
-from workers.model_runner import Chunk
-from workers.parallel_tokens import parallel_mask
-from workers.stop import StopStringMatcher
+from tessera.workers.api import FinishReason, ParallelSet, Phase, Request, TokenLogprob
+from tessera.workers.detokenizer import IncrementalDetokenizer
+from tessera.workers.model_runner import Chunk
+from tessera.workers.parallel_tokens import parallel_mask
+from tessera.workers.stop import StopStringMatcher
 
 if TYPE_CHECKING:
-    from workers.beam import BeamSearch
-    from workers.speculative import SpecState
+    from tessera.workers.beam import BeamSearch
+    from tessera.workers.speculative import SpecState
 
 
 @dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its contents

@@ -35,14 +35,18 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-
-from workers.api import InvalidRequestError, SamplingParams, SpeculativeParams, SpeculativeStats
-from workers.kv.kv_cache import allocate_kv_cache
-from workers.kv.manager import KVCacheManager
-from workers.model.loader import LoadedModel, load_model
-from workers.model_runner import Chunk, ModelRunner
-from workers.sampling import Sampler, SampleResult, SamplingRow, keyed_uniform
-from workers.sequence import Sequence
+from tessera.workers.api import (
+    InvalidRequestError,
+    SamplingParams,
+    SpeculativeParams,
+    SpeculativeStats,
+)
+from tessera.workers.kv.kv_cache import allocate_kv_cache
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.model.loader import LoadedModel, load_model
+from tessera.workers.model_runner import Chunk, ModelRunner
+from tessera.workers.sampling import Sampler, SampleResult, SamplingRow, keyed_uniform
+from tessera.workers.sequence import Sequence
 
 #: Prompt lookup tries the last this many tokens first, then fewer, down to one.
 NGRAM_MAX = 3

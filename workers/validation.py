@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.api import InvalidRequestError, Resume, SamplingParams
-from workers.config import EngineConfig
-from workers.kv.manager import blocks_needed
-from workers.model.config import ModelConfig
+from tessera.workers.api import InvalidRequestError, Resume, SamplingParams
+from tessera.workers.config import EngineConfig
+from tessera.workers.kv.manager import blocks_needed
+from tessera.workers.model.config import ModelConfig
 
 
 def validate_request(

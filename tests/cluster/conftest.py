@@ -11,7 +11,7 @@ from tests.helpers import RAY_NAMESPACE
 
 def cluster_config(**fields):
     """A test cluster: float32, a small KV pool, quick reports, one CPU per worker."""
-    from cluster.config import ClusterConfig
+    from tessera.cluster.config import ClusterConfig
 
     fields.setdefault("num_kv_blocks", 256)
     fields.setdefault("report_interval_s", 0.1)
@@ -23,7 +23,7 @@ def cluster_config(**fields):
 @contextlib.asynccontextmanager
 async def running_cluster(**fields):
     """Start a Tessera cluster on the session's Ray; shut it down afterwards."""
-    from cluster.launch import Cluster
+    from tessera.cluster.launch import Cluster
 
     cluster = await Cluster.start(cluster_config(**fields))
     try:
@@ -36,7 +36,7 @@ async def running_cluster(**fields):
 def running_cluster_sync(**fields):
     """``running_cluster`` for fixtures shared by several tests: start and stop run in
     their own event loops (Ray handles work from any loop)."""
-    from cluster.launch import Cluster
+    from tessera.cluster.launch import Cluster
 
     cluster = asyncio.run(Cluster.start(cluster_config(**fields)))
     try:

@@ -80,7 +80,7 @@ def serve_process(
     with log.open("w") as out:
         process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "cluster.cli", "serve"),
+                *(sys.executable, "-m", "tessera.cluster.cli", "serve"),
                 *("--config", str(config)),
                 *("--address", ray.get_runtime_context().gcs_address),
                 *("--port", str(port)),

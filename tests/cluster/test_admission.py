@@ -6,13 +6,13 @@ import asyncio
 import time
 
 import pytest
+from tessera.cluster.config import ClusterConfig, ConfigError
+from tessera.cluster.launch import Cluster
+from tessera.scheduler.api import OverloadedError, WorkerStatus
+from tessera.workers.api import FinishReason, InvalidRequestError, Request, SamplingParams
 
-from cluster.config import ClusterConfig, ConfigError
-from cluster.launch import Cluster
-from scheduler.api import OverloadedError, WorkerStatus
 from tests.cluster.conftest import running_cluster
 from tests.helpers import tokens_of
-from workers.api import FinishReason, InvalidRequestError, Request, SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

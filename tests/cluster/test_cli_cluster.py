@@ -7,14 +7,14 @@ import sys
 
 import pytest
 import ray
+from tessera.cluster.config import ClusterConfig
+from tessera.workers.api import SamplingParams
 
-from cluster.config import ClusterConfig
 from tests.helpers import run_engine, text_of
-from workers.api import SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-CLI = [sys.executable, "-m", "cluster.cli", "cluster"]
+CLI = [sys.executable, "-m", "tessera.cluster.cli", "cluster"]
 
 
 def test_help_has_a_flag_for_every_config_field():

@@ -12,11 +12,11 @@ import time
 
 import pytest
 import ray
+from tessera.scheduler.api import WorkerStatus
+from tessera.workers.api import FinishReason, SamplingParams
 
-from scheduler.api import WorkerStatus
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
-from workers.api import FinishReason, SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -18,11 +18,11 @@ import openai
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+from tessera.cluster.cli import main as cli_main
+from tessera.workers.api import ParallelTokensParams, SamplingParams
 
-from cluster.cli import main as cli_main
 from tests.cluster.serve_process import Server, serve_process
 from tests.helpers import run_engine, text_of, tokens_of
-from workers.api import ParallelTokensParams, SamplingParams
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

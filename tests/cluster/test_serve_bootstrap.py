@@ -1,5 +1,5 @@
 """The Serve app starts the cluster itself when deployed on a Ray cluster that has none
-(``serve run cluster.serve_app:app_builder`` or KubeRay's ``serveConfigV2``): its first
+(``serve run tessera.cluster.serve_app:app_builder`` or KubeRay's ``serveConfigV2``): its first
 replica creates the scheduler, detached, which starts the workers."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
-
-from cluster.serve_app import app_builder
+from tessera.cluster.serve_app import app_builder
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

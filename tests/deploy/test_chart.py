@@ -156,7 +156,7 @@ def test_template_refuses_values_that_contradict_each_other(
 def test_settings_schema_lists_exactly_the_serve_config_fields_users_set():
     """``tessera`` in values.schema.json is ServeConfig less what the chart owns, with the
     same choices for the enumerated fields: a new setting fails here until the chart takes it."""
-    from cluster.config import ServeConfig
+    from tessera.cluster.config import ServeConfig
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["tessera"]
     settings, listed = set(ServeConfig.model_fields) - CHART_OWNED, set(schema["properties"])

@@ -43,7 +43,7 @@ def test_the_application_and_grpc_servicers_import(default_render):
 
 
 def test_grpc_servicers_are_the_ones_tessera_serve_registers(default_render):
-    from cluster.grpc_api import SERVICER_FUNCTIONS
+    from tessera.cluster.grpc_api import SERVICER_FUNCTIONS
 
     functions = serve_config(default_render)["grpc_options"]["grpc_servicer_functions"]
     assert functions == list(SERVICER_FUNCTIONS)
@@ -52,7 +52,7 @@ def test_grpc_servicers_are_the_ones_tessera_serve_registers(default_render):
 def test_args_are_a_valid_serve_config_with_the_key_from_the_secret(render, monkeypatch):
     """``args`` pass ``ServeConfig.create`` as the replica runs it: the API key is not in the
     RayService but in $TESSERA_API_KEY, which every Ray container gets from the Secret."""
-    from cluster.config import ServeConfig
+    from tessera.cluster.config import ServeConfig
 
     (app,) = serve_config(render)["applications"]
     assert "api_key" not in app["args"]
@@ -71,7 +71,7 @@ def test_args_are_a_valid_serve_config_with_the_key_from_the_secret(render, monk
 
 
 def test_gpu_example_starts_two_prefill_and_four_decode_workers_with_mtls(gpu_render):
-    from cluster.config import ServeConfig
+    from tessera.cluster.config import ServeConfig
 
     (app,) = serve_config(gpu_render)["applications"]
     config = ServeConfig.create(**app["args"])

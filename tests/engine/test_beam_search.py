@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tessera.workers.api import FinishReason, SamplingParams
+from tessera.workers.kv.manager import blocks_needed
 
 from tests.helpers import run_engine
-from workers.api import FinishReason, SamplingParams
-from workers.kv.manager import blocks_needed
 
 PROMPTS = [
     "The capital of France is",
@@ -107,8 +107,8 @@ def test_smollm2_beams_match_transformers(
 
 @pytest.mark.parametrize("width", [2, 4, 8])
 def test_tiny_llama_beams_match_transformers(tiny_llama, width):
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine import Engine
 
     path, hf_model = tiny_llama
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=128, block_size=4))
@@ -223,7 +223,7 @@ def test_abort_in_the_middle_of_a_beam_group_leaks_nothing(make_engine):
 
 
 def test_beam_search_refuses_what_it_does_not_support(make_engine):
-    from workers.api import InvalidRequestError
+    from tessera.workers.api import InvalidRequestError
 
     engine = make_engine(max_num_seqs=4)
     with pytest.raises(

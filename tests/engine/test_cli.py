@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "cluster.cli"]
+CLI = [sys.executable, "-m", "tessera.cluster.cli"]
 
 
 def test_help_explains_every_option():
@@ -60,8 +60,9 @@ def test_generate_streams_the_greedy_completion(smollm2, hf_reference):
 
 
 def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
+    from tessera.workers.api import ParallelTokensParams, SamplingParams
+
     from tests.helpers import run_engine, text_of
-    from workers.api import ParallelTokensParams, SamplingParams
 
     prompt = "Repeat: the cat sat on the mat. Repeat: the cat sat"
     engine = make_engine()

@@ -7,9 +7,9 @@ every step.
 from __future__ import annotations
 
 import pytest
+from tessera.workers.api import SamplingParams
 
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
-from workers.api import SamplingParams
 
 pytestmark = pytest.mark.slow
 

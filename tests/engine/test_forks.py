@@ -6,11 +6,11 @@ import asyncio
 import random
 
 import pytest
+from tessera.workers.api import FinishReason, SamplingParams
+from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.kv.manager import blocks_needed
 
 from tests.helpers import run_engine, text_of, tokens_of
-from workers.api import FinishReason, SamplingParams
-from workers.async_engine import AsyncEngine
-from workers.kv.manager import blocks_needed
 
 PROMPT = "Write one sentence about a lighthouse keeper."
 # Spans two full blocks of 16 and part of a third, so forks have full blocks to share.
@@ -169,7 +169,7 @@ def test_abort_before_the_fork_ends_every_output(make_engine):
 
 
 def test_request_ids_cannot_collide_with_fork_ids(make_engine):
-    from workers.api import InvalidRequestError
+    from tessera.workers.api import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="request_id: must not contain '#'"):
         make_engine().add_request("a#1", PROMPT)

@@ -13,9 +13,9 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
+from tessera.workers.model.loader import load_model
 
 from tests.helpers import prefill_logits
-from workers.model.loader import load_model
 
 pytestmark = pytest.mark.slow
 

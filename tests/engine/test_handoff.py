@@ -1,4 +1,4 @@
-"""Moving a prompt's KV blocks from one engine to another (``workers.kv.handoff``):
+"""Moving a prompt's KV blocks from one engine to another (``tessera.workers.kv.handoff``):
 the receiver's output equals an engine that computed everything itself, the moved
 blocks serve as prefix hits, and a released reservation leaves nothing behind."""
 
@@ -7,17 +7,17 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from tests.helpers import run_engine, tokens_of
-from workers.api import SamplingParams
-from workers.async_engine import AsyncEngine
-from workers.disaggregation import (
+from tessera.workers.api import SamplingParams
+from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.disaggregation import (
     DecodeOrchestrator,
     PhaseManager,
     PrefillSource,
     TransferCounters,
 )
-from workers.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
+from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
+
+from tests.helpers import run_engine, tokens_of
 
 PROMPT = (
     "A parcel left the depot on Monday morning and reached the sorting centre by noon. "

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tessera.workers.api import Request
+from tessera.workers.kv.kv_cache import allocate_kv_cache
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.model.loader import load_model
+from tessera.workers.model_runner import ModelRunner
+from tessera.workers.sequence import Sequence
 
 from tests.helpers import prefill_logits
-from workers.api import Request
-from workers.kv.kv_cache import allocate_kv_cache
-from workers.kv.manager import KVCacheManager
-from workers.model.loader import load_model
-from workers.model_runner import ModelRunner
-from workers.sequence import Sequence
 
 VOCAB = 512
 COMMON = dict(

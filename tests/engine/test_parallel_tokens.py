@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tessera.workers.api import InvalidRequestError, ParallelTokensParams, Resume, SamplingParams
+from tessera.workers.kv.kv_cache import allocate_kv_cache
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.model_runner import Chunk, ModelRunner
+from tessera.workers.parallel_tokens import parallel_mask
 
 from tests.helpers import run_engine, tokens_of
-from workers.api import InvalidRequestError, ParallelTokensParams, Resume, SamplingParams
-from workers.kv.kv_cache import allocate_kv_cache
-from workers.kv.manager import KVCacheManager
-from workers.model_runner import Chunk, ModelRunner
-from workers.parallel_tokens import parallel_mask
 
 PROMPT = "The cat sat on the mat. Then the dog"
 
@@ -43,7 +43,7 @@ def hf_logits(model, token_ids, positions, allowed) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama):
-    from workers.model.loader import load_model
+    from tessera.workers.model.loader import load_model
 
     path, hf_model = tiny_llama
     return load_model(path, "float32"), hf_model

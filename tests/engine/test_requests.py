@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 import torch
+from tessera.workers.api import FinishReason, Phase, SamplingParams
+from tessera.workers.async_engine import AsyncEngine
 
 from tests.helpers import run_engine, text_of, tokens_of
-from workers.api import FinishReason, Phase, SamplingParams
-from workers.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.slow
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tessera.workers.api import InvalidRequestError, SamplingParams, SpeculativeParams
+from tessera.workers.kv.manager import blocks_needed
+from tessera.workers.speculative import ngram_proposal
 
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
-from workers.api import InvalidRequestError, SamplingParams, SpeculativeParams
-from workers.kv.manager import blocks_needed
-from workers.speculative import ngram_proposal
 
 PASSAGE = (
     "The old lighthouse keeper climbed the stairs every evening at dusk. He lit the lamp, "
@@ -59,8 +59,8 @@ def no_blocks_past_computed(engine) -> None:
 
 @pytest.fixture(scope="module")
 def plain(smollm2) -> dict[str, list[int]]:
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine import Engine
 
     engine = Engine(EngineConfig(num_kv_blocks=256), loaded=smollm2)
     return {k: tokens_of(v) for k, v in run_batch(engine, greedy()).items()}

@@ -17,8 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
-
-from workers.api import SamplingParams, SpeculativeParams
+from tessera.workers.api import SamplingParams, SpeculativeParams
 
 VOCAB = 16
 NUM_REQUESTS = 3000
@@ -98,8 +97,8 @@ def chi_square_p_value(counts: Counter, expected_probs: torch.Tensor, total: int
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_speculative_sampling_has_the_targets_distribution(tiny_pair, method):
-    from workers.config import EngineConfig
-    from workers.engine import Engine
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine import Engine
 
     target_path, target, draft_path, draft = tiny_pair
     engine = Engine(

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from tessera.workers.api import InvalidRequestError, SamplingParams
+from tessera.workers.config import EngineConfig
 
 from tests.helpers import run_engine, tokens_of
-from workers.api import InvalidRequestError, SamplingParams
-from workers.config import EngineConfig
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    from workers.engine import Engine
+    from tessera.workers.engine import Engine
 
     return Engine(EngineConfig(num_kv_blocks=64, max_model_len=512), loaded=smollm2)
 
@@ -55,7 +55,7 @@ def test_invalid_prompt(engine, prompt, params, field, message):
 
 
 def test_request_larger_than_the_pool(smollm2):
-    from workers.engine import Engine
+    from tessera.workers.engine import Engine
 
     engine = Engine(EngineConfig(num_kv_blocks=4, block_size=16), loaded=smollm2)
     with pytest.raises(
@@ -103,14 +103,14 @@ def test_invalid_engine_config():
 
 
 def test_kv_memory_larger_than_the_machine(smollm2):
-    from workers.engine import Engine
+    from tessera.workers.engine import Engine
 
     with pytest.raises(ValueError, match="kv_cache_memory: .* bytes asked, only .* available"):
         Engine(EngineConfig(kv_cache_memory=2**50), loaded=smollm2)
 
 
 def test_unknown_model_path():
-    from workers.model.loader import load_model
+    from tessera.workers.model.loader import load_model
 
     with pytest.raises(FileNotFoundError, match="model: path '/no/such/model' does not exist"):
         load_model("/no/such/model")

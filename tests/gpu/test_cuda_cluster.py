@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tessera.workers.api import SamplingParams
 
 from tests.helpers import assert_greedy_matches, tokens_of
-from workers.api import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,9 +18,9 @@ pytestmark = [
 
 async def test_auto_device_takes_a_gpu_per_worker(ray_session, smollm2, hf_reference):
     import ray
+    from tessera.cluster.config import ClusterConfig
+    from tessera.cluster.launch import Cluster
 
-    from cluster.config import ClusterConfig
-    from cluster.launch import Cluster
     from tests.helpers import RAY_NAMESPACE
 
     gpus = ray.cluster_resources().get("GPU", 0)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tessera.workers.api import SamplingParams
+from tessera.workers.config import EngineConfig
 
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
-from workers.api import SamplingParams
-from workers.config import EngineConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,8 +16,8 @@ pytestmark = [
 
 
 def test_greedy_on_cuda_matches_transformers(smollm2_path, hf_reference):
-    from workers.engine import Engine
-    from workers.model.loader import load_model
+    from tessera.workers.engine import Engine
+    from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
     engine = Engine(EngineConfig(device="cuda", num_kv_blocks=64), loaded=loaded)
@@ -34,8 +34,8 @@ def test_greedy_on_cuda_matches_transformers(smollm2_path, hf_reference):
 def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine):
     """n > 1 (copy-on-write on the GPU pool), prefix hits and beam search on CUDA give
     what the CPU engine gives."""
-    from workers.engine import Engine
-    from workers.model.loader import load_model
+    from tessera.workers.engine import Engine
+    from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
     cuda = Engine(EngineConfig(device="cuda", num_kv_blocks=64), loaded=loaded)
@@ -62,9 +62,9 @@ def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine)
 def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make_engine):
     """Speculative decoding (prompt lookup, a self-speculative draft) and parallel tokens
     on CUDA give the CPU engine's greedy tokens and sets."""
-    from workers.api import ParallelTokensParams, SpeculativeParams
-    from workers.engine import Engine
-    from workers.model.loader import load_model
+    from tessera.workers.api import ParallelTokensParams, SpeculativeParams
+    from tessera.workers.engine import Engine
+    from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
     config = EngineConfig(device="cuda", num_kv_blocks=64, draft_model="target:8")

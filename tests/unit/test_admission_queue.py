@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler.admission import AdmissionQueue
+from tessera.scheduler.admission import AdmissionQueue
 
 
 def start(queue, request_id, timeout_s=5.0, role="mixed"):

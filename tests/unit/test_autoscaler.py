@@ -6,7 +6,7 @@ min_workers, with draining members not counted as active."""
 
 from __future__ import annotations
 
-from scheduler.autoscaler import Autoscaler, Decision, PoolMember, PoolPolicy
+from tessera.scheduler.autoscaler import Autoscaler, Decision, PoolMember, PoolPolicy
 
 
 def policy(min_workers=1, max_workers=3, up=10.0, down=60.0, target=0.8):

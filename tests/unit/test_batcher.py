@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from workers.api import Phase, Request
-from workers.batcher import Batcher
-from workers.kv.manager import KVCacheManager
-from workers.sequence import Sequence, SequenceGroup
+from tessera.workers.api import Phase, Request
+from tessera.workers.batcher import Batcher
+from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.sequence import Sequence, SequenceGroup
 
 
 def _seq(name: str, num_tokens: int, priority: int = 0, order: int = 0) -> SequenceGroup:
@@ -95,7 +95,7 @@ def test_a_sequence_preempts_itself_when_it_is_the_lowest():
 
 
 def test_a_preempted_group_recomputes_its_shared_prompt_once():
-    from workers.kv.prefix_cache import extend_block_hashes
+    from tessera.workers.kv.prefix_cache import extend_block_hashes
 
     kv = KVCacheManager(num_blocks=16, block_size=4)
     batcher = Batcher(kv, max_num_batched_tokens=64, max_num_seqs=4)

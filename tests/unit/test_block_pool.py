@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from workers.kv.block_pool import BlockPool, FreeBlockQueue
-from workers.kv.manager import KVCacheManager
+from tessera.workers.kv.block_pool import BlockPool, FreeBlockQueue
+from tessera.workers.kv.manager import KVCacheManager
 
 
 def test_allocate_takes_from_head_in_id_order():

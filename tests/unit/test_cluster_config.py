@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
-from cluster.config import (
+from tessera.cluster.config import (
     ClusterConfig,
     ConfigError,
     add_config_arguments,

@@ -7,9 +7,8 @@ import random
 
 import pytest
 import transformers
-
-from workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from workers.stop import StopStringMatcher
+from tessera.workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from tessera.workers.stop import StopStringMatcher
 
 TEXTS = [
     "Hello, world! This is plain ASCII text.",

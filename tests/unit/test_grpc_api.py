@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
-from cluster.grpc_api import grpc_error, response, sampling_params
-from cluster.grpc_client import generate_request
-from cluster.openai_protocol import APIError
-from protos.tessera.v1 import generation_pb2 as pb
-from scheduler.api import DeadlineError, NoWorkerError, OverloadedError
-from workers.api import (
+from tessera.cluster.grpc_api import grpc_error, response, sampling_params
+from tessera.cluster.grpc_client import generate_request
+from tessera.cluster.openai_protocol import APIError
+from tessera.protos.tessera.v1 import generation_pb2 as pb
+from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
+from tessera.workers.api import (
     FinishReason,
     InvalidRequestError,
     ParallelSet,

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from cluster.config import ConfigError, ServeConfig, load_config_file
-from cluster.openai_protocol import (
+from tessera.cluster.config import ConfigError, ServeConfig, load_config_file
+from tessera.cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,7 +15,7 @@ from cluster.openai_protocol import (
     parse_body,
     usage,
 )
-from workers.api import SamplingParams, TokenLogprob
+from tessera.workers.api import SamplingParams, TokenLogprob
 
 
 def completion(**body) -> CompletionRequest:
@@ -148,7 +147,7 @@ def test_completion_errors_name_the_field(body, param, message):
 
 
 def test_speculative_and_parallel_tokens_map_to_the_engine():
-    from workers.api import ParallelTokensParams, SpeculativeParams
+    from tessera.workers.api import ParallelTokensParams, SpeculativeParams
 
     spec = completion(prompt="x", speculative={"method": "draft", "num_tokens": 2})
     assert spec.sampling_for(4).speculative == SpeculativeParams("draft", 2, True)

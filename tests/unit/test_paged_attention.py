@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-
-from workers.attention import (
+from tessera.workers.attention import (
     PAD_BLOCK_ID,
     AttentionMetadata,
     causal_mask,

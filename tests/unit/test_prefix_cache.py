@@ -4,9 +4,8 @@ hits, eviction order (LRU over the free queue), forks and beam re-pointing."""
 from __future__ import annotations
 
 import pytest
-
-from workers.kv.manager import KVCacheManager, Write
-from workers.kv.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
+from tessera.workers.kv.manager import KVCacheManager, Write
+from tessera.workers.kv.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
 
 KEYS = ("model", "float32", "")
 

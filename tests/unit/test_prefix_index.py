@@ -4,7 +4,7 @@ confirmation by a report, reset with a snapshot, remove and size."""
 
 from __future__ import annotations
 
-from scheduler.prefix_index import EXPECTED_TTL, PrefixIndex
+from tessera.scheduler.prefix_index import EXPECTED_TTL, PrefixIndex
 
 H1, H2, H3, H4, H5 = (bytes([i]) * 8 for i in range(1, 6))
 

@@ -1,12 +1,11 @@
-"""The committed gRPC stubs are exactly what ``python -m protos.generate`` makes of
+"""The committed gRPC stubs are exactly what ``python -m tessera.protos.generate`` makes of
 the ``.proto`` files, and every message an RPC sends carries ``version``."""
 
 from __future__ import annotations
 
 import pytest
-
-from protos import generate
-from protos.tessera.v1 import generation_pb2, kv_transfer_pb2
+from tessera.protos import generate
+from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
 
 
 def test_the_committed_stubs_match_a_fresh_generation(tmp_path):
@@ -17,7 +16,7 @@ def test_the_committed_stubs_match_a_fresh_generation(tmp_path):
     for new, old in zip(fresh, committed, strict=True):
         assert new.read_text() == old.read_text(), (
             f"{old.relative_to(generate.ROOT)} differs from the .proto: run "
-            "`python -m protos.generate` and commit the result"
+            "`python -m tessera.protos.generate` and commit the result"
         )
 
 

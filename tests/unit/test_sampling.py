@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-
-from workers.api import SamplingParams
-from workers.sampling import Sampler, SamplingRow, random_generator
+from tessera.workers.api import SamplingParams
+from tessera.workers.sampling import Sampler, SamplingRow, random_generator
 
 # Upper 0.1% points of the chi-square distribution (alpha = 0.001), keyed by degrees of
 # freedom. The seeds are fixed, so a pass is deterministic; alpha is the chance that a

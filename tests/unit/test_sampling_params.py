@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from workers.api import InvalidRequestError, Request, SamplingParams
+from tessera.workers.api import InvalidRequestError, Request, SamplingParams
 
 CASES = [
     ({"temperature": -0.5}, "temperature", "must be between 0 and 100, got -0.5"),

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: the batch description and the torch backend."""
 
-from workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
-from workers.attention.paged import (
+from tessera.workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
+from tessera.workers.attention.paged import (
     DEFAULT_TILE_TOKENS,
     AttentionMemoryEstimate,
     causal_mask,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.attention.paged import DecodeTile
+    from tessera.workers.attention.paged import DecodeTile
 
 #: Value for unused entries of ``block_tables``. Attention reads whole blocks and masks by
 #: ``seq_lens``, so a pad entry is gathered but never contributes; it only has to be a valid

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from workers.attention.metadata import AttentionMetadata
+from tessera.workers.attention.metadata import AttentionMetadata
 
 #: Decode context is processed in tiles of this many tokens (a multiple of block_size). A tile
 #: costs ~15 + 2 * H_kv op dispatches, so small tiles turn a long context into a long Python loop

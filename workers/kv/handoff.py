@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from workers.kv.block_pool import Block
-from workers.kv.prefix_cache import extend_block_hashes
+from tessera.workers.kv.block_pool import Block
+from tessera.workers.kv.prefix_cache import extend_block_hashes
 
 
 @dataclass(eq=False)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from workers.kv.block_pool import Block, BlockPool
-from workers.kv.prefix_cache import PrefixCacheStats
+from tessera.workers.kv.block_pool import Block, BlockPool
+from tessera.workers.kv.prefix_cache import PrefixCacheStats
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -13,12 +13,11 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from tessera.workers.attention.metadata import AttentionMetadata
+from tessera.workers.attention.paged import paged_attention, write_kv
+from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from torch import nn
-
-from workers.attention.metadata import AttentionMetadata
-from workers.attention.paged import paged_attention, write_kv
-from workers.model.config import ModelConfig
-from workers.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

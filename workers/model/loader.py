@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.llama import LlamaModel
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from workers.model.config import ModelConfig
-from workers.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

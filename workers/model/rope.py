@@ -10,8 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from workers.model.config import ModelConfig
+from tessera.workers.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -115,7 +115,7 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- $app := dict
   "name" "tessera"
   "route_prefix" "/"
-  "import_path" "cluster.serve_app:app_builder"
+  "import_path" "tessera.cluster.serve_app:app_builder"
   "args" $args }}
 {{- $config := dict
   "proxy_location" .Values.serve.proxyLocation

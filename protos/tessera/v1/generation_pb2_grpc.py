@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.tessera.v1 import generation_pb2 as protos_dot_tessera_dot_v1_dot_generation__pb2
+from tessera.protos.tessera.v1 import generation_pb2 as tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/tessera/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in tessera/protos/tessera/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/tessera.v1.Generation/Generate',
-                request_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tessera.v1.Generation/Abort',
-                request_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+                request_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tessera.v1.Generation/ListModels',
-                request_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+                request_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tessera.v1.Generation/Tokenize',
-                request_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
 
 
@@ -90,23 +90,23 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,8 +134,8 @@ class Generation:
             request,
             target,
             '/tessera.v1.Generation/Generate',
-            protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -161,8 +161,8 @@ class Generation:
             request,
             target,
             '/tessera.v1.Generation/Abort',
-            protos_dot_tessera_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
-            protos_dot_tessera_dot_v1_dot_generation__pb2.AbortResponse.FromString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -188,8 +188,8 @@ class Generation:
             request,
             target,
             '/tessera.v1.Generation/ListModels',
-            protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
-            protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -215,8 +215,8 @@ class Generation:
             request,
             target,
             '/tessera.v1.Generation/Tokenize',
-            protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-from protos.tessera.v1 import generation_pb2 as _generation_pb2
+from tessera.protos.tessera.v1 import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

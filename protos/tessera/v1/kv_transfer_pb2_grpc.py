@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.tessera.v1 import kv_transfer_pb2 as protos_dot_tessera_dot_v1_dot_kv__transfer__pb2
+from tessera.protos.tessera.v1 import kv_transfer_pb2 as tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/tessera/v1/kv_transfer_pb2_grpc.py depends on'
+        + ' but the generated code in tessera/protos/tessera/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class KVTransferStub:
         """
         self.PullBlocks = channel.unary_stream(
                 '/tessera.v1.KVTransfer/PullBlocks',
-                request_serializer=protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-                response_deserializer=protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
+                request_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,8 +55,8 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'PullBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.PullBlocks,
-                    request_deserializer=protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
-                    response_serializer=protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksResponse.SerializeToString,
+                    request_deserializer=tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
+                    response_serializer=tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -84,8 +84,8 @@ class KVTransfer:
             request,
             target,
             '/tessera.v1.KVTransfer/PullBlocks',
-            protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-            protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
+            tessera_dot_protos_dot_tessera_dot_v1_dot_kv__transfer__pb2.PullBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
