@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from benchmarks.common import mixed_workload, paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
 from tessera.cluster.config import ClusterConfig  # noqa: E402
 from tessera.cluster.launch import Cluster  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
@@ -46,8 +47,6 @@ from tessera.workers.async_engine import AsyncEngine  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import load_model  # noqa: E402
-
-from benchmarks.common import mixed_workload, paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
 
 NAMESPACE = "tessera-bench-overhead"
 DTYPE = "float32"

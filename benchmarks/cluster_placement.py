@@ -41,12 +41,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+from benchmarks.common import paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
 from tessera.cluster.config import ClusterConfig  # noqa: E402
 from tessera.cluster.launch import Cluster  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.model.loader import load_tokenizer  # noqa: E402
-
-from benchmarks.common import paired_panel, report, run_on_local_ray, side_panels  # noqa: E402
 
 NAMESPACE = "tessera-bench-placement"
 POLICIES = ("prefix_affinity", "round_robin")  # ours, the peer

@@ -25,11 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import report, run_on_local_ray  # noqa: E402
 from tessera.cluster.config import ClusterConfig  # noqa: E402
 from tessera.cluster.launch import Cluster  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
-
-from benchmarks.common import report, run_on_local_ray  # noqa: E402
 
 NAMESPACE = "bench-disaggregation"
 TEXT = (

@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from benchmarks.common import report  # noqa: E402
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb  # noqa: E402
 from tessera.workers.kv_transfer import (  # noqa: E402
     API_VERSION,
@@ -29,8 +31,6 @@ from tessera.workers.kv_transfer import (  # noqa: E402
     KVTransferServer,
     PrefillResult,
 )
-
-from benchmarks.common import report  # noqa: E402
 
 LAYERS, BLOCK, HEADS, DIM = 30, 16, 3, 64  # SmolLM2-135M
 

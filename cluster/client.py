@@ -36,6 +36,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+
 from tessera.scheduler.api import MIXED, ClusterStats, NoWorkerError, Placement, Refusal
 from tessera.workers.actor import Accepted
 from tessera.workers.api import InvalidRequestError, Request, RequestOutput, Resume, SamplingParams

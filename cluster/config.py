@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
 from tessera.scheduler.api import DECODE, MIXED, PREFILL
 from tessera.scheduler.placement import POLICIES
 from tessera.workers.api import MAX_SPECULATIVE_TOKENS
@@ -483,6 +484,7 @@ def load_config_file(path: str) -> dict[str, typing.Any]:
 def check_environment(config: ClusterConfig) -> None:
     """What only this machine can tell: the model exists, the KV pool fits in memory."""
     import torch
+
     from tessera.workers.kv.kv_cache import available_memory
     from tessera.workers.model.loader import resolve_model_path
 

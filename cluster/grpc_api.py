@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
+
 from tessera.cluster.grpc_client import API_VERSION
 from tessera.cluster.openai_protocol import api_error, invalid
 from tessera.protos.tessera.v1 import generation_pb2 as pb

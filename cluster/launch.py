@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 
 import ray
+
 from tessera.cluster.client import ClusterClient, RequestStream
 from tessera.cluster.config import ClusterConfig, check_environment
 from tessera.scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class

@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
 from tessera.scheduler.api import ClusterStats, WorkerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

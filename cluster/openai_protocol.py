@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
 from tessera.workers.api import (
     MAX_TOP_LOGPROBS,

@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
+
 from tessera.cluster.config import ServeConfig
 from tessera.cluster.grpc_api import GenerationService
 from tessera.cluster.launch import Cluster

@@ -22,6 +22,7 @@ import time
 
 import ray
 from ray import serve
+
 from tessera.cluster.config import ConfigError, ServeConfig, check_environment
 from tessera.cluster.grpc_api import SERVICER_FUNCTIONS
 from tessera.cluster.launch import Cluster

@@ -30,6 +30,7 @@ import time
 
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
+
 from tessera.cluster.config import ClusterConfig
 from tessera.scheduler.admission import AdmissionQueue
 from tessera.scheduler.api import (

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tessera.workers.model.loader import builtin_model_path
 
+from tessera.workers.model.loader import builtin_model_path
 from tests.helpers import RAY_NAMESPACE, TransformersReference
 
 

@@ -6,6 +6,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from tessera.workers.api import Request, RequestOutput
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import ray
 import torch
+
 from tessera.scheduler.api import PREFILL, WorkerInfo, WorkerLoad
 from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
 from tessera.workers.async_engine import AsyncEngine

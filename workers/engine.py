@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from tessera.workers.api import (
     FinishReason,
     InvalidRequestError,

@@ -13,6 +13,7 @@ pool is short, no blocks at all and recomputes its tokens.
 from __future__ import annotations
 
 import torch
+
 from tessera.workers.api import Phase, SamplingParams
 from tessera.workers.beam import BeamSearch
 from tessera.workers.detokenizer import IncrementalDetokenizer

@@ -44,6 +44,7 @@ from typing import Literal, get_args
 import grpc
 import numpy as np
 import torch
+
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb
 from tessera.protos.tessera.v1 import kv_transfer_pb2_grpc as pb_grpc
 

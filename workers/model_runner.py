@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from tessera.workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
 from tessera.workers.attention.paged import plan_decode
 from tessera.workers.kv.manager import KVCacheManager

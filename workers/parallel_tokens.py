@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from tessera.workers.api import ParallelTokensParams
 from tessera.workers.attention.paged import causal_mask
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from tessera.workers.api import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1

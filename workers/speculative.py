@@ -35,6 +35,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from tessera.workers.api import (
     InvalidRequestError,
     SamplingParams,

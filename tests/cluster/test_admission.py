@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import pytest
+
 from tessera.cluster.config import ClusterConfig, ConfigError
 from tessera.cluster.launch import Cluster
 from tessera.scheduler.api import OverloadedError, WorkerStatus
 from tessera.workers.api import FinishReason, InvalidRequestError, Request, SamplingParams
-
 from tests.cluster.conftest import running_cluster
 from tests.helpers import tokens_of
 

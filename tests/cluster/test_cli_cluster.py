@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import ray
+
 from tessera.cluster.config import ClusterConfig
 from tessera.workers.api import SamplingParams
-
 from tests.helpers import run_engine, text_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -12,9 +12,9 @@ import time
 
 import pytest
 import ray
+
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams
-
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
 

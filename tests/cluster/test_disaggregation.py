@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+
 from tessera.cluster.metrics import Metrics
 from tessera.workers.api import FinishReason, SamplingParams
 from tessera.workers.kv_transfer import usable_blocks
-
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, tokens_of
 

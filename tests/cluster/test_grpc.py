@@ -17,12 +17,12 @@ import grpc
 import pytest
 import ray
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from tessera.cluster.cli import main as cli_main
 from tessera.cluster.grpc_client import AsyncGenerationClient, GenerationClient, generate_request
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.workers.api import ParallelTokensParams, SamplingParams
-
 from tests.cluster.serve_process import free_port, serve_process
 from tests.helpers import run_engine, text_of, tokens_of
 

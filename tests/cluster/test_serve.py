@@ -18,9 +18,9 @@ import openai
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+
 from tessera.cluster.cli import main as cli_main
 from tessera.workers.api import ParallelTokensParams, SamplingParams
-
 from tests.cluster.serve_process import Server, serve_process
 from tests.helpers import run_engine, text_of, tokens_of
 

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+
 from tessera.cluster.serve_app import app_builder
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tessera.workers.api import FinishReason, SamplingParams
 from tessera.workers.kv.manager import blocks_needed
-
 from tests.helpers import run_engine
 
 PROMPTS = [

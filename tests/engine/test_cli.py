@@ -61,7 +61,6 @@ def test_generate_streams_the_greedy_completion(smollm2, hf_reference):
 
 def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
     from tessera.workers.api import ParallelTokensParams, SamplingParams
-
     from tests.helpers import run_engine, text_of
 
     prompt = "Repeat: the cat sat on the mat. Repeat: the cat sat"

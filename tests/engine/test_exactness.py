@@ -7,8 +7,8 @@ every step.
 from __future__ import annotations
 
 import pytest
-from tessera.workers.api import SamplingParams
 
+from tessera.workers.api import SamplingParams
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
 
 pytestmark = pytest.mark.slow

@@ -6,10 +6,10 @@ import asyncio
 import random
 
 import pytest
+
 from tessera.workers.api import FinishReason, SamplingParams
 from tessera.workers.async_engine import AsyncEngine
 from tessera.workers.kv.manager import blocks_needed
-
 from tests.helpers import run_engine, text_of, tokens_of
 
 PROMPT = "Write one sentence about a lighthouse keeper."

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
-from tessera.workers.model.loader import load_model
 
+from tessera.workers.model.loader import load_model
 from tests.helpers import prefill_logits
 
 pytestmark = pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from tessera.workers.api import SamplingParams
 from tessera.workers.async_engine import AsyncEngine
 from tessera.workers.disaggregation import (
@@ -16,7 +17,6 @@ from tessera.workers.disaggregation import (
     TransferCounters,
 )
 from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
-
 from tests.helpers import run_engine, tokens_of
 
 PROMPT = (

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tessera.workers.api import InvalidRequestError, ParallelTokensParams, Resume, SamplingParams
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.parallel_tokens import parallel_mask
-
 from tests.helpers import run_engine, tokens_of
 
 PROMPT = "The cat sat on the mat. Then the dog"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from tessera.workers.api import SamplingParams
-
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 import torch
+
 from tessera.workers.api import FinishReason, Phase, SamplingParams
 from tessera.workers.async_engine import AsyncEngine
-
 from tests.helpers import run_engine, text_of, tokens_of
 
 pytestmark = pytest.mark.slow

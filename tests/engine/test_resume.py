@@ -8,8 +8,8 @@ sent twice, the same finish.
 from __future__ import annotations
 
 import pytest
-from tessera.workers.api import InvalidRequestError, Resume, SamplingParams
 
+from tessera.workers.api import InvalidRequestError, Resume, SamplingParams
 from tests.helpers import run_engine, text_of, tokens_of
 
 PROMPT = "Once upon a time, a sailor"

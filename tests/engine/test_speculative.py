@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tessera.workers.api import InvalidRequestError, SamplingParams, SpeculativeParams
 from tessera.workers.kv.manager import blocks_needed
 from tessera.workers.speculative import ngram_proposal
-
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
 
 PASSAGE = (

@@ -17,6 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from tessera.workers.api import SamplingParams, SpeculativeParams
 
 VOCAB = 16

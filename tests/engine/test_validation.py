@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
 from tessera.workers.api import InvalidRequestError, SamplingParams
 from tessera.workers.config import EngineConfig
-
 from tests.helpers import run_engine, tokens_of
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tessera.workers.api import SamplingParams
 
+from tessera.workers.api import SamplingParams
 from tests.helpers import assert_greedy_matches, tokens_of
 
 pytestmark = [
@@ -18,9 +18,9 @@ pytestmark = [
 
 async def test_auto_device_takes_a_gpu_per_worker(ray_session, smollm2, hf_reference):
     import ray
+
     from tessera.cluster.config import ClusterConfig
     from tessera.cluster.launch import Cluster
-
     from tests.helpers import RAY_NAMESPACE
 
     gpus = ray.cluster_resources().get("GPU", 0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tessera.workers.api import SamplingParams
 from tessera.workers.config import EngineConfig
-
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
 
 pytestmark = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tessera.workers.kv.block_pool import BlockPool, FreeBlockQueue
 from tessera.workers.kv.manager import KVCacheManager
 

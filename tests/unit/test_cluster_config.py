@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from tessera.cluster.config import (
     ClusterConfig,
     ConfigError,

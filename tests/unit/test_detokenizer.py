@@ -7,6 +7,7 @@ import random
 
 import pytest
 import transformers
+
 from tessera.workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tessera.workers.stop import StopStringMatcher
 

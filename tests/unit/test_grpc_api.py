@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from tessera.cluster.grpc_api import grpc_error, response, sampling_params
 from tessera.cluster.grpc_client import generate_request
 from tessera.cluster.openai_protocol import APIError

@@ -16,6 +16,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb
 from tessera.protos.tessera.v1.kv_transfer_pb2_grpc import KVTransferStub
 from tessera.workers.kv_transfer import (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from tessera.cluster.config import ConfigError, ServeConfig, load_config_file
 from tessera.cluster.openai_protocol import (
     APIError,

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from tessera.workers.attention import (
     PAD_BLOCK_ID,
     AttentionMetadata,

@@ -5,6 +5,7 @@ by worker id, LeastLoaded's ordering, and make_policy's names and error."""
 from __future__ import annotations
 
 import pytest
+
 from tessera.scheduler.placement import (
     OVERLOAD_IMBALANCE,
     OVERLOAD_KV_USAGE,

@@ -4,6 +4,7 @@ hits, eviction order (LRU over the free queue), forks and beam re-pointing."""
 from __future__ import annotations
 
 import pytest
+
 from tessera.workers.kv.manager import KVCacheManager, Write
 from tessera.workers.kv.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
 

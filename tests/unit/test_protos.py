@@ -4,6 +4,7 @@ the ``.proto`` files, and every message an RPC sends carries ``version``."""
 from __future__ import annotations
 
 import pytest
+
 from tessera.protos import generate
 from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
 

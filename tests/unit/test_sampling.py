@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from tessera.workers.api import SamplingParams
 from tessera.workers.sampling import Sampler, SamplingRow, random_generator
 

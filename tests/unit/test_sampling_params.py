@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from tessera.workers.api import InvalidRequestError, Request, SamplingParams
 
 CASES = [

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from tessera.workers.attention.metadata import AttentionMetadata
 
 #: Decode context is processed in tiles of this many tokens (a multiple of block_size). A tile

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from tessera.workers.kv.block_pool import Block
 from tessera.workers.kv.prefix_cache import extend_block_hashes
 

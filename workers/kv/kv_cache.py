@@ -8,6 +8,7 @@ once at start; nothing on the hot path allocates KV memory.
 from __future__ import annotations
 
 import torch
+
 from tessera.workers.model.config import ModelConfig
 
 DEFAULT_MEMORY_FRACTION = 0.1

@@ -13,11 +13,12 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
-from torch import nn
 
 
 class RMSNorm(nn.Module):

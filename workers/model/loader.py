@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tessera.workers.model.config import ModelConfig
-from tessera.workers.model.llama import LlamaModel
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

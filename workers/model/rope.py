@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from tessera.workers.model.config import ModelConfig
 
 
