@@ -16,7 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tessera.workers.api import FinishReason, ParallelSet, Phase, Request, TokenLogprob
+import torch
+
+from tessera.workers.api import (
+    FinishReason,
+    ParallelSet,
+    Phase,
+    Request,
+    SpeculativeParams,
+    SpeculativeStats,
+    TokenLogprob,
+)
 from tessera.workers.detokenizer import IncrementalDetokenizer
 from tessera.workers.model_runner import Chunk
 from tessera.workers.parallel_tokens import parallel_mask
@@ -24,7 +34,29 @@ from tessera.workers.stop import StopStringMatcher
 
 if TYPE_CHECKING:
     from tessera.workers.beam import BeamSearch
-    from tessera.workers.speculative import SpecState
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's speculation: its settings, draft-model progress and counters
+    (``workers.speculative`` drives it; it lives here because ``Sequence`` holds it)."""
+
+    params: SpeculativeParams
+    num_tokens: int  # drafts to propose next step (adaptive)
+    draft_computed: int = 0  # tokens of token_ids whose K/V the draft model holds
+    draft_probs: torch.Tensor | None = None  # [num_draft, V] q; None: point-mass drafts
+    rate: float = 1.0  # moving average of the per-token acceptance rate
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    def drop_drafts(self, keep: int) -> None:
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:keep]
+
+    def stats(self) -> SpeculativeStats:
+        return SpeculativeStats(self.proposed, self.accepted, self.steps, self.tokens)
 
 
 @dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its contents

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
@@ -40,14 +39,13 @@ from tessera.workers.api import (
     InvalidRequestError,
     SamplingParams,
     SpeculativeParams,
-    SpeculativeStats,
 )
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.loader import LoadedModel, load_model
 from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.sampling import Sampler, SampleResult, SamplingRow, keyed_uniform
-from tessera.workers.sequence import Sequence
+from tessera.workers.sequence import Sequence, SpecState
 
 #: Prompt lookup tries the last this many tokens first, then fewer, down to one.
 NGRAM_MAX = 3
@@ -57,28 +55,6 @@ ACCEPT_SALT = 0x5EED_ACC7
 #: Weight of the latest step in the acceptance-rate moving average.
 RATE_WEIGHT = 0.3
 _MAX_RATE = 0.95  # keeps r / (1 - r) finite
-
-
-@dataclass(slots=True)
-class SpecState:
-    """One sequence's speculation: its settings, draft-model progress and counters."""
-
-    params: SpeculativeParams
-    num_tokens: int  # drafts to propose next step (adaptive)
-    draft_computed: int = 0  # tokens of token_ids whose K/V the draft model holds
-    draft_probs: torch.Tensor | None = None  # [num_draft, V] q; None: point-mass drafts
-    rate: float = 1.0  # moving average of the per-token acceptance rate
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0
-    tokens: int = 0
-
-    def drop_drafts(self, keep: int) -> None:
-        if self.draft_probs is not None:
-            self.draft_probs = self.draft_probs[:keep]
-
-    def stats(self) -> SpeculativeStats:
-        return SpeculativeStats(self.proposed, self.accepted, self.steps, self.tokens)
 
 
 def ngram_proposal(token_ids: Seq[int], k: int, max_n: int = NGRAM_MAX) -> list[int]:

@@ -13,17 +13,31 @@ occupy the last ``q_len`` of its ``seq_len`` cache positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from tessera.workers.attention.paged import DecodeTile
 
 #: Value for unused entries of ``block_tables``. Attention reads whole blocks and masks by
 #: ``seq_lens``, so a pad entry is gathered but never contributes; it only has to be a valid
 #: index, and block 0 always exists.
 PAD_BLOCK_ID = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTile:
+    """One tile of the decode context, the same for every layer of a step (built by
+    ``paged.plan_decode``; it lives here because ``AttentionMetadata`` carries it).
+
+    ``slots`` [B * tile] are the cache rows to gather; positions past a sequence's end
+    are redirected to its first slot (always written, so finite: stale or never-written
+    slots may hold NaN, and 0 * NaN = NaN) and get a -inf score ``bias`` [B, 1, 1, tile].
+    ``bias`` is None when the tile lies inside every sequence. ``empty`` [B, 1, 1] marks
+    sequences that end before the tile starts: their (masked-out) result must not count.
+    """
+
+    slots: torch.Tensor
+    bias: torch.Tensor | None
+    tokens: int
+    empty: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

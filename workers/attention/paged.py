@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tessera.workers.attention.metadata import AttentionMetadata
+from tessera.workers.attention.metadata import AttentionMetadata, DecodeTile
 
 #: Decode context is processed in tiles of this many tokens (a multiple of block_size). A tile
 #: costs ~15 + 2 * H_kv op dispatches, so small tiles turn a long context into a long Python loop
@@ -91,23 +91,6 @@ def paged_attention(
             q[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i], mask, scale
         )
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeTile:
-    """One tile of the decode context, the same for every layer of a step.
-
-    ``slots`` [B * tile] are the cache rows to gather; positions past a sequence's end
-    are redirected to its first slot (always written, so finite: stale or never-written
-    slots may hold NaN, and 0 * NaN = NaN) and get a -inf score ``bias`` [B, 1, 1, tile].
-    ``bias`` is None when the tile lies inside every sequence. ``empty`` [B, 1, 1] marks
-    sequences that end before the tile starts: their (masked-out) result must not count.
-    """
-
-    slots: torch.Tensor
-    bias: torch.Tensor | None
-    tokens: int
-    empty: torch.Tensor | None = None
 
 
 def plan_decode(
