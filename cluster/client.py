@@ -39,13 +39,19 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from tessera.scheduler.api import MIXED, ClusterStats, NoWorkerError, Placement, Refusal
 from tessera.workers.actor import Accepted
-from tessera.workers.api import InvalidRequestError, Request, RequestOutput, Resume, SamplingParams
+from tessera.workers.api import (
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    Resume,
+    SamplingParams,
+    fork_seed,
+)
 
 logger = logging.getLogger(__name__)
 
 #: Worker losses one request survives before it fails with ``NoWorkerError``.
 MAX_FAILOVERS = 8
-_SEED_MOD = 2**63
 
 
 @dataclass
@@ -99,7 +105,7 @@ class _Run:
                 continue
             seed = out.seed
             if seed is None and params.seed is not None:
-                seed = (params.seed + index) % _SEED_MOD  # what the engine's fork gives
+                seed = fork_seed(params.seed, index)  # what the engine's fork gives
             sampling = dataclasses.replace(params, n=1, best_of=None, seed=seed)
             resume = None
             if out.token_ids:

@@ -23,6 +23,8 @@ MAX_SPECULATIVE_TOKENS = 16
 PARALLEL_MODES = ("isolated", "visible")
 #: The most tokens one parallel set may hold.
 MAX_PARALLEL_WIDTH = 16
+#: Seeds are in [0, SEED_MODULUS); a fork's seed wraps around it.
+SEED_MODULUS = 2**63
 
 
 class InvalidRequestError(ValueError):
@@ -50,6 +52,13 @@ class Phase(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
+
+
+def fork_seed(seed: int, index: int) -> int:
+    """The seed of output ``index`` of a request that samples with ``seed`` (n > 1,
+    best_of): the engine's forks and the cluster client's failover both use it, so a
+    resumed output samples exactly what its fork did."""
+    return (seed + index) % SEED_MODULUS
 
 
 def _check_number(name: str, value: object, *, integer: bool = False) -> None:

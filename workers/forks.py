@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from tessera.workers.api import Phase, SamplingParams
+from tessera.workers.api import Phase, SamplingParams, fork_seed
 from tessera.workers.beam import BeamSearch
 from tessera.workers.detokenizer import IncrementalDetokenizer
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.sequence import Sequence, SequenceGroup
 from tessera.workers.stop import StopStringMatcher
-
-_SEED_MOD = 2**63
 
 
 class Forks:
@@ -39,7 +37,7 @@ class Forks:
         for index in range(1, group.width):
             child = Sequence(
                 request=parent.request,
-                seed=(parent.seed + index) % _SEED_MOD,
+                seed=fork_seed(parent.seed, index),
                 token_ids=list(parent.token_ids),
                 detokenizer=IncrementalDetokenizer(
                     self.tokenizer, parent.request.prompt_token_ids, params.skip_special_tokens
