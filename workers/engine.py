@@ -19,11 +19,13 @@ forward pass as everything else (``model_runner.Chunk``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +217,13 @@ class Engine:
                 self._ready.extend(self._drain_inbox())
             finally:
                 self._step_lock.release()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No step runs while this is held (nor does an abort free blocks): for callers
+        outside the step loop that read or change the pool, such as ``handoff``."""
+        with self._step_lock:
+            yield
 
     def has_work(self) -> bool:
         return bool(self._inbox or self._ready) or self.batcher.has_work()

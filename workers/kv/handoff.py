@@ -10,18 +10,44 @@ transfer leaves nothing behind).
 
 Invariant: a reserved block is held (ref count 1) by its ``Reservation`` and by no
 block table; ``Engine.check_integrity`` counts reservations as holders. Every call
-that touches the pool takes the engine's step lock; ``write`` touches only the pool
-tensor's rows of blocks no sequence reads.
+that touches the pool holds ``engine.exclusive()`` (no step runs meanwhile); ``write``
+touches only the pool tensor's rows of blocks no sequence reads.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from tessera.workers.kv.block_pool import Block
+from tessera.workers.kv.block_pool import Block, BlockPool
+from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.kv.prefix_cache import extend_block_hashes
+
+
+class _KVCacheHolder(Protocol):
+    @property
+    def kv_cache(self) -> torch.Tensor: ...  # [layers, 2, num_blocks, block_size, heads, dim]
+
+
+class HandoffEngine(Protocol):
+    """What a handoff needs of the engine that owns it (``Engine``): described here, not
+    imported, because the engine imports this module."""
+
+    @property
+    def kv(self) -> KVCacheManager: ...
+
+    @property
+    def runner(self) -> _KVCacheHolder: ...
+
+    @property
+    def hash_keys(self) -> tuple[str, ...]: ...
+
+    def exclusive(self) -> AbstractContextManager[None]:
+        """Held: no engine step runs."""
+        ...
 
 
 @dataclass(eq=False)
@@ -38,12 +64,12 @@ class Reservation:
 class BlockHandoff:
     """The engine's side of a transfer (``engine.handoff``)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: HandoffEngine) -> None:
         self.engine = engine
         self.reservations: set[Reservation] = set()
 
     @property
-    def _pool(self):
+    def _pool(self) -> BlockPool:
         return self.engine.kv.pool
 
     @property
@@ -59,7 +85,7 @@ class BlockHandoff:
 
     def cached_prefix(self, hashes: list[bytes]) -> int:
         """How many leading blocks of ``hashes`` this engine's prefix cache holds."""
-        with self.engine._step_lock:
+        with self.engine.exclusive():
             count = 0
             for block_hash in hashes:
                 if self._pool.lookup(block_hash) is None:
@@ -70,7 +96,7 @@ class BlockHandoff:
     def export(self, hashes: list[bytes]) -> list[torch.Tensor] | None:
         """Copies of the cached blocks with these hashes, each ``[layers, 2, block_size,
         kv_heads, head_dim]`` on the CPU; None if any is no longer cached."""
-        with self.engine._step_lock:
+        with self.engine.exclusive():
             blocks = [self._pool.lookup(h) for h in hashes]
             if any(block is None for block in blocks):
                 return None
@@ -81,7 +107,7 @@ class BlockHandoff:
     def reserve(self, first: int, hashes: list[bytes]) -> Reservation | None:
         """Hold free blocks for ``hashes`` (the prompt's blocks from ``first``); None when
         the pool cannot spare them (the receiver then prefills itself)."""
-        with self.engine._step_lock:
+        with self.engine.exclusive():
             if len(hashes) > self._pool.num_free:
                 return None
             reservation = Reservation(first, list(hashes), self._pool.allocate(len(hashes)))
@@ -102,14 +128,14 @@ class BlockHandoff:
         """Register every written block under its hash and release it to the cache."""
         if reservation.written != len(reservation.blocks):
             raise ValueError(f"{reservation.written}/{len(reservation.blocks)} blocks written")
-        with self.engine._step_lock:
+        with self.engine.exclusive():
             for block, block_hash in zip(reservation.blocks, reservation.hashes, strict=True):
                 self._pool.cache(block, block_hash)  # a block cached meanwhile wins
             self._release(reservation)
 
     def release(self, reservation: Reservation) -> None:
         """Give the blocks back without registering them (a failed transfer)."""
-        with self.engine._step_lock:
+        with self.engine.exclusive():
             self._release(reservation)
 
     def _release(self, reservation: Reservation) -> None:
