@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tessera.cluster.auth import key_matches
 from tessera.cluster.grpc_client import API_VERSION
 from tessera.cluster.openai_protocol import api_error, invalid
 from tessera.protos.tessera.v1 import generation_pb2 as pb
@@ -342,7 +342,7 @@ class GenerationService:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "missing API key: send the metadata 'authorization: Bearer <key>'",
             )
-        if not hmac.compare_digest(given.encode(), self._api_key):
+        if not key_matches(self._api_key, given):
             raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key")
 
     def _grpc_prompt(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tessera.cluster.auth import bearer
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 
@@ -102,7 +103,7 @@ def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return (("authorization", bearer(api_key)),) if api_key else ()
 
 
 def _status_name(response: health_pb2.HealthCheckResponse) -> str:

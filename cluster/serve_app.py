@@ -20,7 +20,6 @@ the worker, which frees its blocks at once.
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -35,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
+from tessera.cluster.auth import expected_authorization, key_matches
 from tessera.cluster.config import ServeConfig
 from tessera.cluster.grpc_api import GenerationService
 from tessera.cluster.launch import Cluster
@@ -167,7 +167,7 @@ class OpenAIServer(GenerationService):
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.metrics = Metrics()
         self.created = int(time.time())
-        self._api_key = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._api_key = expected_authorization(config.api_key)
 
     # ------------------------------------------------------------------ routes
     @api.get("/health")
@@ -324,7 +324,7 @@ class OpenAIServer(GenerationService):
                 "missing API key: send the header 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
-        if not hmac.compare_digest(given.encode(), self._api_key):
+        if not key_matches(self._api_key, given):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
 
     async def _read(self, request: Request) -> bytes:
