@@ -26,7 +26,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -36,14 +35,8 @@ from tessera.cluster.grpc_client import API_VERSION
 from tessera.cluster.openai_protocol import api_error, invalid
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.scheduler.api import DeadlineError, WorkerStatus
-from tessera.workers.api import (
-    FinishReason,
-    InvalidRequestError,
-    ParallelTokensParams,
-    RequestOutput,
-    SamplingParams,
-    SpeculativeParams,
-)
+from tessera.workers import sampling_fields
+from tessera.workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +59,6 @@ _CODES = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
-#: SamplingOptions fields that map one to one onto SamplingParams when set.
-_OPTIONAL = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-    "skip_special_tokens",
-    "n",
-    "best_of",
-    "beam_width",
-    "length_penalty",
-    "early_stopping",
-)
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -116,33 +89,10 @@ def grpc_error(error: BaseException) -> GrpcError:
 
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     """``SamplingOptions`` -> ``SamplingParams``; unset fields take its defaults."""
-    kwargs: dict[str, Any] = {
-        name: getattr(options, name) for name in _OPTIONAL if options.HasField(name)
-    }
-    kwargs["stop"] = tuple(options.stop)
-    kwargs["stop_token_ids"] = tuple(options.stop_token_ids)
-    kwargs["ignore_eos"] = options.ignore_eos
     try:
-        if options.HasField("speculative"):
-            kwargs["speculative"] = SpeculativeParams(
-                **_set_fields(options.speculative, ("num_tokens", "adaptive"), "method")
-            )
-        if options.HasField("parallel_tokens"):
-            kwargs["parallel_tokens"] = ParallelTokensParams(
-                **_set_fields(options.parallel_tokens, ("threshold", "max_width"), "mode")
-            )
-        return SamplingParams(**kwargs)
+        return sampling_fields.sampling_params(sampling_fields.message_values(options))
     except InvalidRequestError as error:
         raise invalid(f"sampling.{error.field}", error.message) from None
-
-
-def _set_fields(options: Any, optional: tuple[str, ...], name: str) -> dict[str, Any]:
-    """The fields of an options message that are set: ``optional`` ones when present,
-    the string ``name`` when not empty (empty: the engine's default)."""
-    fields = {field: getattr(options, field) for field in optional if options.HasField(field)}
-    if getattr(options, name):
-        fields[name] = getattr(options, name)
-    return fields
 
 
 def response(request_id: str, delta: RequestOutput) -> pb.GenerateResponse:

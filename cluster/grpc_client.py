@@ -24,7 +24,6 @@ code and message.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tessera.cluster.auth import bearer
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
+from tessera.workers.sampling_fields import options_message
 
 #: Seconds an abort sent by a stream left early may take.
 ABORT_TIMEOUT_S = 5.0
@@ -52,21 +52,14 @@ def generate_request(
     timeout: float | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
-    """A ``GenerateRequest``; ``sampling`` holds ``SamplingOptions`` fields."""
-    unknown = sorted(set(sampling) - set(pb.SamplingOptions.DESCRIPTOR.fields_by_name))
-    if unknown:
-        raise TypeError(f"unknown sampling option(s) {unknown}; see SamplingOptions")
-    for name, kind in (
-        ("speculative", pb.SpeculativeOptions),
-        ("parallel_tokens", pb.ParallelTokensOptions),
-    ):
-        if name in sampling:
-            sampling[name] = _options(name, kind, sampling[name])
+    """A ``GenerateRequest``; ``sampling`` holds ``SamplingOptions`` fields (None:
+    unset; ``speculative`` / ``parallel_tokens``: a dict of their fields, the engine's
+    params dataclass or the message)."""
     request = pb.GenerateRequest(
         version=API_VERSION,
         request_id=request_id,
         model=model,
-        sampling=pb.SamplingOptions(**sampling),
+        sampling=options_message(pb.SamplingOptions, sampling),
         priority=priority,
         cache_salt=cache_salt,
     )
@@ -77,21 +70,6 @@ def generate_request(
     if timeout is not None:
         request.timeout_s = timeout
     return request
-
-
-def _options(name: str, kind: type, value: Any) -> Any:
-    """A ``speculative`` / ``parallel_tokens`` option as its message: from a dict of
-    its fields, the engine's params dataclass, or the message itself (None: unset)."""
-    if value is None or isinstance(value, kind):
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a dict of {kind.__name__} fields, got {value!r}")
-    unknown = sorted(set(value) - set(kind.DESCRIPTOR.fields_by_name))
-    if unknown:
-        raise TypeError(f"unknown {name} option(s) {unknown}; see {kind.__name__}")
-    return kind(**{field: given for field, given in value.items() if given is not None})
 
 
 def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:

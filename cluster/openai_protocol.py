@@ -11,7 +11,8 @@ Tessera's extras ride in the same body, as vLLM's do: ``best_of``, ``beam_width`
 ``cache_salt``, ``speculative`` (``{"method", "num_tokens", "adaptive"}``) and
 ``parallel_tokens`` (``{"threshold", "max_width", "mode"}``). A choice of a request that
 speculated carries ``speculative`` (its counters); one of a ``parallel_tokens`` request
-carries ``parallel_tokens``, its sets in order.
+carries ``parallel_tokens``, its sets in order. The body's sampling fields carry the
+engine's names and map to ``SamplingParams`` by ``tessera.workers.sampling_fields``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tessera.workers.api import (
     SpeculativeStats,
     TokenLogprob,
 )
+from tessera.workers.sampling_fields import WIRE_NAMES, defaults, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,15 @@ MAX_STOP = 16
 MAX_PROMPTS = 64
 #: Seconds a client is told to wait before retrying an overloaded cluster.
 RETRY_AFTER_S = 1
+#: The fields beam search leaves at their defaults (it is deterministic; as vLLM's
+#: ``use_beam_search``), and those only beam search reads.
+_NOT_WITH_BEAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logprobs", "best_of")  # fmt: skip
+_BEAMS_ONLY = ("length_penalty", "early_stopping")
+#: The engine's defaults, which the bodies state (one declaration: ``SamplingParams``).
+_DEFAULT = defaults(SamplingParams)
+_SPECULATIVE = defaults(SpeculativeParams)
+_PARALLEL = defaults(ParallelTokensParams)
 
 
 class APIError(Exception):
@@ -114,15 +125,15 @@ class StreamOptions(_Body):
 
 
 class SpeculativeBody(_Body):
-    method: str = "ngram"
-    num_tokens: int = 4
-    adaptive: bool = True
+    method: str = _SPECULATIVE["method"]
+    num_tokens: int = _SPECULATIVE["num_tokens"]
+    adaptive: bool = _SPECULATIVE["adaptive"]
 
 
 class ParallelTokensBody(_Body):
-    threshold: float = 0.1
-    max_width: int = 4
-    mode: str = "isolated"
+    threshold: float = _PARALLEL["threshold"]
+    max_width: int = _PARALLEL["max_width"]
+    mode: str = _PARALLEL["mode"]
 
 
 class _Sampling(_Body):
@@ -130,16 +141,16 @@ class _Sampling(_Body):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    n: int = 1
+    temperature: float = _DEFAULT["temperature"]
+    top_p: float = _DEFAULT["top_p"]
+    top_k: int = _DEFAULT["top_k"]
+    min_p: float = _DEFAULT["min_p"]
+    n: int = _DEFAULT["n"]
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float = _DEFAULT["presence_penalty"]
+    frequency_penalty: float = _DEFAULT["frequency_penalty"]
+    repetition_penalty: float = _DEFAULT["repetition_penalty"]
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -147,12 +158,12 @@ class _Sampling(_Body):
     best_of: int | None = None
     beam_width: int | None = None
     use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
-    min_tokens: int = 0
-    ignore_eos: bool = False
+    length_penalty: float = _DEFAULT["length_penalty"]
+    early_stopping: bool | Literal["never"] = _DEFAULT["early_stopping"]
+    min_tokens: int = _DEFAULT["min_tokens"]
+    ignore_eos: bool = _DEFAULT["ignore_eos"]
     stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = _DEFAULT["skip_special_tokens"]
     priority: int = 0
     cache_salt: str | None = None
     timeout: float | None = None  # seconds; the server's request_timeout_s caps it
@@ -177,38 +188,14 @@ class _Sampling(_Body):
             beam_width = max(self.best_of or self.n, 2)
         elif self.use_beam_search and beam_width < 2:
             raise invalid("beam_width", f"must be >= 2 with use_beam_search, got {beam_width}")
-        fields: dict[str, Any] = {
-            "max_tokens": max_tokens,
-            "min_tokens": self.min_tokens,
-            "stop": tuple(stop),
-            "stop_token_ids": tuple(self.stop_token_ids or ()),
-            "ignore_eos": self.ignore_eos,
-            "skip_special_tokens": self.skip_special_tokens,
-            "n": self.n,
-            "beam_width": beam_width,
-        }
-        if beam_width > 1:  # deterministic: sampling knobs left at their defaults
-            fields |= {"length_penalty": self.length_penalty, "early_stopping": self.early_stopping}
-        else:
-            fields |= {
-                "temperature": self.temperature,
-                "top_p": self.top_p,
-                "top_k": self.top_k,
-                "min_p": self.min_p,
-                "seed": self.seed,
-                "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty,
-                "logprobs": logprobs,
-                "best_of": self.best_of,
-            }
+        # The body's names are the engine's (chat's renamed ones are resolved by now).
+        values = self.model_dump(include=WIRE_NAMES)
+        values |= {"max_tokens": max_tokens, "logprobs": logprobs, "stop": stop,
+                   "beam_width": beam_width}  # fmt: skip
+        for name in _BEAMS_ONLY if beam_width == 1 else _NOT_WITH_BEAMS:
+            del values[name]  # unset: the engine's default
         try:
-            if self.speculative is not None:
-                fields["speculative"] = SpeculativeParams(**self.speculative.model_dump())
-            if self.parallel_tokens is not None:
-                parallel = self.parallel_tokens.model_dump()
-                fields["parallel_tokens"] = ParallelTokensParams(**parallel)
-            return SamplingParams(**fields)
+            return sampling_params(values)
         except InvalidRequestError as error:
             raise invalid(error.field, error.message) from None
 
