@@ -2,109 +2,106 @@
 
 ``ClusterConfig`` is user-facing (pydantic, a description on every field); the
 command line is generated from it (``add_config_arguments``), so ``--help`` explains
-every field. Its errors name the field: ``ConfigError("block_size: Input should be
-greater than or equal to 1, got 0")``. ``check_environment`` adds what only the
-machine can tell (does the model path exist, does the KV memory fit) and runs when the
-cluster starts.
+every field. Its engine settings are not written here: ``EngineSettings`` derives them
+from ``EngineConfig``'s fields (the one declaration; see ``tessera.workers.config``),
+less the ones a cluster does not take, with the cluster's own ``device``. Its errors
+name the field: ``ConfigError("block_size: Input should be greater than or equal to 1,
+got 0")``. ``check_environment`` adds what only the machine can tell (does the model
+path exist, does the KV memory fit) and runs when the cluster starts.
+
+Nothing heavy is imported here (no torch, grpc or ray): ``tessera --help`` builds its
+flags from this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import types
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from tessera.scheduler.api import DECODE, MIXED, PREFILL
 from tessera.scheduler.placement import POLICIES
-from tessera.workers.api import MAX_SPECULATIVE_TOKENS
-from tessera.workers.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    EngineConfig,
-)
-from tessera.workers.disaggregation import KVTransferConfig
-from tessera.workers.kv_transfer import TLSFiles
+from tessera.workers.config import EngineConfig
+
+if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
+    from tessera.workers.disaggregation import KVTransferConfig
 
 
 class ConfigError(ValueError):
     """A bad configuration value; the message starts with the field's name."""
 
 
-class ClusterConfig(BaseModel):
+#: EngineConfig fields that are not cluster settings: workers keep the engine's default.
+ENGINE_ONLY = ("kv_cache_memory_fraction", "enable_block_sharing")
+
+
+def _scalar_type(annotation):
+    """``int | None`` -> int; other annotations as they are."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (inner,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return inner
+    return annotation
+
+
+def setting_type(spec: dataclasses.Field, hint: Any) -> Any:
+    """An ``EngineConfig`` field's type, its ``choices`` as a ``Literal`` (``| None`` kept)."""
+    choices = spec.metadata.get("choices")
+    if choices is None:
+        return hint
+    kind = Literal[tuple(choices)]
+    return kind | None if _scalar_type(hint) is not hint else kind
+
+
+def engine_settings() -> dict[str, tuple[Any, Any]]:
+    """Pydantic fields from ``EngineConfig``'s declaration: type, default, help as the
+    description, bounds as constraints; ``ENGINE_ONLY`` left out."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = {}
+    for spec in dataclasses.fields(EngineConfig):
+        if spec.name in ENGINE_ONLY:
+            continue
+        bounds = {key: spec.metadata[key] for key in ("ge", "gt", "le") if key in spec.metadata}
+        description = spec.metadata["help"]
+        field = Field(spec.default, description=description, **bounds)
+        fields[spec.name] = (setting_type(spec, hints[spec.name]), field)
+    return fields
+
+
+#: The cluster's engine settings. ``device`` is the cluster's own: where each worker runs,
+#: chosen when it starts (the engine's cpu or cuda[:N] comes from it).
+EngineSettings = create_model(
+    "EngineSettings",
+    __config__=ConfigDict(frozen=True, extra="forbid"),
+    **{
+        **engine_settings(),
+        "device": (
+            Literal["auto", "cpu", "cuda"],
+            Field(
+                "auto",
+                description="where workers run: auto takes a GPU per worker when the Ray "
+                "cluster has GPUs, else the CPU",
+            ),
+        ),
+    },
+)
+
+
+class ClusterConfig(EngineSettings):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # -- the model and each worker's engine
-    model: str | None = Field(
-        None,
-        description="Hugging Face model directory or .gguf file "
-        "(default: the built-in SmolLM2-135M-Instruct)",
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights and KV cache dtype"
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
-        description="where workers run: auto takes a GPU per worker when the Ray "
-        "cluster has GPUs, else the CPU",
-    )
-    kv_cache_memory: int | None = Field(
-        None,
-        ge=1,
-        description="bytes of KV pool per worker, e.g. 512MiB or 2GiB "
-        "(default: 10% of the worker's free memory)",
-    )
-    num_kv_blocks: int | None = Field(
-        None, ge=1, description="KV blocks per worker; overrides --kv-cache-memory"
-    )
-    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="tokens per KV block")
-    max_num_seqs: int = Field(
-        DEFAULT_MAX_NUM_SEQS, ge=1, description="most sequences in one worker's batch"
-    )
-    max_num_batched_tokens: int = Field(
-        DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        ge=1,
-        description="token budget of one engine step; longer prefills are chunked",
-    )
-    max_model_len: int | None = Field(
-        None, ge=1, description="context length limit (default: the model's)"
-    )
-    enable_prefix_caching: bool = Field(
-        True, description="reuse the KV blocks of earlier prompts on each worker"
-    )
-
-    # -- several tokens per step
-    speculative_method: Literal["ngram", "draft"] | None = Field(
-        None,
-        description="speculative decoding for every request by default (a request's own "
-        "speculative settings win): ngram (prompt lookup) or draft (--draft-model)",
-    )
-    speculative_num_tokens: int = Field(
-        4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="most draft tokens verified per step"
-    )
-    speculative_min_tokens: int = Field(
-        1,
-        ge=1,
-        le=MAX_SPECULATIVE_TOKENS,
-        description="fewest draft tokens proposed per step while drafts are rejected",
-    )
-    draft_model: str | None = Field(
-        None,
-        description="each worker's draft model for speculative method draft: a Hugging Face "
-        "directory or .gguf sharing the model's vocabulary, 'target' (the model itself) or "
-        "'target:K' (its first K layers)",
-    )
+    # -- the model and each worker's engine: EngineSettings
 
     # -- the worker pools: mixed workers, or prefill + decode workers (disaggregation)
     workers: int = Field(
@@ -329,6 +326,9 @@ class ClusterConfig(BaseModel):
         return {MIXED: (self.workers, *self.pool_bounds)}
 
     def kv_transfer_config(self) -> KVTransferConfig:
+        from tessera.workers.disaggregation import KVTransferConfig
+        from tessera.workers.kv_transfer import TLSFiles
+
         tls = None
         if self.kv_transfer_tls_cert:
             tls = TLSFiles(
@@ -347,22 +347,9 @@ class ClusterConfig(BaseModel):
         return self.target_ongoing_requests or self.capacity / 2
 
     def engine_config(self, device: str) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=device,
-            block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
-            num_kv_blocks=self.num_kv_blocks,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching,
-            speculative_method=self.speculative_method,
-            speculative_num_tokens=self.speculative_num_tokens,
-            speculative_min_tokens=self.speculative_min_tokens,
-            draft_model=self.draft_model,
-        )
+        """Each worker's engine: the engine settings as given, on ``device``."""
+        shared = {name: getattr(self, name) for name in EngineSettings.model_fields}
+        return EngineConfig(**{**shared, "device": device})
 
 
 class ServeConfig(ClusterConfig):
@@ -566,22 +553,53 @@ def add_config_arguments(
         if name in skip:
             continue
         group = groups["cluster" if name in ClusterConfig.model_fields else "server"]
-        flag = "--" + name.replace("_", "-")
-        default = argparse.SUPPRESS if only_given else info.default
-        help_text = info.description
-        if "default:" not in help_text:
-            help_text += f" (default: {info.default})"
-        help_text = help_text.replace("%", "%%")
-        kind = _scalar_type(info.annotation)
-        if kind is bool:
-            group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
-            )
-        elif typing.get_origin(kind) is Literal:
-            choices = typing.get_args(kind)
-            group.add_argument(flag, choices=choices, default=default, help=help_text)
-        else:
-            group.add_argument(flag, type=_PARSERS.get(name, kind), default=default, help=help_text)
+        _add_flag(group, name, info.annotation, info.default, info.description, only_given)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``EngineConfig`` field (``tessera generate``), spelled, typed
+    and explained as the cluster's flags are; ``engine_config_from_args`` reads them."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for spec in dataclasses.fields(EngineConfig):
+        kind = setting_type(spec, hints[spec.name])
+        _add_flag(group, spec.name, kind, spec.default, spec.metadata["help"])
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """``EngineConfig`` from ``add_engine_arguments``' flags, then ``overrides``."""
+    given = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{**given, **overrides})
+
+
+def _add_flag(
+    group: argparse._ArgumentGroup,
+    name: str,
+    annotation: Any,
+    default: Any,
+    description: str,
+    only_given: bool = False,
+) -> None:
+    """``--name-with-dashes`` for a setting; its help ends with the default."""
+    flag = "--" + name.replace("_", "-")
+    help_text = description
+    if "default:" not in help_text:
+        help_text += f" (default: {default})"
+    help_text = help_text.replace("%", "%%")
+    kind = _scalar_type(annotation)
+    if kind is bool:
+        # The default goes to the parser, not the action, whose help would repeat it.
+        group.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+        )
+        if not only_given:
+            group.set_defaults(**{name: default})
+        return
+    default = argparse.SUPPRESS if only_given else default
+    if typing.get_origin(kind) is Literal:
+        group.add_argument(flag, choices=typing.get_args(kind), default=default, help=help_text)
+    else:
+        group.add_argument(flag, type=_PARSERS.get(name, kind), default=default, help=help_text)
 
 
 def config_from_args(
@@ -594,11 +612,3 @@ def config_from_args(
     ``overrides``; raise ``ConfigError`` naming the field."""
     given = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
     return model.create(**{**(base or {}), **given, **overrides})
-
-
-def _scalar_type(annotation):
-    """``int | None`` -> int; other annotations as they are."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        (inner,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        return inner
-    return annotation
