@@ -3,88 +3,77 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
+import typing
 
-from tessera.cluster.config import ServeConfig, add_config_arguments, memory_size
-from tessera.workers.api import (
-    PARALLEL_MODES,
-    SPECULATIVE_METHODS,
-    InvalidRequestError,
-    ParallelTokensParams,
-    SamplingParams,
-    SpeculativeParams,
-)
-from tessera.workers.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    EngineConfig,
-)
-from tessera.workers.model.loader import DTYPES
+# Only what the parser needs is imported here: `tessera --help` must not load torch.
+from tessera.cluster.config import ServeConfig, add_config_arguments, add_engine_arguments
+from tessera.workers.api import PARALLEL_MODES, SPECULATIVE_METHODS
+
+if typing.TYPE_CHECKING:
+    from tessera.workers.api import SamplingParams
+    from tessera.workers.config import EngineConfig
+
+#: Settings that ``tessera generate`` gives its one request rather than the engine (as
+#: before the flags were derived): a bad combination gets the request's error message.
+REQUEST_SETTINGS = ("speculative_method", "speculative_num_tokens")
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model directory or .gguf file "
-        "(default: the built-in SmolLM2-135M-Instruct)",
-    )
-    group.add_argument(
-        "--dtype",
-        default="float32",
-        choices=sorted(DTYPES),
-        help="weights and KV cache dtype; bfloat16 is the fast path on CPUs "
-        "with AMX (default: float32)",
-    )
-    group.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    group.add_argument(
-        "--kv-cache-memory",
-        type=memory_size,
-        default=None,
-        help="bytes for the paged KV pool, e.g. 512MiB or 2GiB (default: 10%% of free memory)",
-    )
-    group.add_argument(
-        "--block-size",
-        type=int,
-        default=DEFAULT_BLOCK_SIZE,
-        help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE})",
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        help="token budget of one step; longer prefills are chunked "
-        f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
-    )
-    group.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=DEFAULT_MAX_NUM_SEQS,
-        help=f"most sequences in one batch (default: {DEFAULT_MAX_NUM_SEQS})",
-    )
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag, kept for one release: it sets the new flag's value and
+    warns on stderr, naming the new flag."""
+
+    def __init__(self, option_strings, dest, new_flag: str, **kwargs) -> None:
+        kwargs.setdefault("help", f"deprecated spelling of {new_flag}")
+        kwargs["default"] = argparse.SUPPRESS  # the new flag's default stands
+        super().__init__(option_strings, dest, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(
+            f"warning: {option_string} is deprecated and will be removed in the next "
+            f"release; use {self.new_flag}",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def _add_deprecated_aliases(parser: argparse.ArgumentParser) -> None:
+    """``tessera generate``'s spellings before its engine flags were derived."""
+    group = parser.add_argument_group("deprecated spellings (removed in the next release)")
     group.add_argument(
         "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="do not reuse the KV blocks of earlier prompts (default: reuse them)",
+        dest="enable_prefix_caching",
+        action=DeprecatedAlias,
+        new_flag="--no-enable-prefix-caching",
+        nargs=0,
+        const=False,
+    )
+    group.add_argument(
+        "--speculative",
+        dest="speculative_method",
+        action=DeprecatedAlias,
+        new_flag="--speculative-method",
+        choices=SPECULATIVE_METHODS,
+    )
+    group.add_argument(
+        "--num-speculative-tokens",
+        dest="speculative_num_tokens",
+        action=DeprecatedAlias,
+        new_flag="--speculative-num-tokens",
+        type=int,
     )
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_memory=args.kv_cache_memory,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=args.prefix_caching,
+    from tessera.cluster.config import engine_config_from_args
+    from tessera.workers.config import EngineConfig
+
+    defaults = EngineConfig()  # REQUEST_SETTINGS keep these: the request carries them
+    return engine_config_from_args(
+        args, **{name: getattr(defaults, name) for name in REQUEST_SETTINGS}
     )
 
 
@@ -96,6 +85,12 @@ def _early_stopping(text: str) -> bool | str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from tessera.workers.api import (
+        InvalidRequestError,
+        ParallelTokensParams,
+        SamplingParams,
+        SpeculativeParams,
+    )
     from tessera.workers.engine import Engine
 
     try:
@@ -112,15 +107,15 @@ def _generate(args: argparse.Namespace) -> int:
             length_penalty=args.length_penalty,
             early_stopping=args.early_stopping,
             speculative=None
-            if args.speculative is None
-            else SpeculativeParams(args.speculative, args.num_speculative_tokens),
+            if args.speculative_method is None
+            else SpeculativeParams(args.speculative_method, args.speculative_num_tokens),
             parallel_tokens=None
             if args.parallel_tokens is None
             else ParallelTokensParams(
                 args.parallel_tokens, args.parallel_max_width, args.parallel_mode
             ),
         )
-        config = dataclasses.replace(_engine_config(args), draft_model=args.draft_model)
+        config = _engine_config(args)
     except (InvalidRequestError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -297,25 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     spec = gen.add_argument_group("several tokens per step")
     spec.add_argument(
-        "--speculative",
-        choices=SPECULATIVE_METHODS,
-        default=None,
-        help="speculative decoding: ngram proposes what followed the last tokens earlier in "
-        "prompt + output (prompt lookup); draft runs --draft-model (default: off)",
-    )
-    spec.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=4,
-        help="most draft tokens verified per step; fewer while drafts are rejected (default: 4)",
-    )
-    spec.add_argument(
-        "--draft-model",
-        default=None,
-        help="the draft model: a Hugging Face directory or .gguf sharing the model's "
-        "vocabulary, 'target' (the model itself) or 'target:K' (its first K layers)",
-    )
-    spec.add_argument(
         "--parallel-tokens",
         type=float,
         default=None,
@@ -336,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="isolated: each token of a set sees the context and itself; visible: also "
         "the rest of its set (default: isolated)",
     )
-    _add_engine_args(gen)
+    add_engine_arguments(gen)
+    _add_deprecated_aliases(gen)
     gen.set_defaults(func=_generate)
 
     clu = commands.add_parser(
@@ -402,6 +379,7 @@ def _cluster(args: argparse.Namespace) -> int:
     import asyncio
 
     from tessera.cluster.config import ConfigError, config_from_args
+    from tessera.workers.api import InvalidRequestError, SamplingParams
 
     try:
         config = config_from_args(args)

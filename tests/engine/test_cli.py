@@ -31,10 +31,17 @@ def test_help_explains_every_option():
         "--beam-width",
         "--length-penalty",
         "--early-stopping",
-        "--no-prefix-caching",
-        "--speculative",
-        "--num-speculative-tokens",
+        "--enable-prefix-caching, --no-enable-prefix-caching",
+        "--speculative-method",
+        "--speculative-num-tokens",
+        "--speculative-min-tokens",
         "--draft-model",
+        "--num-kv-blocks",
+        "--max-model-len",
+        # the old spellings, deprecated for one release
+        "--no-prefix-caching",
+        "--speculative {ngram,draft}",
+        "--num-speculative-tokens",
         "--parallel-tokens",
         "--parallel-max-width",
         "--parallel-mode",
@@ -72,7 +79,7 @@ def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
     out = run_engine(engine)
     common = [*CLI, "generate", "--prompt", prompt, "--max-tokens", "12", "--temperature", "0"]
     spec = subprocess.run(
-        [*common, "--speculative", "draft", "--draft-model", "target:10"],
+        [*common, "--speculative-method", "draft", "--draft-model", "target:10"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -94,10 +101,17 @@ def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
     )
     assert "[" in expected and sets.stdout.rstrip("\n") == expected
     bad = subprocess.run(
-        [*common, "--speculative", "draft"], capture_output=True, text=True, timeout=300
+        [*common, "--speculative-method", "draft"], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2
     assert "speculative.method: 'draft' needs a worker started with a draft model" in bad.stderr
+    old = subprocess.run(  # the deprecated spelling still works, and says what replaces it
+        [*common, "--speculative", "draft"], capture_output=True, text=True, timeout=300
+    )
+    assert old.returncode == 2
+    assert "speculative.method: 'draft' needs a worker started with a draft model" in old.stderr
+    assert "warning: --speculative is deprecated" in old.stderr
+    assert "use --speculative-method" in old.stderr
 
 
 def test_beam_search_prints_each_beam_with_its_score(smollm2, hf_reference):
