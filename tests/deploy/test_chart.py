@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.chart_schema import SCHEMA, engine_properties, values_schema
 from tests.deploy.helm import (
     CHART,
     GPU_EXAMPLE,
@@ -165,6 +166,15 @@ def test_settings_schema_lists_exactly_the_serve_config_fields_users_set():
     for name, field in ServeConfig.model_fields.items():
         if typing.get_origin(field.annotation) is typing.Literal:
             assert schema["properties"][name]["enum"] == list(typing.get_args(field.annotation))
+
+
+def test_engine_settings_schema_is_generated_from_their_declaration():
+    """Each engine setting's property (type, bounds, description, default) is what
+    ``EngineConfig``'s declaration makes of it: ``python -m tests.deploy.helm`` rewrites them."""
+    schema = json.loads(SCHEMA.read_text())["properties"]["tessera"]["properties"]
+    for name, expected in engine_properties().items():
+        assert schema.get(name) == expected, name
+    assert SCHEMA.read_text() == values_schema()
 
 
 @pytest.mark.parametrize("values", [[], [GPU_EXAMPLE]], ids=["default", "gpu-disagg"])
