@@ -36,6 +36,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,6 +47,7 @@ from tessera.cluster.config import ClusterConfig  # noqa: E402
 from tessera.cluster.launch import Cluster  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.model.loader import load_tokenizer  # noqa: E402
+from tessera.workers.protocol import WorkerLoad  # noqa: E402
 
 NAMESPACE = "tessera-bench-placement"
 POLICIES = ("prefix_affinity", "round_robin")  # ours, the peer
@@ -147,17 +149,17 @@ async def settle(cluster: Cluster, generated: int, before=None):
         stats = await cluster.stats()
         reported = all(w.load is not None for w in stats.workers)
         done = reported and not any(w.ongoing for w in stats.workers)
-        if done and _delta(stats, before, "generated_tokens") >= generated:
+        if done and _delta(stats, before, lambda load: load.engine.generated_tokens) >= generated:
             return stats
         if time.monotonic() > deadline:
             raise TimeoutError(f"the workers' reports did not catch up: {stats}")
         await asyncio.sleep(cluster.config.report_interval_s)
 
 
-def _delta(after, before, field: str) -> int:
-    """``field`` of the workers' loads summed, minus its value in ``before``."""
-    old = {w.worker_id: getattr(w.load, field) for w in before.workers} if before else {}
-    return sum(getattr(w.load, field) - old.get(w.worker_id, 0) for w in after.workers)
+def _delta(after, before, figure: Callable[[WorkerLoad], int]) -> int:
+    """``figure`` of the workers' loads summed, minus its value in ``before``."""
+    old = {w.worker_id: figure(w.load) for w in before.workers} if before else {}
+    return sum(figure(w.load) - old.get(w.worker_id, 0) for w in after.workers)
 
 
 async def warm_up(cluster: Cluster, tokenizer, workers: int) -> int:
@@ -228,8 +230,8 @@ async def run_policy(args, policy: str, blocks: int, repeat: int, requests, toke
         await cluster.shutdown()
 
     assert all(len(t) == args.new for t in tokens.values()), "a request came back short"
-    queries = _delta(after, before, "prefix_queries")
-    hits = _delta(after, before, "prefix_hits")
+    queries = _delta(after, before, lambda load: load.engine.prefix_cache.queries)
+    hits = _delta(after, before, lambda load: load.engine.prefix_cache.hits)
     workers = sorted(w.worker_id for w in after.workers)
     old = {w.worker_id: w.placed for w in before.workers}
     placed = {w.worker_id: w.placed - old.get(w.worker_id, 0) for w in after.workers}

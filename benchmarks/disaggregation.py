@@ -109,8 +109,8 @@ async def run_mode(mode: str, args) -> tuple[dict, dict[str, list[int]]]:
         wall = time.perf_counter() - begin
         during = [gap for when, gap in gaps if window[0] <= when <= window[1]]
         stats = await cluster.stats()
-        moved = sum(w.load.kv_bytes_received for w in stats.workers if w.load)
-        fallbacks = sum(c for w in stats.workers if w.load for _, c in w.load.kv_fallbacks)
+        moved = sum(w.load.transfers.bytes_received for w in stats.workers if w.load)
+        fallbacks = sum(sum(w.load.transfers.fallbacks.values()) for w in stats.workers if w.load)
     finally:
         await cluster.shutdown()
     row = {

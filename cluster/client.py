@@ -37,8 +37,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from tessera.scheduler.api import MIXED, ClusterStats, NoWorkerError, Placement, Refusal
-from tessera.workers.actor import Accepted
+from tessera.scheduler.api import ClusterStats, NoWorkerError, Placement, Refusal
 from tessera.workers.api import (
     InvalidRequestError,
     Request,
@@ -47,6 +46,7 @@ from tessera.workers.api import (
     SamplingParams,
     fork_seed,
 )
+from tessera.workers.protocol import MIXED, Accepted
 
 logger = logging.getLogger(__name__)
 

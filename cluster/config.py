@@ -31,9 +31,9 @@ from pydantic import (
     model_validator,
 )
 
-from tessera.scheduler.api import DECODE, MIXED, PREFILL
 from tessera.scheduler.placement import POLICIES
 from tessera.workers.config import EngineConfig
+from tessera.workers.protocol import DECODE, MIXED, PREFILL
 
 if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
     from tessera.workers.disaggregation import KVTransferConfig

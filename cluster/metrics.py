@@ -40,76 +40,90 @@ class _ClusterCollector(Collector):
         if stats is None:
             return
         gauges = {
-            "running_sequences": ("sequences in the worker's batch", lambda w, load: load.running),
+            "running_sequences": (
+                "sequences in the worker's batch",
+                lambda w, load: load.engine.running,
+            ),
             "waiting_sequences": (
                 "sequences queued in the worker's engine",
-                lambda w, load: load.waiting,
+                lambda w, load: load.engine.waiting,
             ),
             "kv_usage_ratio": (
                 "fraction of the worker's KV blocks in use",
-                lambda w, load: load.kv_usage,
+                lambda w, load: load.engine.kv_usage,
             ),
-            "free_kv_blocks": ("free KV blocks", lambda w, load: load.free_blocks),
+            "free_kv_blocks": ("free KV blocks", lambda w, load: load.engine.free_blocks),
             "total_kv_blocks": (
                 "KV blocks in the worker's pool",
-                lambda w, load: load.total_blocks,
+                lambda w, load: load.engine.total_blocks,
             ),
-            "step_time_seconds": ("recent mean engine step time", lambda w, load: load.step_time),
+            "step_time_seconds": (
+                "recent mean engine step time",
+                lambda w, load: load.engine.step_time,
+            ),
             "ongoing_requests": ("requests placed on the worker", lambda w, load: w.ongoing),
             "prefix_cache_hit_rate": (
                 "prompt tokens found in the prefix cache / tokens looked up",
-                lambda w, load: (
-                    load.prefix_hits / load.prefix_queries if load.prefix_queries else 0.0
-                ),
+                lambda w, load: load.engine.prefix_cache.hit_rate,
             ),
             "spec_acceptance_rate": (
                 "speculative decoding: draft tokens accepted / proposed",
-                lambda w, load: (
-                    load.spec_accepted / load.spec_proposed if load.spec_proposed else 0.0
-                ),
+                lambda w, load: load.engine.speculation.acceptance_rate,
             ),
             "spec_tokens_per_step": (
                 "speculative decoding: mean tokens a verification step produced",
-                lambda w, load: load.spec_tokens / load.spec_steps if load.spec_steps else 0.0,
+                lambda w, load: load.engine.speculation.mean_tokens_per_step,
             ),
         }
         counters = {
-            "preemptions": ("sequences preempted for KV space", lambda load: load.preemptions),
-            "prefix_cache_queries": ("prompt tokens looked up", lambda load: load.prefix_queries),
-            "prefix_cache_hits": ("prompt tokens found cached", lambda load: load.prefix_hits),
-            "generated_tokens": ("tokens generated", lambda load: load.generated_tokens),
-            "kv_transfers": ("KV transfers pulled into the worker", lambda load: load.kv_pulls),
+            "preemptions": (
+                "sequences preempted for KV space",
+                lambda load: load.engine.preemptions,
+            ),
+            "prefix_cache_queries": (
+                "prompt tokens looked up",
+                lambda load: load.engine.prefix_cache.queries,
+            ),
+            "prefix_cache_hits": (
+                "prompt tokens found cached",
+                lambda load: load.engine.prefix_cache.hits,
+            ),
+            "generated_tokens": ("tokens generated", lambda load: load.engine.generated_tokens),
+            "kv_transfers": (
+                "KV transfers pulled into the worker",
+                lambda load: load.transfers.pulls,
+            ),
             "kv_transfer_blocks": (
                 "KV blocks pulled into the worker",
-                lambda load: load.kv_blocks_received,
+                lambda load: load.transfers.blocks_received,
             ),
             "kv_transfer_bytes": (
                 "KV bytes pulled into the worker",
-                lambda load: load.kv_bytes_received,
+                lambda load: load.transfers.bytes_received,
             ),
             "kv_transfer_seconds": (
                 "time spent in completed KV transfers",
-                lambda load: load.kv_transfer_seconds,
+                lambda load: load.transfers.seconds,
             ),
             "kv_transfer_local_hits": (
                 "disaggregated requests whose prompt blocks were all cached here already",
-                lambda load: load.kv_local_hits,
+                lambda load: load.transfers.local_hits,
             ),
             "kv_transfers_served": (
                 "prefills this worker computed and sent to decode workers",
-                lambda load: load.kv_served,
+                lambda load: load.transfers.served,
             ),
             "spec_proposed_tokens": (
                 "speculative decoding: draft tokens proposed",
-                lambda load: load.spec_proposed,
+                lambda load: load.engine.speculation.proposed,
             ),
             "spec_accepted_tokens": (
                 "speculative decoding: draft tokens the target accepted",
-                lambda load: load.spec_accepted,
+                lambda load: load.engine.speculation.accepted,
             ),
             "spec_verification_steps": (
                 "speculative decoding: verification steps (per sequence)",
-                lambda load: load.spec_steps,
+                lambda load: load.engine.speculation.steps,
             ),
         }
         families = {
@@ -147,7 +161,7 @@ class _ClusterCollector(Collector):
         )
         for worker in stats.workers:
             if worker.load is not None:
-                for reason, count in worker.load.kv_fallbacks:
+                for reason, count in sorted(worker.load.transfers.fallbacks.items()):
                     fallbacks.add_metric([worker.worker_id, reason], float(count))
                 for phase, count in worker.load.phases:
                     phases.add_metric([worker.worker_id, phase], float(count))

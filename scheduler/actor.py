@@ -34,24 +34,20 @@ from ray.exceptions import ActorDiedError, RayActorError
 from tessera.cluster.config import ClusterConfig
 from tessera.scheduler.admission import AdmissionQueue
 from tessera.scheduler.api import (
-    DECODE,
-    MIXED,
-    PREFILL,
     ClusterStats,
     DeadlineError,
     NoWorkerError,
     OverloadedError,
     Placement,
     Refusal,
-    WorkerInfo,
     WorkerStatus,
 )
 from tessera.scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
 from tessera.scheduler.placement import Candidate, make_policy
 from tessera.scheduler.registry import Registry, WorkerRecord
 from tessera.workers.actor import worker_actor_class
-from tessera.workers.disaggregation import PrefillSource
 from tessera.workers.kv.prefix_cache import extend_block_hashes
+from tessera.workers.protocol import DECODE, MIXED, PREFILL, PrefillSource, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -255,8 +251,8 @@ class Scheduler:
                     starting=w.status is WorkerStatus.STARTING,
                     draining=w.status is WorkerStatus.DRAINING,
                     ongoing=len(w.ongoing),
-                    waiting=w.load.waiting if w.load else 0,
-                    kv_usage=w.load.kv_usage if w.load else 0.0,
+                    waiting=w.load.engine.waiting if w.load else 0,
+                    kv_usage=w.load.engine.kv_usage if w.load else 0.0,
                     idle_since=w.idle_since if not w.ongoing else None,
                 )
                 for w in pool
@@ -386,7 +382,7 @@ class Scheduler:
                 worker_id=w.worker_id,
                 ongoing=len(w.ongoing),
                 capacity=capacity,
-                kv_usage=w.load.kv_usage if w.load else 0.0,
+                kv_usage=w.load.engine.kv_usage if w.load else 0.0,
                 matched_blocks=self.registry.index.matched(w.worker_id, hashes),
             )
             for w in self.registry
@@ -425,7 +421,7 @@ class Scheduler:
             ready,
             key=lambda w: (
                 self.registry.index.matched(w.worker_id, hashes),
-                -(w.load.requests + w.load.running if w.load else 0),
+                -(w.load.requests + w.load.engine.running if w.load else 0),
             ),
         )
         return PrefillSource(best.worker_id, best.info.kv_address)

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.scheduler.api import WorkerInfo, WorkerLoad, WorkerState, WorkerStatus
+from tessera.scheduler.api import WorkerState, WorkerStatus
 from tessera.scheduler.prefix_index import PrefixIndex
+from tessera.workers.protocol import WorkerInfo, WorkerLoad
 
 
 @dataclass(eq=False)

@@ -20,13 +20,11 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import ray
 import torch
 
-from tessera.scheduler.api import PREFILL, WorkerInfo, WorkerLoad
-from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
+from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams, SpeculativeStats
 from tessera.workers.async_engine import AsyncEngine
 from tessera.workers.config import EngineConfig
 from tessera.workers.disaggregation import (
@@ -34,26 +32,24 @@ from tessera.workers.disaggregation import (
     KVTransferConfig,
     PhaseManager,
     PrefillOrchestrator,
-    PrefillSource,
-    TransferCounters,
 )
-from tessera.workers.engine import Engine
+from tessera.workers.engine import Engine, EngineStats
 from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer
 from tessera.workers.outputs import aborted_outputs
+from tessera.workers.protocol import (
+    PREFILL,
+    Accepted,
+    EngineLoad,
+    PrefillSource,
+    TransferCounters,
+    WorkerInfo,
+    WorkerLoad,
+)
 
 logger = logging.getLogger(__name__)
 
 #: Unreported prefix-cache events kept before the worker sends a snapshot instead.
 MAX_PENDING_EVENTS = 100_000
-
-
-@dataclass(frozen=True, slots=True)
-class Accepted:
-    """The first item of every ``generate`` stream: the engine took the request (a
-    bad request raises before it), so the caller knows where errors come from."""
-
-    request_id: str
-    incarnation: str
 
 
 class WorkerActor:
@@ -204,7 +200,6 @@ class WorkerActor:
         engine = self.engine.engine
         pool = engine.kv.pool
         stats = engine.stats()
-        transfers = self.transfers
         snapshot = None
         events = tuple(pool.drain_events())
         if resync or len(events) > MAX_PENDING_EVENTS:
@@ -212,31 +207,11 @@ class WorkerActor:
         load = WorkerLoad(
             incarnation=self.incarnation,
             requests=self._requests,
-            running=stats.running,
-            waiting=stats.waiting,
-            free_blocks=stats.free_blocks,
-            cached_blocks=stats.prefix_cache.cached_blocks,
-            total_blocks=stats.total_blocks,
-            kv_usage=stats.kv_usage,
-            step_time=stats.recent_step_time,
-            preemptions=stats.preemptions,
-            prefix_queries=stats.prefix_cache.queries,
-            prefix_hits=stats.prefix_cache.hits,
-            generated_tokens=stats.generated_tokens,
+            engine=engine_load(stats),
+            transfers=self.transfers.snapshot(),
+            phases=tuple(sorted(self.phases.counts().items())),
             events=events,
             snapshot=snapshot,
-            kv_pulls=transfers.pulls,
-            kv_blocks_received=transfers.blocks_received,
-            kv_bytes_received=transfers.bytes_received,
-            kv_transfer_seconds=transfers.seconds,
-            kv_local_hits=transfers.local_hits,
-            kv_fallbacks=tuple(sorted(transfers.fallbacks.items())),
-            kv_served=transfers.served,
-            phases=tuple(sorted(self.phases.counts().items())),
-            spec_proposed=stats.spec_proposed,
-            spec_accepted=stats.spec_accepted,
-            spec_steps=stats.spec_steps,
-            spec_tokens=stats.spec_tokens,
         )
         return self.info(), load
 
@@ -263,6 +238,24 @@ class WorkerActor:
             await self.kv_server.stop(grace=None)
         await self.decode.client.close()
         await self.engine.close()
+
+
+def engine_load(stats: EngineStats) -> EngineLoad:
+    """The part of the engine's stats a load report carries."""
+    return EngineLoad(
+        running=stats.running,
+        waiting=stats.waiting,
+        free_blocks=stats.free_blocks,
+        total_blocks=stats.total_blocks,
+        kv_usage=stats.kv_usage,
+        step_time=stats.recent_step_time,
+        preemptions=stats.preemptions,
+        generated_tokens=stats.generated_tokens,
+        prefix_cache=stats.prefix_cache,
+        speculation=SpeculativeStats(
+            stats.spec_proposed, stats.spec_accepted, stats.spec_steps, stats.spec_tokens
+        ),
+    )
 
 
 def worker_actor_class():

@@ -27,7 +27,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
 from tessera.workers.api import SamplingParams
@@ -40,6 +40,7 @@ from tessera.workers.kv_transfer import (
     TransferError,
     usable_blocks,
 )
+from tessera.workers.protocol import PrefillSource, TransferCounters
 
 logger = logging.getLogger(__name__)
 
@@ -90,19 +91,6 @@ def sampling_from_options(options: generation_pb2.SamplingOptions, seed: int) ->
         ignore_eos=options.ignore_eos,
         **kwargs,
     )
-
-
-@dataclass
-class TransferCounters:
-    """A worker's transfers so far (as receiver: pulls; as sender: served)."""
-
-    pulls: int = 0  # transfers completed into this worker
-    blocks_received: int = 0
-    bytes_received: int = 0
-    seconds: float = 0.0  # total time of completed pulls
-    local_hits: int = 0  # requests whose blocks were all here already (nothing pulled)
-    fallbacks: Counter = field(default_factory=Counter)  # reason -> count
-    served: int = 0  # prefills served to other workers
 
 
 class PhaseManager:
@@ -182,14 +170,6 @@ class KVTransferConfig:
     port: int = 0  # 0: a free port
     timeout_s: float = 30.0  # deadline of one pull
     tls: TLSFiles | None = None  # mutual TLS between workers
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillSource:
-    """Where a decode worker pulls a request's prompt blocks from."""
-
-    worker_id: str
-    address: str  # host:port of its KVTransfer server
 
 
 class DecodeOrchestrator:

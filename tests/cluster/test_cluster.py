@@ -90,7 +90,7 @@ async def test_prefix_affinity_follows_the_prefix_and_round_robin_spreads(cluste
     first = await placed(cluster)
     (holder,) = [w for w in first if first[w] > start[w]]
     await settle(cluster)  # the holder has reported the prefix's blocks
-    hits_before = (await cluster.stats()).worker(holder).load.prefix_hits
+    hits_before = (await cluster.stats()).worker(holder).load.engine.prefix_cache.hits
 
     questions = [f"Question {i}: can I return a parcel after {i + 2} days?" for i in range(6)]
     await asyncio.gather(
@@ -102,7 +102,9 @@ async def test_prefix_affinity_follows_the_prefix_and_round_robin_spreads(cluste
     await settle(cluster)
     stats = await cluster.stats()
     prefix_blocks = len(cluster.client.tokenizer(prefix).input_ids) // 16
-    assert stats.worker(holder).load.prefix_hits - hits_before >= 6 * prefix_blocks * 16
+    assert (
+        stats.worker(holder).load.engine.prefix_cache.hits - hits_before >= 6 * prefix_blocks * 16
+    )
 
     await cluster.scheduler.set_placement.remote("round_robin")
     await asyncio.gather(

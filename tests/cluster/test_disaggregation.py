@@ -81,11 +81,13 @@ async def test_disaggregated_equals_colocated_for_16_concurrent_requests(cluster
     got = await run(cluster, requests)
     assert got == engine_outputs(make_engine, requests)
     load = await fresh_load(cluster)
-    assert load.kv_fallbacks == before.kv_fallbacks  # none failed
-    assert load.kv_pulls + load.kv_local_hits - before.kv_pulls - before.kv_local_hits == sum(
+    assert load.transfers.fallbacks == before.transfers.fallbacks  # none failed
+    served = load.transfers.pulls + load.transfers.local_hits  # pulled, or all here already
+    served_before = before.transfers.pulls + before.transfers.local_hits
+    assert served - served_before == sum(
         usable_blocks(len(prompt_ids(make_engine, text)), BLOCK) > 0 for _, text, _ in requests
     )
-    assert load.kv_blocks_received > before.kv_blocks_received
+    assert load.transfers.blocks_received > before.transfers.blocks_received
 
 
 async def test_a_shared_prefix_moves_only_the_missing_blocks(cluster, make_engine):
@@ -100,15 +102,15 @@ async def test_a_shared_prefix_moves_only_the_missing_blocks(cluster, make_engin
     got = await run(cluster, [("p1", first, params)])
     mid = await fresh_load(cluster)
     moved = usable_blocks(len(ids_first), BLOCK)
-    assert mid.kv_blocks_received - before.kv_blocks_received == moved
-    assert mid.kv_bytes_received - before.kv_bytes_received == moved * block_bytes
+    assert mid.transfers.blocks_received - before.transfers.blocks_received == moved
+    assert mid.transfers.bytes_received - before.transfers.bytes_received == moved * block_bytes
 
     got |= await run(cluster, [("p2", second, params)])
     after = await fresh_load(cluster)
     missing = usable_blocks(len(ids_second), BLOCK) - shared // BLOCK
     assert 0 < missing < usable_blocks(len(ids_second), BLOCK)
-    assert after.kv_blocks_received - mid.kv_blocks_received == missing
-    assert after.kv_bytes_received - mid.kv_bytes_received == missing * block_bytes
+    assert after.transfers.blocks_received - mid.transfers.blocks_received == missing
+    assert after.transfers.bytes_received - mid.transfers.bytes_received == missing * block_bytes
     assert got == engine_outputs(make_engine, [("p1", first, params), ("p2", second, params)])
 
     # /metrics shows the same numbers
@@ -120,10 +122,9 @@ async def test_a_shared_prefix_moves_only_the_missing_blocks(cluster, make_engin
         for s in family.samples
     }
     worker = decode.worker_id
-    assert (
-        samples[("tessera_worker_kv_transfer_bytes_total", worker)] == decode.load.kv_bytes_received
-    )
-    assert samples[("tessera_worker_kv_transfers_total", worker)] == decode.load.kv_pulls
+    transfers = decode.load.transfers
+    assert samples[("tessera_worker_kv_transfer_bytes_total", worker)] == transfers.bytes_received
+    assert samples[("tessera_worker_kv_transfers_total", worker)] == transfers.pulls
 
 
 async def prefill_worker(cluster):
@@ -138,18 +139,18 @@ async def test_a_spoiled_transfer_falls_back_to_a_local_prefill(
 ):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompt = f"{fault}: " + SYSTEM * 2 + "Can I return a parcel after thirty days?"
-    before = dict((await decode_load(cluster)).kv_fallbacks)
+    before = dict((await decode_load(cluster)).transfers.fallbacks)
     await (await prefill_worker(cluster)).inject_kv_fault.remote(fault)
     got = await run(cluster, [("f", prompt, params)])
     assert got == engine_outputs(make_engine, [("f", prompt, params)])
-    after = dict((await fresh_load(cluster)).kv_fallbacks)
+    after = dict((await fresh_load(cluster)).transfers.fallbacks)
     assert after.get(reason, 0) == before.get(reason, 0) + 1
 
 
 async def test_a_killed_prefill_worker_falls_back_to_a_local_prefill(cluster, make_engine):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompt = "killed: " + SYSTEM * 4 + "What does the customs form ask for?"
-    before = (await decode_load(cluster)).kv_fallbacks
+    before = (await decode_load(cluster)).transfers.fallbacks
     worker = await prefill_worker(cluster)
     await worker.inject_kv_fault.remote("stall")  # holds the transfer open, mid-stream
     task = asyncio.ensure_future(run(cluster, [("k", prompt, params)]))
@@ -157,8 +158,8 @@ async def test_a_killed_prefill_worker_falls_back_to_a_local_prefill(cluster, ma
     ray.kill(worker, no_restart=False)  # dies during the transfer; Ray restarts it
     got = await asyncio.wait_for(task, 120)
     assert got == engine_outputs(make_engine, [("k", prompt, params)])
-    after = (await fresh_load(cluster)).kv_fallbacks
-    assert sum(c for _, c in after) == sum(c for _, c in before) + 1
+    after = (await fresh_load(cluster)).transfers.fallbacks
+    assert sum(after.values()) == sum(before.values()) + 1
 
 
 async def test_an_abort_during_the_transfer_ends_the_request_at_once(cluster):
@@ -183,5 +184,5 @@ async def test_an_abort_during_the_transfer_ends_the_request_at_once(cluster):
     deltas = [d async for d in stream]
     assert [(d.finish_reason, d.token_ids) for d in deltas] == [(FinishReason.ABORT, ())]
     load = await fresh_load(cluster)
-    assert load.free_blocks == load.total_blocks  # the reservation went back
+    assert load.engine.free_blocks == load.engine.total_blocks  # the reservation went back
     assert not {"prefilling", "transferring"} & set(dict(load.phases))

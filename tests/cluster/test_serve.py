@@ -482,7 +482,7 @@ def test_deadline_408_and_a_stream_that_fails_ends_with_an_error_event(server):
 def _wait_idle(server, timeout_s: float = 30) -> None:
     def idle(stats) -> bool:
         load = stats.workers[0].load
-        return load.requests == 0 and load.running == 0 and load.waiting == 0
+        return load.requests == 0 and load.engine.running == 0 and load.engine.waiting == 0
 
     _wait_until(server, idle, timeout_s)
 
@@ -523,10 +523,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
         for _ in range(5):
             next(lines)
         busy = ray.get(server.scheduler().stats.remote()).workers[0].load
-        assert busy.running == 1
+        assert busy.engine.running == 1
     # 4000 tokens would take minutes: it ends at once only because it was aborted.
     _wait_idle(server, timeout_s=15)
-    after = ray.get(server.scheduler().stats.remote()).workers[0].load
+    after = ray.get(server.scheduler().stats.remote()).workers[0].load.engine
     assert after.free_blocks == after.total_blocks  # every block is back (some cached)
 
 

@@ -10,13 +10,9 @@ import pytest
 
 from tessera.workers.api import SamplingParams
 from tessera.workers.async_engine import AsyncEngine
-from tessera.workers.disaggregation import (
-    DecodeOrchestrator,
-    PhaseManager,
-    PrefillSource,
-    TransferCounters,
-)
+from tessera.workers.disaggregation import DecodeOrchestrator, PhaseManager
 from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
+from tessera.workers.protocol import PrefillSource, TransferCounters
 from tests.helpers import run_engine, tokens_of
 
 PROMPT = (

@@ -1,0 +1,110 @@
+"""The typed seam between a worker and those above it: the scheduler and the front end.
+
+A worker tells the scheduler who it is (``WorkerInfo``, again after every restart) and
+how loaded it is (``WorkerLoad``, pulled by the scheduler's monitor loop, with the
+prefix-cache hashes stored and evicted since the last report). A decode worker is told
+where to pull a request's prompt blocks from (``PrefillSource``); a caller streaming
+from a worker first gets ``Accepted``.
+
+Everything here crosses a process boundary (Ray pickles it), so it is plain data, and
+this module imports nothing heavy (no torch, no Ray): the front end and the scheduler
+name a worker's types without loading the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tessera.workers.api import SpeculativeStats
+from tessera.workers.kv.prefix_cache import PrefixCacheStats
+
+# A worker's role: which part of a request's life it runs.
+MIXED = "mixed"  # prefills and decodes its own requests
+PREFILL = "prefill"  # computes prompts' KV blocks for decode workers (disaggregation)
+DECODE = "decode"  # pulls a request's prompt blocks from a prefill worker, then decodes
+ROLES = (MIXED, PREFILL, DECODE)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a worker tells the scheduler when it (re)starts."""
+
+    worker_id: str
+    role: str
+    incarnation: str  # new on every (re)start: the scheduler resets what it knew
+    hash_keys: tuple[str, ...]  # model id and dtype: the extra keys of block hashes
+    block_size: int
+    total_blocks: int
+    max_num_seqs: int
+    max_model_len: int  # context length: prompt + max_tokens may not exceed it
+    vocab_size: int
+    node_id: str
+    pid: int
+    kv_address: str | None = None  # host:port of its KVTransfer server (prefill workers)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The engine's figures in a report: its batch and KV pool now, its counters ever."""
+
+    running: int  # sequences in the batch
+    waiting: int  # sequences queued in the engine (the batch or KV pool is full)
+    free_blocks: int
+    total_blocks: int
+    kv_usage: float
+    step_time: float  # seconds, recent moving average
+    preemptions: int  # sequences preempted (KV pool full), ever
+    generated_tokens: int
+    prefix_cache: PrefixCacheStats  # prompt tokens looked up and found, cached blocks
+    speculation: SpeculativeStats  # draft tokens proposed and accepted, verification steps
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    """A worker's KV transfers so far (disaggregation; as receiver: pulls, as sender:
+    served). The worker counts into one instance; a report carries a ``snapshot``."""
+
+    pulls: int = 0  # transfers completed into this worker
+    blocks_received: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0  # total time of completed pulls
+    local_hits: int = 0  # requests whose blocks were all here already (nothing pulled)
+    fallbacks: Counter[str] = field(default_factory=Counter)  # reason -> count: prefilled here
+    served: int = 0  # prefills served to other workers
+
+    def snapshot(self) -> TransferCounters:
+        """A copy that later counting does not change."""
+        return dataclasses.replace(self, fallbacks=Counter(self.fallbacks))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One report: the worker's load now and the prefix-cache changes since the last."""
+
+    incarnation: str
+    requests: int  # requests streaming from this worker
+    engine: EngineLoad
+    transfers: TransferCounters = field(default_factory=TransferCounters)
+    phases: tuple[tuple[str, int], ...] = ()  # disaggregated requests per phase, now
+    # (stored?, block hash) in order; ``snapshot`` replaces the index instead.
+    events: tuple[tuple[bool, bytes], ...] = ()
+    snapshot: tuple[bytes, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The first item of every ``generate`` stream: the engine took the request (a
+    bad request raises before it), so the caller knows where errors come from."""
+
+    request_id: str
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSource:
+    """Where a decode worker pulls a request's prompt blocks from."""
+
+    worker_id: str
+    address: str  # host:port of its KVTransfer server
