@@ -2,7 +2,8 @@
 
 ``await Cluster.start(config)`` joins the Ray cluster at ``config.address`` (or
 starts a local one when Ray is not running yet), gets or creates the named scheduler
-actor, which starts the configured workers, and waits until they are healthy. It
+actor (its settings, a ``SchedulerConfig``, built by ``scheduler_config``), which starts
+the configured workers, and waits until they are healthy. It
 returns a ``Cluster`` with the Python API the front ends use (``submit``, ``abort``,
 ``stats``).
 
@@ -25,6 +26,8 @@ from tessera.cluster.client import ClusterClient, RequestStream
 from tessera.cluster.config import ClusterConfig, check_environment
 from tessera.scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class
 from tessera.scheduler.api import ClusterStats
+from tessera.scheduler.autoscaler import PoolPolicy
+from tessera.scheduler.config import SchedulerConfig, WorkerPool
 from tessera.workers.api import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,42 @@ def resolve_device(config: ClusterConfig) -> tuple[str, float]:
     if device == "auto":
         device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
     return device, (1.0 if device == "cuda" else 0.0)
+
+
+def scheduler_config(config: ClusterConfig, device: str, num_gpus: float) -> SchedulerConfig:
+    """The scheduler's settings from the cluster's: its workers run on ``device`` (not
+    auto: see ``resolve_device``) and each asks Ray for ``num_gpus``."""
+    return SchedulerConfig(
+        pools=tuple(
+            WorkerPool(
+                role,
+                workers,
+                PoolPolicy(
+                    min_workers=low,
+                    max_workers=high,
+                    upscale_delay_s=config.upscale_delay_s,
+                    downscale_delay_s=config.downscale_delay_s,
+                    target_kv_usage=config.target_kv_usage,
+                    target_ongoing_requests=config.ongoing_target,
+                ),
+            )
+            for role, (workers, low, high) in config.pools.items()
+        ),
+        engine=config.engine_config(device),
+        worker_num_gpus=num_gpus,
+        worker_num_cpus=config.worker_num_cpus,
+        worker_max_restarts=config.worker_max_restarts,
+        role_resources=config.role_resources,
+        kv_transfer=config.kv_transfer_config(),
+        placement=config.placement,
+        max_ongoing_requests=config.capacity,
+        max_queued_requests=config.max_queued_requests,
+        queue_timeout_s=config.queue_timeout_s,
+        report_interval_s=config.report_interval_s,
+        health_timeout_s=config.health_timeout_s,
+        scheduler_name=config.scheduler_name,
+        namespace=config.namespace,
+    )
 
 
 class Cluster:
@@ -81,7 +120,7 @@ class Cluster:
             scheduler = (
                 scheduler_actor_class()
                 .options(**options, get_if_exists=True)
-                .remote(config, device, num_gpus)
+                .remote(scheduler_config(config, device, num_gpus))
             )
             owns_scheduler = True
         try:

@@ -31,7 +31,6 @@ import time
 import ray
 from ray.exceptions import ActorDiedError, RayActorError
 
-from tessera.cluster.config import ClusterConfig
 from tessera.scheduler.admission import AdmissionQueue
 from tessera.scheduler.api import (
     ClusterStats,
@@ -42,7 +41,8 @@ from tessera.scheduler.api import (
     Refusal,
     WorkerStatus,
 )
-from tessera.scheduler.autoscaler import Autoscaler, PoolMember, PoolPolicy
+from tessera.scheduler.autoscaler import Autoscaler, PoolMember
+from tessera.scheduler.config import SchedulerConfig
 from tessera.scheduler.placement import Candidate, make_policy
 from tessera.scheduler.registry import Registry, WorkerRecord
 from tessera.workers.actor import worker_actor_class
@@ -58,28 +58,15 @@ MAX_START_FAILURES = 3
 
 
 class Scheduler:
-    """Use ``scheduler_actor_class()`` for the Ray actor; ``tessera.cluster.launch`` starts it."""
+    """Use ``scheduler_actor_class()`` for the Ray actor. The cluster layer starts it,
+    with a ``SchedulerConfig`` it builds from the cluster's configuration."""
 
-    def __init__(self, config: ClusterConfig, device: str, num_gpus: float) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.engine_config = config.engine_config(device)
-        self.num_gpus = num_gpus
         self.policy = make_policy(config.placement)
         self.registry = Registry()
         self.queue = AdmissionQueue(config.max_queued_requests)
-        self.autoscalers = {
-            role: Autoscaler(
-                PoolPolicy(
-                    min_workers=low,
-                    max_workers=high,
-                    upscale_delay_s=config.upscale_delay_s,
-                    downscale_delay_s=config.downscale_delay_s,
-                    target_kv_usage=config.target_kv_usage,
-                    target_ongoing_requests=config.ongoing_target,
-                )
-            )
-            for role, (_, low, high) in config.pools.items()
-        }
+        self.autoscalers = {pool.role: Autoscaler(pool.autoscaling) for pool in config.pools}
         self.hash_keys: tuple[str, ...] | None = None  # from the first worker to register
         self.events: collections.deque[str] = collections.deque(maxlen=200)
         self.start_errors: list[str] = []
@@ -92,9 +79,9 @@ class Scheduler:
         """Start the configured workers and the monitor loop (once)."""
         if self._monitor is not None:
             return
-        for role, (count, _, _) in self.config.pools.items():
-            for _ in range(count):
-                self._add_worker(role)
+        for pool in self.config.pools:
+            for _ in range(pool.workers):
+                self._add_worker(pool.role)
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
 
     async def wait_ready(
@@ -108,9 +95,9 @@ class Scheduler:
             if self.start_errors and len(self.start_errors) >= MAX_START_FAILURES:
                 raise RuntimeError(f"workers failed to start: {self.start_errors[0]}")
             ready = all(
-                sum(w.role == role and w.status is WorkerStatus.HEALTHY for w in self.registry)
-                >= (1 if any_healthy else count)
-                for role, (count, _, _) in self.config.pools.items()
+                sum(w.role == pool.role and w.status is WorkerStatus.HEALTHY for w in self.registry)
+                >= (1 if any_healthy else pool.workers)
+                for pool in self.config.pools
             )
             if ready:
                 return self.stats()
@@ -133,7 +120,7 @@ class Scheduler:
             worker_actor_class()
             .options(
                 num_cpus=self.config.worker_num_cpus,
-                num_gpus=self.num_gpus,
+                num_gpus=self.config.worker_num_gpus,
                 resources={f"tessera-{role}": 1} if self.config.role_resources else None,
                 max_restarts=self.config.worker_max_restarts,
                 max_task_retries=0,  # a broken stream fails over from the front end
@@ -141,11 +128,11 @@ class Scheduler:
             .remote(
                 worker_id,
                 role,
-                self.engine_config,
+                self.config.engine,
                 self.config.scheduler_name,
                 self.config.namespace,
                 max(1, int(self.config.worker_num_cpus)),
-                self.config.kv_transfer_config(),
+                self.config.kv_transfer,
             )
         )
         self.registry.add(WorkerRecord(worker_id, role, handle))
@@ -280,16 +267,13 @@ class Scheduler:
         self, max_ongoing_requests: int | None, max_queued_requests: int | None = None
     ) -> None:
         """Change the admission limits of a running cluster (``None``: keep): ongoing
-        requests per worker and the global queue's length. Raises ``ConfigError``."""
-        fields = self.config.model_dump()
-        if max_ongoing_requests is not None:
-            fields["max_ongoing_requests"] = max_ongoing_requests
-        if max_queued_requests is not None:
-            fields["max_queued_requests"] = max_queued_requests
-        self.config = ClusterConfig.create(**fields)
+        requests per worker and the global queue's length. Raises ``ValueError`` naming
+        the limit."""
+        self.config = self.config.with_admission(max_ongoing_requests, max_queued_requests)
         self.queue.limit = self.config.max_queued_requests
         self._event(
-            f"admission: {self.config.capacity} ongoing per worker, {self.queue.limit} queued"
+            f"admission: {self.config.max_ongoing_requests} ongoing per worker, "
+            f"{self.queue.limit} queued"
         )
         self._dispatch()
 
@@ -368,15 +352,16 @@ class Scheduler:
 
     def _prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         hashes: list[bytes] = []
-        if self.config.enable_prefix_caching and self.hash_keys is not None:
+        engine = self.config.engine
+        if engine.enable_prefix_caching and self.hash_keys is not None:
             keys = (*self.hash_keys, cache_salt or "")
-            extend_block_hashes(hashes, token_ids, self.config.block_size, keys)
+            extend_block_hashes(hashes, token_ids, engine.block_size, keys)
         return hashes
 
     def _try_place(
         self, request_id: str, role: str, hashes: list[bytes], worker_request_ids: tuple[str, ...]
     ) -> Placement | None:
-        capacity = self.config.capacity
+        capacity = self.config.max_ongoing_requests
         candidates = [
             Candidate(
                 worker_id=w.worker_id,
@@ -433,7 +418,7 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ stats
-    def get_config(self) -> ClusterConfig:
+    def get_config(self) -> SchedulerConfig:
         return self.config
 
     def model_info(self) -> WorkerInfo | None:
@@ -448,7 +433,7 @@ class Scheduler:
 
     def stats(self) -> ClusterStats:
         return ClusterStats(
-            workers=self.registry.states(self.config.capacity),
+            workers=self.registry.states(self.config.max_ongoing_requests),
             queued=len(self.queue),
             placed=self._placed,
             refused=self._refused,
