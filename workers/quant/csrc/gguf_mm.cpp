@@ -1,0 +1,294 @@
+// y[T, out] = x[T, in] @ dequant(W)^T for GGUF Q4_0 / Q4_1 / Q8_0 weights, in float32.
+//
+// The weights stay packed as the GGUF file stores them (blocks of 32 along `in`); each
+// block is dequantised in registers with gguf's own arithmetic (d * (q - 8), d * q + m,
+// d * q: a product and a sum rounded separately, never fused), so the only difference
+// from `x @ gguf.dequantize(W).T` is the order of the fp32 sums. Activations stay fp32.
+//
+// Layout (see tessera/workers/quant/blocks.py):
+//   qs      Q4_x: uint8 [out, in / 2], 16 bytes a block: byte j holds element j (low
+//           nibble) and element j + 16 (high nibble).  Q8_0: int8 [out, in].
+//   scales  fp16 [out, in / 32];  mins fp16 [out, in / 32] (Q4_1 only).
+//
+// Two loops, both parallel over output rows with at::parallel_for (torch's threads):
+//   T <= kSmallRows  each block is dequantised once in registers and multiplied with
+//                    every row of x (memory-bound decode: weights read once).
+//   T >  kSmallRows  4 output rows are dequantised into an fp32 buffer (L1), then a
+//                    4 x 4 register-blocked micro-kernel runs over all rows of x.
+// Built with -march=native and -ffp-contract=off (keeps d * q + m two roundings).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TESSERA_AVX512 1
+#else
+#define TESSERA_AVX512 0
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// GGML type ids (gguf.GGMLQuantizationType)
+constexpr int kQ4_0 = 2;
+constexpr int kQ4_1 = 3;
+constexpr int kQ8_0 = 8;
+constexpr int64_t kSmallRows = 4;  // x rows that the register loop takes at once
+constexpr int64_t kTile = 4;       // output rows per tile in the buffered loop
+
+struct Packed {
+  const uint8_t* qs;
+  const uint16_t* scales;
+  const uint16_t* mins;  // nullptr unless Q4_1
+  int64_t in;
+  int64_t nb;         // blocks per row
+  int64_t qs_stride;  // bytes per row
+};
+
+inline float half_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---------------------------------------------------------------- portable (any CPU)
+
+template <int QT>
+void dequant_row_scalar(const Packed& w, int64_t o, float* out) {
+  const uint8_t* q = w.qs + o * w.qs_stride;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const float d = half_to_float(w.scales[o * w.nb + b]);
+    float* dst = out + b * kBlock;
+    if constexpr (QT == kQ8_0) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * kBlock;
+      for (int j = 0; j < kBlock; ++j) dst[j] = d * static_cast<float>(qb[j]);
+    } else {
+      const uint8_t* qb = q + b * (kBlock / 2);
+      if constexpr (QT == kQ4_0) {
+        for (int j = 0; j < kBlock / 2; ++j) {
+          dst[j] = d * static_cast<float>(static_cast<int>(qb[j] & 0x0F) - 8);
+          dst[j + 16] = d * static_cast<float>(static_cast<int>(qb[j] >> 4) - 8);
+        }
+      } else {
+        const float m = half_to_float(w.mins[o * w.nb + b]);
+        for (int j = 0; j < kBlock / 2; ++j) {
+          dst[j] = d * static_cast<float>(qb[j] & 0x0F) + m;
+          dst[j + 16] = d * static_cast<float>(qb[j] >> 4) + m;
+        }
+      }
+    }
+  }
+}
+
+inline float dot_portable(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};  // independent lanes: the compiler vectorises this loop
+  for (int64_t k = 0; k < n; k += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[k + j] * b[k + j];
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  return s;
+}
+
+template <int QT>
+void mm_portable(const float* x, int64_t T, const Packed& w, float* y, int64_t out) {
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(w.in);
+    for (int64_t o = begin; o < end; ++o) {
+      dequant_row_scalar<QT>(w, o, row.data());
+      for (int64_t t = 0; t < T; ++t) y[t * out + o] = dot_portable(x + t * w.in, row.data(), w.in);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- AVX-512
+
+#if TESSERA_AVX512
+
+// The 32 weights of block b of row o, exactly as gguf dequantises them, in two zmm:
+// w0 = elements 0..15, w1 = elements 16..31.
+template <int QT>
+inline void dequant_block(const Packed& w, int64_t o, int64_t b, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(w.scales[o * w.nb + b]));
+  if constexpr (QT == kQ8_0) {
+    const uint8_t* q = w.qs + o * w.qs_stride + b * kBlock;
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i q1 =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1));
+  } else {
+    // A 16-entry table of the block's 16 possible values; vpermps picks by the low 4
+    // bits of each lane, so the low nibble needs no mask.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if constexpr (QT == kQ4_0) {
+      table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)));
+    } else {
+      const __m512 m = _mm512_set1_ps(_cvtsh_ss(w.mins[o * w.nb + b]));
+      table = _mm512_add_ps(_mm512_mul_ps(d, iota), m);
+    }
+    const uint8_t* q = w.qs + o * w.qs_stride + b * (kBlock / 2);
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i hi = _mm512_srli_epi32(lo, 4);
+    w0 = _mm512_permutexvar_ps(lo, table);
+    w1 = _mm512_permutexvar_ps(hi, table);
+  }
+}
+
+// R rows of x (R <= 4) times output rows [begin, end): weights dequantised in registers.
+template <int QT, int R>
+void rows_registers(const float* x, const Packed& w, float* y, int64_t out, int64_t begin,
+                    int64_t end) {
+  for (int64_t o = begin; o < end; ++o) {
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w.nb; ++b) {
+      __m512 w0, w1;
+      dequant_block<QT>(w, o, b, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * w.in + b * kBlock;
+        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc0[r]);
+        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+  }
+}
+
+template <int QT>
+void mm_registers(const float* x, int64_t T, const Packed& w, float* y, int64_t out) {
+  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
+    switch (T) {
+      case 1: rows_registers<QT, 1>(x, w, y, out, begin, end); break;
+      case 2: rows_registers<QT, 2>(x, w, y, out, begin, end); break;
+      case 3: rows_registers<QT, 3>(x, w, y, out, begin, end); break;
+      default: rows_registers<QT, 4>(x, w, y, out, begin, end); break;
+    }
+  });
+}
+
+// R rows of x times NR dequantised rows in `buf` ([NR, in] fp32): y[r, o0 + c].
+template <int R, int NR>
+inline void micro_kernel(const float* x, int64_t in, const float* buf, float* y, int64_t out,
+                         int64_t o0) {
+  __m512 acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 16) {
+    __m512 wv[NR];
+    for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_ps(buf + c * in + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * in + k);
+      for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NR; ++c) y[r * out + o0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int NR>
+void tile_all_rows(const float* x, int64_t T, int64_t in, const float* buf, float* y,
+                   int64_t out, int64_t o0) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) micro_kernel<4, NR>(x + t * in, in, buf, y + t * out, out, o0);
+  switch (T - t) {
+    case 1: micro_kernel<1, NR>(x + t * in, in, buf, y + t * out, out, o0); break;
+    case 2: micro_kernel<2, NR>(x + t * in, in, buf, y + t * out, out, o0); break;
+    case 3: micro_kernel<3, NR>(x + t * in, in, buf, y + t * out, out, o0); break;
+    default: break;
+  }
+}
+
+template <int QT>
+void mm_buffered(const float* x, int64_t T, const Packed& w, float* y, int64_t out) {
+  const int64_t tiles = (out + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(kTile * w.in);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t o0 = tile * kTile;
+      const int64_t nr = std::min(kTile, out - o0);
+      for (int64_t c = 0; c < nr; ++c) {
+        float* dst = buf.data() + c * w.in;
+        for (int64_t b = 0; b < w.nb; ++b) {
+          __m512 w0, w1;
+          dequant_block<QT>(w, o0 + c, b, w0, w1);
+          _mm512_storeu_ps(dst + b * kBlock, w0);
+          _mm512_storeu_ps(dst + b * kBlock + 16, w1);
+        }
+      }
+      switch (nr) {
+        case 1: tile_all_rows<1>(x, T, w.in, buf.data(), y, out, o0); break;
+        case 2: tile_all_rows<2>(x, T, w.in, buf.data(), y, out, o0); break;
+        case 3: tile_all_rows<3>(x, T, w.in, buf.data(), y, out, o0); break;
+        default: tile_all_rows<4>(x, T, w.in, buf.data(), y, out, o0); break;
+      }
+    }
+  });
+}
+
+#endif  // TESSERA_AVX512
+
+template <int QT>
+void mm_dispatch(const float* x, int64_t T, const Packed& w, float* y, int64_t out) {
+#if TESSERA_AVX512
+  if (T <= kSmallRows) {
+    mm_registers<QT>(x, T, w, y, out);
+  } else {
+    mm_buffered<QT>(x, T, w, y, out);
+  }
+#else
+  mm_portable<QT>(x, T, w, y, out);
+#endif
+}
+
+torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
+                      const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+                      int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "gguf_mm: x must be a contiguous float32 [T, in] tensor");
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
+              "gguf_mm: unsupported GGML type ", qtype);
+  const int64_t T = x.size(0), in = x.size(1), out = qs.size(0);
+  TORCH_CHECK(in % kBlock == 0, "gguf_mm: in_features must be a multiple of 32");
+  const int64_t nb = in / kBlock;
+  const int64_t qs_stride = qtype == kQ8_0 ? in : in / 2;
+  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == qs_stride && qs.is_contiguous() &&
+                  qs.element_size() == 1,
+              "gguf_mm: qs must be a contiguous [out, ", qs_stride, "] byte tensor");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
+                  scales.size(0) == out && scales.size(1) == nb,
+              "gguf_mm: scales must be a contiguous float16 [out, in / 32] tensor");
+  const uint16_t* mins_ptr = nullptr;
+  if (qtype == kQ4_1) {
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == torch::kFloat16 &&
+                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "gguf_mm: Q4_1 needs float16 mins shaped like scales");
+    mins_ptr = reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>());
+  }
+  auto y = torch::empty({T, out}, x.options());
+  if (T == 0 || out == 0) return y;
+  const Packed w{static_cast<const uint8_t*>(qs.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), mins_ptr, in, nb,
+                 qs_stride};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  switch (qtype) {
+    case kQ4_0: mm_dispatch<kQ4_0>(xp, T, w, yp, out); break;
+    case kQ4_1: mm_dispatch<kQ4_1>(xp, T, w, yp, out); break;
+    default: mm_dispatch<kQ8_0>(xp, T, w, yp, out); break;
+  }
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_mm", &gguf_mm, "y = x @ dequant(W)^T for packed GGUF Q4_0/Q4_1/Q8_0 weights",
+        py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("qtype"),
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("avx512") = static_cast<bool>(TESSERA_AVX512);
+}

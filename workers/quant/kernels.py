@@ -1,0 +1,137 @@
+"""``quant_matmul``: ``x @ dequant(W).T`` on packed GGUF weights, fp32 in and out.
+
+The C++ kernel (``csrc/gguf_mm.cpp``) is compiled on first use with
+``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
+(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the source, torch's version and the CPU
+flags in /proc/cpuinfo: the kernel is built with ``-march=native``, so a machine with
+other flags builds its own. cpp_extension's file lock in that directory lets several
+processes start at once (one compiles, the others wait and load it).
+
+Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
+path runs instead: each call dequantises the weight in row chunks and multiplies.
+``backend="torch"`` forces that path; ``backend="native"`` raises if the kernel is
+missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from tessera.workers.quant.blocks import PackedWeight
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "native", "torch"]
+SOURCE = Path(__file__).parent / "csrc" / "gguf_mm.cpp"
+EXTENSION_NAME = "tessera_gguf_mm"
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+#: Rows dequantised at a time by the torch path (bounds its temporary to ~25 MB at 1536).
+FALLBACK_CHUNK_ROWS = 4096
+COMPILE_SECONDS = 40  # what a first build takes on 2 cores; shown while compiling
+
+
+def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto") -> torch.Tensor:
+    """``x [..., in]`` fp32 @ ``dequant(weight).T`` -> ``[..., out]`` fp32."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(
+            f"quant_matmul: x has {x.shape[-1]} features, the weight takes {weight.in_features}"
+        )
+    if x.dtype != torch.float32:
+        raise TypeError(f"quant_matmul: x must be float32, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, weight.in_features).contiguous()
+    module = None if backend == "torch" else native_kernels()
+    if module is None and backend == "native":
+        raise RuntimeError("quant_matmul: the native GGUF kernel could not be built")
+    if module is not None:
+        y = module.gguf_mm(x2, weight.qs, weight.scales, weight.mins, int(weight.qtype))
+    else:
+        y = _torch_matmul(x2, weight)
+    return y.view(*lead, weight.out_features)
+
+
+def _torch_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    y = x.new_empty(x.shape[0], weight.out_features)
+    for start in range(0, weight.out_features, FALLBACK_CHUNK_ROWS):
+        stop = min(start + FALLBACK_CHUNK_ROWS, weight.out_features)
+        torch.mm(x, weight.dequantize_rows(start, stop).t(), out=y[:, start:stop])
+    return y
+
+
+def native_available() -> bool:
+    return native_kernels() is not None
+
+
+@functools.cache
+def native_kernels() -> ModuleType | None:
+    """The compiled kernel module, built once per machine; ``None`` (warned) if it cannot be."""
+    build_dir = kernel_cache_dir()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fresh = not any(build_dir.glob(f"{EXTENSION_NAME}*.so"))
+        if fresh:
+            message = f"compiling tessera's GGUF kernels (once, ~{COMPILE_SECONDS} s) ..."
+            logger.info(message)
+            print(message, file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+        if fresh:
+            logger.info("GGUF kernels built in %.1f s (%s)", time.perf_counter() - start, build_dir)
+        return module
+    except Exception as exc:  # no compiler, no ninja, a failed build: keep serving
+        warnings.warn(
+            f"tessera: GGUF kernels could not be built ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
+            "quantised matmuls fall back to dequantising in torch (slower)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+
+
+def kernel_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/tessera/kernels/<hash of source, torch, CPU flags, flags>``."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return root / "tessera" / "kernels" / digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The first CPU's model name and flag set (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + " " + platform.processor()
+    found = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags", "Features") and key not in found:
+            found[key] = " ".join(sorted(value.split())) if key != "model name" else value.strip()
+    return platform.machine() + "|" + "|".join(f"{k}={v}" for k, v in sorted(found.items()))
