@@ -1,0 +1,192 @@
+"""Packed GGUF weights (Q4_0 / Q4_1 / Q8_0) and the matmul that reads them, against
+gguf's own dequantisation and ``x @ dequantised.T``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize, quantize
+
+from tessera.workers.model.loader import builtin_model_path
+from tessera.workers.quant import PackedWeight, QuantType, kernels, quant_matmul
+
+ROWS = (1, 7, 16, 64)
+ODD = (97, 32 * 7)  # [out, in]: neither a multiple of the kernel's 4-row tiles nor of 16 blocks
+
+
+def random_packed(qtype: QuantType, shape: tuple[int, int], seed: int = 0):
+    """(packed weight, gguf's dequantisation of the same bytes) from random data."""
+    data = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    raw = quantize(data, qtype.value)
+    return PackedWeight.from_raw(raw, qtype, shape), torch.from_numpy(dequantize(raw, qtype.value))
+
+
+@pytest.fixture(scope="module")
+def model_tensors() -> dict:
+    reader = GGUFReader(str(builtin_model_path()))
+    return {t.name: t for t in reader.tensors}
+
+
+@pytest.fixture(scope="module")
+def native():
+    if kernels.native_kernels() is None:
+        pytest.skip("the native GGUF kernel cannot be built here (the torch path is tested)")
+    return kernels.native_kernels()
+
+
+def assert_product(y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """Equal to fp32 rounding: only the order of the sums differs."""
+    ref = x @ dense.T
+    scale = math.sqrt(dense.shape[1]) * max(1.0, dense.abs().max().item())
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_dequantize_equals_gguf_bit_for_bit(qtype):
+    packed, ref = random_packed(qtype, ODD)
+    assert packed.shape == ODD
+    assert torch.equal(packed.dequantize(), ref)
+    assert torch.equal(packed.dequantize_rows(10, 50), ref[10:50])
+
+
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"]
+)
+def test_dequantize_real_model_tensors_bit_for_bit(model_tensors, name):
+    tensor = model_tensors[name]
+    packed = PackedWeight.from_gguf(tensor)
+    ref = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))
+    assert packed.shape == tuple(ref.shape)
+    # the file's own bytes: Q4_1 layers, a Q8_0 embedding
+    assert packed.qtype is (QuantType.Q8_0 if name == "token_embd.weight" else QuantType.Q4_1)
+    assert torch.equal(packed.dequantize(), ref)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_matmul_odd_shape(native, qtype, rows):
+    packed, dense = random_packed(qtype, ODD, seed=rows)
+    x = torch.randn(rows, ODD[1], generator=torch.Generator().manual_seed(rows))
+    assert_product(quant_matmul(x, packed, backend="native"), x, dense)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("rows", ROWS)
+def test_torch_fallback_matmul(qtype, rows, monkeypatch):
+    monkeypatch.setattr(kernels, "FALLBACK_CHUNK_ROWS", 40)  # several chunks and a tail
+    packed, dense = random_packed(qtype, ODD, seed=rows)
+    x = torch.randn(rows, ODD[1])
+    assert_product(quant_matmul(x, packed, backend="torch"), x, dense)
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"),  # qkv 576->960
+        ("blk.1.attn_output.weight",),  # 576->576
+        ("blk.2.ffn_gate.weight", "blk.2.ffn_up.weight"),  # gate_up 576->3072
+        ("blk.3.ffn_down.weight",),  # 1536->576
+        ("token_embd.weight",),  # tied head 576->49152, Q8_0
+    ],
+)
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_matmul_model_shapes(native, model_tensors, names, rows):
+    if names == ("token_embd.weight",) and rows > 16:
+        pytest.skip("the head at 64 rows adds seconds and no new code path")
+    packed = PackedWeight.cat([PackedWeight.from_gguf(model_tensors[n]) for n in names])
+    dense = packed.dequantize()
+    x = torch.randn(rows, packed.in_features)
+    assert_product(quant_matmul(x, packed), x, dense)
+    assert_product(quant_matmul(x[None], packed)[0], x, dense)  # leading dims kept
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_row_select_and_cat_on_packed_equal_dense(qtype):
+    a, dense_a = random_packed(qtype, ODD, seed=1)
+    b, dense_b = random_packed(qtype, (40, ODD[1]), seed=2)
+    perm = torch.randperm(ODD[0], generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.select_rows(perm).dequantize(), dense_a[perm])
+    assert torch.equal(a.select_rows(slice(5, 60)).dequantize(), dense_a[5:60])
+    fused = PackedWeight.cat([a, b])
+    assert fused.shape == (ODD[0] + 40, ODD[1])
+    assert torch.equal(fused.dequantize(), torch.cat([dense_a, dense_b]))
+
+
+def test_rotary_unpermute_on_packed_rows(model_tensors):
+    """The loader's q/k un-permutation is a row permutation: the same on packed rows."""
+    from tessera.workers.model.loader import _unpermute_rotary
+
+    tensor = model_tensors["blk.0.attn_k.weight"]
+    packed = PackedWeight.from_gguf(tensor)
+    heads = 3  # SmolLM2-135M: 3 KV heads of 64
+    order = _unpermute_rotary(np.arange(packed.out_features), heads)
+    dense = dequantize(tensor.data, tensor.tensor_type)
+    assert torch.equal(
+        packed.select_rows(order).dequantize(), torch.from_numpy(_unpermute_rotary(dense, heads))
+    )
+
+
+def test_cat_refuses_mixed_types():
+    a, _ = random_packed(QuantType.Q4_0, ODD)
+    b, _ = random_packed(QuantType.Q4_1, ODD)
+    with pytest.raises(ValueError, match="does not stack"):
+        PackedWeight.cat([a, b])
+
+
+def test_embedding_lookup(model_tensors):
+    tensor = model_tensors["token_embd.weight"]
+    packed = PackedWeight.from_gguf(tensor)
+    ids = torch.tensor([[0, 5, 49151], [17, 17, 2]])
+    rows = torch.from_numpy(dequantize(tensor.data[ids.flatten().numpy()], tensor.tensor_type))
+    out = packed.embedding(ids)
+    assert out.shape == (2, 3, 576) and out.dtype == torch.float32
+    assert torch.equal(out.view(6, 576), rows)
+
+
+def test_validation_names_the_problem():
+    packed, _ = random_packed(QuantType.Q4_1, ODD)
+    with pytest.raises(ValueError, match="mins go with Q4_1 only"):
+        PackedWeight(QuantType.Q4_0, packed.qs, packed.scales, packed.mins)
+    with pytest.raises(ValueError, match="features"):
+        quant_matmul(torch.randn(2, 64), packed)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PackedWeight.from_raw(np.zeros((1, 20), np.uint8), QuantType.Q4_1, (1, 16))
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    kernels.native_kernels.cache_clear()
+    try:
+        packed, dense = random_packed(QuantType.Q8_0, ODD)
+        x = torch.randn(3, ODD[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert_product(quant_matmul(x, packed), x, dense)
+            assert_product(quant_matmul(x, packed), x, dense)
+        assert [str(w.message) for w in caught if "GGUF kernels" in str(w.message)] == [
+            "tessera: GGUF kernels could not be built (RuntimeError: no compiler here); "
+            "quantised matmuls fall back to dequantising in torch (slower)"
+        ]
+        with pytest.raises(RuntimeError, match="could not be built"):
+            quant_matmul(x, packed, backend="native")
+    finally:
+        kernels.native_kernels.cache_clear()
+
+
+def test_kernel_cache_key_follows_the_cpu_and_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = kernels.kernel_cache_dir()
+    assert first.parent == tmp_path / "tessera" / "kernels"
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another cpu")
+    assert kernels.kernel_cache_dir() != first
