@@ -445,13 +445,14 @@ async def _run_cluster(config, sampling: SamplingParams, args: argparse.Namespac
 
 def _print_load(stats) -> None:
     for worker in stats.workers:
-        load = worker.load
         line = f"{worker.worker_id} {worker.status.value}: {worker.placed} placed"
-        if load is not None:
+        if worker.load is not None:
+            engine = worker.load.engine
+            cache = engine.prefix_cache
             line += (
-                f", {worker.ongoing} ongoing, {load.running} running, {load.waiting} waiting, "
-                f"KV {load.kv_usage:.0%}, prefix hits {load.prefix_hits}/{load.prefix_queries} "
-                f"tokens, step {load.step_time * 1000:.0f} ms"
+                f", {worker.ongoing} ongoing, {engine.running} running, {engine.waiting} "
+                f"waiting, KV {engine.kv_usage:.0%}, prefix hits {cache.hits}/{cache.queries} "
+                f"tokens, step {engine.step_time * 1000:.0f} ms"
             )
         print(line, file=sys.stderr)
     print(
