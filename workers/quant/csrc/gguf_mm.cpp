@@ -13,8 +13,9 @@
 // Two loops, both parallel over output rows with at::parallel_for (torch's threads):
 //   T <= kSmallRows  each block is dequantised once in registers and multiplied with
 //                    every row of x (memory-bound decode: weights read once).
-//   T >  kSmallRows  4 output rows are dequantised into an fp32 buffer (L1), then a
-//                    4 x 4 register-blocked micro-kernel runs over all rows of x.
+//   T >  kSmallRows  16 output rows are dequantised and transposed into an fp32 buffer
+//                    [in, 16], then every 8 rows of x run an outer-product micro-kernel
+//                    (x broadcast, 16 outputs a zmm: no horizontal sums).
 // Built with -march=native and -ffp-contract=off (keeps d * q + m two roundings).
 
 #include <torch/extension.h>
@@ -40,7 +41,7 @@ constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
 constexpr int kQ8_0 = 8;
 constexpr int64_t kSmallRows = 4;  // x rows that the register loop takes at once
-constexpr int64_t kTile = 4;       // output rows per tile in the buffered loop
+constexpr int64_t kTile = 16;      // output rows per tile in the buffered loop (a zmm)
 
 struct Packed {
   const uint8_t* qs;
@@ -139,24 +140,36 @@ inline void dequant_block(const Packed& w, int64_t o, int64_t b, __m512& w0, __m
   }
 }
 
-// R rows of x (R <= 4) times output rows [begin, end): weights dequantised in registers.
+// R rows of x (R <= 4) times O output rows from o: weights dequantised in registers.
+// Two accumulators per (row, output) and O = 2 outputs at once keep 4+ FMA chains going.
+template <int QT, int R, int O>
+inline void rows_registers(const float* x, const Packed& w, float* y, int64_t out, int64_t o) {
+  __m512 acc0[O][R], acc1[O][R];
+  for (int c = 0; c < O; ++c)
+    for (int r = 0; r < R; ++r) acc0[c][r] = acc1[c][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m512 w0[O], w1[O];
+    for (int c = 0; c < O; ++c) dequant_block<QT>(w, o + c, b, w0[c], w1[c]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(x + r * w.in + b * kBlock);
+      const __m512 x1 = _mm512_loadu_ps(x + r * w.in + b * kBlock + 16);
+      for (int c = 0; c < O; ++c) {
+        acc0[c][r] = _mm512_fmadd_ps(w0[c], x0, acc0[c][r]);
+        acc1[c][r] = _mm512_fmadd_ps(w1[c], x1, acc1[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < O; ++c)
+    for (int r = 0; r < R; ++r)
+      y[r * out + o + c] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[c][r], acc1[c][r]));
+}
+
 template <int QT, int R>
 void rows_registers(const float* x, const Packed& w, float* y, int64_t out, int64_t begin,
                     int64_t end) {
-  for (int64_t o = begin; o < end; ++o) {
-    __m512 acc0[R], acc1[R];
-    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < w.nb; ++b) {
-      __m512 w0, w1;
-      dequant_block<QT>(w, o, b, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * w.in + b * kBlock;
-        acc0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc1[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
-  }
+  int64_t o = begin;
+  for (; o + 2 <= end; o += 2) rows_registers<QT, R, 2>(x, w, y, out, o);
+  if (o < end) rows_registers<QT, R, 1>(x, w, y, out, o);
 }
 
 template <int QT>
@@ -171,60 +184,86 @@ void mm_registers(const float* x, int64_t T, const Packed& w, float* y, int64_t 
   });
 }
 
-// R rows of x times NR dequantised rows in `buf` ([NR, in] fp32): y[r, o0 + c].
-template <int R, int NR>
-inline void micro_kernel(const float* x, int64_t in, const float* buf, float* y, int64_t out,
-                         int64_t o0) {
-  __m512 acc[R][NR];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < in; k += 16) {
-    __m512 wv[NR];
-    for (int c = 0; c < NR; ++c) wv[c] = _mm512_loadu_ps(buf + c * in + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * in + k);
-      for (int c = 0; c < NR; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
+// In-place transpose of a 16 x 16 float matrix held in 16 zmm.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NR; ++c) y[r * out + o0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  // u[4i + j] holds, in each 128-bit lane L, column 4L + j of rows 4i .. 4i + 3
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+  }
 }
 
-template <int NR>
-void tile_all_rows(const float* x, int64_t T, int64_t in, const float* buf, float* y,
-                   int64_t out, int64_t o0) {
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) micro_kernel<4, NR>(x + t * in, in, buf, y + t * out, out, o0);
-  switch (T - t) {
-    case 1: micro_kernel<1, NR>(x + t * in, in, buf, y + t * out, out, o0); break;
-    case 2: micro_kernel<2, NR>(x + t * in, in, buf, y + t * out, out, o0); break;
-    case 3: micro_kernel<3, NR>(x + t * in, in, buf, y + t * out, out, o0); break;
-    default: break;
+// y[r, o0 : o0 + nr] for R rows of x, from `buf` [in, 16] (16 output rows a k, zeros
+// past nr): x is broadcast, so no horizontal sums are needed.
+template <int R>
+inline void micro_outer(const float* x, int64_t in, const float* buf, float* y, int64_t out,
+                        __mmask16 mask) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; ++k) {
+    const __m512 wv = _mm512_loadu_ps(buf + k * kTile);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * in + k]), wv, acc[r]);
   }
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * out, mask, acc[r]);
 }
 
 template <int QT>
 void mm_buffered(const float* x, int64_t T, const Packed& w, float* y, int64_t out) {
   const int64_t tiles = (out + kTile - 1) / kTile;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(kTile * w.in);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(w.in * kTile);  // [in, 16]: the tile's rows, transposed
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t o0 = tile * kTile;
       const int64_t nr = std::min(kTile, out - o0);
-      for (int64_t c = 0; c < nr; ++c) {
-        float* dst = buf.data() + c * w.in;
-        for (int64_t b = 0; b < w.nb; ++b) {
-          __m512 w0, w1;
-          dequant_block<QT>(w, o0 + c, b, w0, w1);
-          _mm512_storeu_ps(dst + b * kBlock, w0);
-          _mm512_storeu_ps(dst + b * kBlock + 16, w1);
+      for (int64_t b = 0; b < w.nb; ++b) {
+        __m512 lo[kTile], hi[kTile];
+        for (int64_t c = 0; c < kTile; ++c) {
+          if (c < nr) {
+            dequant_block<QT>(w, o0 + c, b, lo[c], hi[c]);
+          } else {
+            lo[c] = hi[c] = _mm512_setzero_ps();
+          }
+        }
+        transpose16(lo);
+        transpose16(hi);
+        float* dst = buf.data() + b * kBlock * kTile;
+        for (int j = 0; j < 16; ++j) {
+          _mm512_storeu_ps(dst + j * kTile, lo[j]);
+          _mm512_storeu_ps(dst + (16 + j) * kTile, hi[j]);
         }
       }
-      switch (nr) {
-        case 1: tile_all_rows<1>(x, T, w.in, buf.data(), y, out, o0); break;
-        case 2: tile_all_rows<2>(x, T, w.in, buf.data(), y, out, o0); break;
-        case 3: tile_all_rows<3>(x, T, w.in, buf.data(), y, out, o0); break;
-        default: tile_all_rows<4>(x, T, w.in, buf.data(), y, out, o0); break;
+      const __mmask16 mask = static_cast<__mmask16>((1u << nr) - 1u);
+      const float* bp = buf.data();
+      int64_t t = 0;
+      for (; t + 8 <= T; t += 8) micro_outer<8>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask);
+      switch (T - t) {
+        case 1: micro_outer<1>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        case 2: micro_outer<2>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        case 3: micro_outer<3>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        case 4: micro_outer<4>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        case 5: micro_outer<5>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        case 6: micro_outer<6>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        case 7: micro_outer<7>(x + t * w.in, w.in, bp, y + t * out + o0, out, mask); break;
+        default: break;
       }
     }
   });
