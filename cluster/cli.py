@@ -84,37 +84,40 @@ def _early_stopping(text: str) -> bool | str:
     return value
 
 
+def _sampling(args: argparse.Namespace, nested: bool = True) -> SamplingParams:
+    """The request's sampling settings from the flags, through the one wire table: a
+    flag named as a sampling field is that field; with ``nested`` (``generate``), the
+    speculative and parallel-token flags make its two nested settings (``tessera
+    cluster``'s speculative flags are the workers' defaults instead)."""
+    from tessera.workers.sampling_fields import FIELDS, sampling_params
+
+    values = {
+        field.name: getattr(args, field.name)
+        for field in FIELDS
+        if field.nested is None and hasattr(args, field.name)
+    }
+    if not nested:
+        return sampling_params(values)
+    if args.speculative_method is not None:
+        values["speculative"] = {
+            "method": args.speculative_method,
+            "num_tokens": args.speculative_num_tokens,
+        }
+    if args.parallel_tokens is not None:
+        values["parallel_tokens"] = {
+            "threshold": args.parallel_tokens,
+            "max_width": args.parallel_max_width,
+            "mode": args.parallel_mode,
+        }
+    return sampling_params(values)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from tessera.workers.api import (
-        InvalidRequestError,
-        ParallelTokensParams,
-        SamplingParams,
-        SpeculativeParams,
-    )
+    from tessera.workers.api import InvalidRequestError
     from tessera.workers.engine import Engine
 
     try:
-        sampling = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop=tuple(args.stop or ()),
-            n=args.n,
-            best_of=args.best_of,
-            beam_width=args.beam_width,
-            length_penalty=args.length_penalty,
-            early_stopping=args.early_stopping,
-            speculative=None
-            if args.speculative_method is None
-            else SpeculativeParams(args.speculative_method, args.speculative_num_tokens),
-            parallel_tokens=None
-            if args.parallel_tokens is None
-            else ParallelTokensParams(
-                args.parallel_tokens, args.parallel_max_width, args.parallel_mode
-            ),
-        )
+        sampling = _sampling(args)
         config = _engine_config(args)
     except (InvalidRequestError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -379,13 +382,11 @@ def _cluster(args: argparse.Namespace) -> int:
     import asyncio
 
     from tessera.cluster.config import ConfigError, config_from_args
-    from tessera.workers.api import InvalidRequestError, SamplingParams
+    from tessera.workers.api import InvalidRequestError
 
     try:
         config = config_from_args(args)
-        sampling = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-        )
+        sampling = _sampling(args, nested=False)
     except (ConfigError, InvalidRequestError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
