@@ -1,0 +1,153 @@
+"""Packed GGUF matmuls: the 121 matmuls of one SmolLM2-135M step, three ways.
+
+Per layer (30): qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576; then the
+tied LM head 576->49152 (Q8_0). Weights are the built-in model's own (Q4_1 layers,
+Q8_0 embedding), fused as the model fuses them. For T rows of x (1 = one decoding
+stream, 16 / 64 = a batch or a prefill chunk):
+
+* ``dense_fp32``: ``torch.mm`` with the dequantised weight pre-transposed ``[in, out]``
+  (what the model does today; 538 MB of weights read per step).
+* ``packed_fp32``: ``tessera.workers.quant.quant_matmul`` on the packed weights (~96 MB),
+  fp32 activations and accumulation, weights dequantised exactly inside the kernel.
+* ``int4_bf16`` (reference): torch's ``_weight_int4pack_mm_for_cpu`` (bf16 activations,
+  int4 weights with group 32 bf16 scales/zeros; the same shapes, random weights). Not
+  the same arithmetic: a floor for what a 4-bit kernel costs here.
+
+Times are the best of ``--repeat`` steps (each the sum of the 121 calls, every weight read
+once, so from memory, not cache): the best, not the median, because other work on a
+shared 2-core machine only ever adds time. The load average is recorded with them.
+
+    python benchmarks/quant_matmul.py --repeat 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import report  # noqa: E402
+from tessera.workers.model.loader import builtin_model_path  # noqa: E402
+from tessera.workers.quant import PackedWeight, quant_matmul  # noqa: E402
+from tessera.workers.quant.kernels import _cpu_flags, native_kernels  # noqa: E402
+
+ROWS = (1, 16, 64)
+METHODS = ("dense_fp32", "packed_fp32", "int4_bf16")
+LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def step_weights() -> list[PackedWeight]:
+    """The 121 packed matrices of one step, in the order the model runs them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(builtin_model_path()))
+    t = {x.name: x for x in reader.tensors}
+    layers = 1 + max(int(n.split(".")[1]) for n in t if n.startswith("blk."))
+    weights = []
+    for i in range(layers):
+        w = {b: PackedWeight.from_gguf(t[f"blk.{i}.{b}.weight"]) for b in LAYER_TENSORS}
+        weights += [
+            PackedWeight.cat([w["attn_q"], w["attn_k"], w["attn_v"]]),
+            w["attn_output"],
+            PackedWeight.cat([w["ffn_gate"], w["ffn_up"]]),
+            w["ffn_down"],
+        ]
+    weights.append(PackedWeight.from_gguf(t["token_embd.weight"]))
+    return weights
+
+
+def int4_weight(out: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(0, 16, (out, in_features), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scales_zeros = torch.randn(in_features // 32, out, 2).to(torch.bfloat16) * 0.01
+    return packed, scales_zeros
+
+
+def time_step(calls, repeat: int) -> float:
+    """Best ms of running every call once."""
+    for call in calls:  # warm-up (and first-use compilation)
+        call()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return min(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    native = native_kernels()
+    weights = step_weights()
+    dense = [w.dequantize().t().contiguous() for w in weights]  # [in, out], as the model
+    int4 = [int4_weight(*w.shape) for w in weights]
+    mb = {
+        "dense_fp32": sum(d.numel() * 4 for d in dense) / 1e6,
+        "packed_fp32": sum(w.nbytes for w in weights) / 1e6,
+        "int4_bf16": sum(p.numel() * p.element_size() + s.numel() * 2 for p, s in int4) / 1e6,
+    }
+    rows = []
+    for T in args.rows:
+        xs = {w.in_features: torch.randn(T, w.in_features) for w in weights}
+        xb = {k: v.bfloat16() for k, v in xs.items()}
+        calls = {
+            "dense_fp32": [
+                functools.partial(torch.mm, xs[w.in_features], d)
+                for w, d in zip(weights, dense, strict=True)
+            ],
+            "packed_fp32": [functools.partial(quant_matmul, xs[w.in_features], w) for w in weights],
+            "int4_bf16": [
+                functools.partial(
+                    torch.ops.aten._weight_int4pack_mm_for_cpu, xb[w.in_features], p, 32, s
+                )
+                for w, (p, s) in zip(weights, int4, strict=True)
+            ],
+        }
+        ms = {m: time_step(calls[m], args.repeat) for m in METHODS}
+        rows.append(
+            {
+                "rows": T,
+                **{f"{m}_ms": ms[m] for m in METHODS},
+                "packed_speedup": ms["dense_fp32"] / ms["packed_fp32"],
+            }
+        )
+
+    def plot(ax) -> None:
+        width = 0.27
+        for i, m in enumerate(METHODS):
+            xs_ = [j + (i - 1) * width for j in range(len(rows))]
+            ax.bar(xs_, [r[f"{m}_ms"] for r in rows], width, label=f"{m} ({mb[m]:.0f} MB)")
+        ax.set_xticks(range(len(rows)), [f"T={r['rows']}" for r in rows])
+        ax.set_ylabel("ms per step (121 matmuls)")
+        ax.legend()
+
+    report(
+        "quant_matmul",
+        rows,
+        {
+            "weights_mb": mb,
+            "matmuls_per_step": len(weights),
+            "native_kernel": native is not None,
+            "avx512": bool(native is not None and native.avx512),
+            "cpu_flags": _cpu_flags(),
+            "repeat": args.repeat,
+            "load_average": os.getloadavg(),
+        },
+        plot,
+    )
+
+
+if __name__ == "__main__":
+    main()
