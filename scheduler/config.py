@@ -1,8 +1,8 @@
 """The scheduler's settings: what it needs to run the worker pools and admit requests.
 
-The user-facing configuration (``tessera.cluster.config.ClusterConfig``) lives a layer
-above; ``tessera.cluster.launch.scheduler_config`` builds this from it, with the
-workers' device resolved, when it starts the scheduler actor. Only the admission
+The user-facing configuration (``ClusterConfig``) lives a layer above, in the cluster
+layer, whose launcher builds this from it (``scheduler_config``), with the workers'
+device resolved, when it starts the scheduler actor. Only the admission
 limits change while the scheduler runs (``Scheduler.set_admission``), by replacing
 the whole object.
 """
