@@ -2,9 +2,9 @@
 
 Each field of ``EngineConfig`` is a setting: its name, type and default here, its help
 text and bounds in the field's metadata (``_setting``). Everything else is derived from
-it: the cluster's engine settings (``tessera.cluster.config.EngineSettings``, which
-``tessera serve``/``tessera cluster`` flags, ``--config`` files and the Helm chart's
-schema follow), and ``tessera generate``'s engine flags. Metadata keys:
+it, in the layers above: the cluster's engine settings (which ``tessera serve``/
+``tessera cluster`` flags, ``--config`` files and the Helm chart's schema follow), and
+``tessera generate``'s engine flags. Metadata keys:
 
 - ``help``: what the setting does, as ``--help`` and the chart's schema say it;
 - ``choices``: the allowed values (a ``Literal`` in pydantic, ``choices`` for a flag);
@@ -63,6 +63,12 @@ class EngineConfig:
         choices=DTYPES,
     )
     device: str = _setting("cpu", "cpu or cuda[:N]")
+    packed_weights: bool = _setting(
+        True,
+        "keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices packed as the file stores them and "
+        "multiply with them directly (float32 on the CPU; exact: dequantised inside the "
+        "kernel); off: dequantise every weight to a dense one at load",
+    )
     block_size: int = _setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", ge=1)
     kv_cache_memory: int | None = _setting(
         None,
@@ -132,7 +138,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_block_sharing"):
+        for name in ("enable_prefix_caching", "enable_block_sharing", "packed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:

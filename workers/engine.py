@@ -99,7 +99,9 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, config.device, config.packed_weights
+        )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(

@@ -116,5 +116,6 @@ def test_gguf_weight_type_matches_transformers(qtype, tmp_path, smollm2_path):
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
     if qtype != "F32":  # the quantisation really happened: weights differ from the originals
         assert not torch.equal(
-            ours.model.layers[0].down_proj.weight.t(), model.model.layers[0].mlp.down_proj.weight
+            ours.model.layers[0].down_proj.dense_weight().t(),
+            model.model.layers[0].mlp.down_proj.weight,
         )

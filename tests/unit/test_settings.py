@@ -39,6 +39,7 @@ OTHER_VALUES = {
     "max_num_seqs": 8,
     "max_model_len": 256,
     "enable_prefix_caching": False,
+    "packed_weights": False,
     "speculative_method": "draft",
     "speculative_num_tokens": 6,
     "speculative_min_tokens": 2,

@@ -19,6 +19,10 @@ from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
+from tessera.workers.quant import PackedWeight, quant_matmul
+
+#: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
+Weight = torch.Tensor | PackedWeight
 
 
 class RMSNorm(nn.Module):
@@ -35,22 +39,52 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``x @ weight + bias`` with ``weight`` stored pre-transposed, ``[in, out]``.
+    """``x @ weight + bias``, the weight either dense or packed.
 
-    MKL's sgemm runs the skinny batches of decoding (1-64 rows) up to 4x faster with the
-    weight in this layout than ``F.linear`` with Hugging Face's ``[out, in]`` (2 cores:
-    16 x 576 -> 3072 took 0.56 ms vs 2.3 ms).
+    Dense, ``weight`` is stored pre-transposed, ``[in, out]``: MKL's sgemm runs the
+    skinny batches of decoding (1-64 rows) up to 4x faster in this layout than
+    ``F.linear`` with Hugging Face's ``[out, in]`` (2 cores: 16 x 576 -> 3072 took
+    0.56 ms vs 2.3 ms).
+
+    Packed (``load_weight`` given a ``PackedWeight``: GGUF Q4_0/Q4_1/Q8_0 rows as the
+    file stores them), ``weight`` is empty and ``quant_matmul`` dequantises inside the
+    kernel, in float32: a step reads ~96 MB of SmolLM2's weights instead of 538 MB.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.packed is not None:
+            y = quant_matmul(x, self.packed)
+            return y if self.bias is None else y.add_(self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
+
+    def load_weight(self, parts: list[Weight], name: str) -> None:
+        """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
+        (q/k/v, gate/up). All packed: kept packed; otherwise dense."""
+        if all(isinstance(part, PackedWeight) for part in parts):
+            packed = PackedWeight.cat(parts) if len(parts) > 1 else parts[0]
+            if packed.shape != (self.out_features, self.in_features):
+                raise ValueError(
+                    f"tensor {name!r}: shape {packed.shape}, expected "
+                    f"{(self.out_features, self.in_features)}"
+                )
+            self.packed = packed
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            return
+        dense = torch.cat([_dense(part) for part in parts]).t()
+        _put(self.weight, dense, name)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
+        return self.weight if self.packed is None else self.packed.dequantize().t()
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +153,9 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(config, dtype, device)
+        # The embedding table kept packed (then embed_tokens.weight is empty); tied, it is
+        # also the LM head.
+        self.packed_embedding: PackedWeight | None = None
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """A model of this one's first ``num_layers`` layers, sharing its weights (a
@@ -133,6 +170,7 @@ class LlamaModel(nn.Module):
         model.norm = self.norm
         model.lm_head = self.lm_head
         model.rope = self.rope
+        model.packed_embedding = self.packed_embedding
         return model
 
     @torch.inference_mode()
@@ -145,77 +183,98 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # [S]: rows of the batch whose next-token logits we need
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab]."""
-        hidden = self.embed_tokens(input_ids)
+        if self.packed_embedding is not None:
+            hidden = self.packed_embedding.embedding(input_ids)
+        else:
+            hidden = self.embed_tokens(input_ids)
         cos, sin = self.rope.lookup(positions)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
         hidden = self.norm(hidden.index_select(0, logits_indices))
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.packed_embedding is not None:
+            return quant_matmul(hidden, self.packed_embedding)
         # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
         return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, state: dict[str, Weight]) -> None:
         """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v
-        and gate/up and transposing for ``Linear``."""
+        and gate/up and transposing for ``Linear``. GGUF-quantised matrices
+        (``PackedWeight``) stay packed: the linear layers and the embedding take them as
+        they are (float32 models only; the loader decides)."""
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             try:
                 return state.pop(name)
             except KeyError:
                 raise ValueError(f"checkpoint is missing tensor {name!r}") from None
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if param.shape != value.shape:
-                raise ValueError(
-                    f"tensor {name!r}: shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-                )
-            param.copy_(value)
-
         with torch.no_grad():
-            put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "embed_tokens")
-            put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+            embedding = take("model.embed_tokens.weight")
+            if isinstance(embedding, PackedWeight):
+                if embedding.shape != tuple(self.embed_tokens.weight.shape):
+                    raise ValueError(
+                        f"tensor 'embed_tokens': shape {embedding.shape}, expected "
+                        f"{tuple(self.embed_tokens.weight.shape)}"
+                    )
+                self.packed_embedding = embedding
+                self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            else:
+                _put(self.embed_tokens.weight, embedding, "embed_tokens")
+            _put(self.norm.weight, _dense(take("model.norm.weight")), "model.norm.weight")
             if self.lm_head is not None:
-                put(self.lm_head.weight, take("lm_head.weight").t(), "lm_head.weight")
+                self.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight")
             else:
                 state.pop("lm_head.weight", None)
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p)
-                put(
-                    layer.post_attention_layernorm.weight,
-                    take(p + "post_attention_layernorm.weight"),
-                    p,
-                )
+                for norm in ("input_layernorm", "post_attention_layernorm"):
+                    _put(getattr(layer, norm).weight, _dense(take(p + norm + ".weight")), p)
                 attn = p + "self_attn."
-                put(
-                    layer.qkv_proj.weight,
-                    torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]).t(),
-                    attn + "qkv",
+                layer.qkv_proj.load_weight(
+                    [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv"
                 )
                 if layer.qkv_proj.bias is not None:
-                    put(
+                    _put(
                         layer.qkv_proj.bias,
-                        torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]),
+                        torch.cat([_dense(take(attn + f"{n}_proj.bias")) for n in "qkv"]),
                         attn + "qkv.bias",
                     )
-                put(layer.o_proj.weight, take(attn + "o_proj.weight").t(), attn + "o_proj")
+                layer.o_proj.load_weight([take(attn + "o_proj.weight")], attn + "o_proj")
                 if layer.o_proj.bias is not None:
-                    put(layer.o_proj.bias, take(attn + "o_proj.bias"), attn + "o_proj.bias")
+                    _put(
+                        layer.o_proj.bias, _dense(take(attn + "o_proj.bias")), attn + "o_proj.bias"
+                    )
                 mlp = p + "mlp."
-                put(
-                    layer.gate_up_proj.weight,
-                    torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).t(),
-                    mlp,
+                layer.gate_up_proj.load_weight(
+                    [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], mlp
                 )
-                put(layer.down_proj.weight, take(mlp + "down_proj.weight").t(), mlp + "down_proj")
+                layer.down_proj.load_weight([take(mlp + "down_proj.weight")], mlp + "down_proj")
                 if layer.gate_up_proj.bias is not None:
-                    put(
+                    _put(
                         layer.gate_up_proj.bias,
-                        torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]),
+                        torch.cat(
+                            [
+                                _dense(take(mlp + "gate_proj.bias")),
+                                _dense(take(mlp + "up_proj.bias")),
+                            ]
+                        ),
                         mlp,
                     )
-                    put(layer.down_proj.bias, take(mlp + "down_proj.bias"), mlp)
+                    _put(layer.down_proj.bias, _dense(take(mlp + "down_proj.bias")), mlp)
         leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
+
+
+def _dense(value: Weight) -> torch.Tensor:
+    return value.dequantize() if isinstance(value, PackedWeight) else value
+
+
+def _put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if param.shape != value.shape:
+        raise ValueError(
+            f"tensor {name!r}: shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+        )
+    param.copy_(value)

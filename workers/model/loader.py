@@ -24,7 +24,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.model.config import ModelConfig
-from tessera.workers.model.llama import LlamaModel
+from tessera.workers.model.llama import LlamaModel, Weight
+from tessera.workers.quant import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -107,27 +108,35 @@ def load_model(
     path: str | Path | None = None,
     dtype: str = "float32",
     device: str | torch.device = "cpu",
+    packed_weights: bool = True,
 ) -> LoadedModel:
+    """Load weights and tokenizer. ``packed_weights``: a float32 model on the CPU keeps
+    a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed and multiplies with them directly
+    (dequantised exactly inside the kernel); otherwise every tensor is dequantised to a
+    dense one at load."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
     resolved = resolve_model_path(path)
     device = torch.device(device)
+    packed = packed_weights and dtype == "float32" and device.type == "cpu"
     if resolved.suffix == ".gguf":
-        config, state = _read_gguf(resolved)
+        config, state = _read_gguf(resolved, packed)
     else:
         config, state = _read_hf_dir(resolved)
     tokenizer = load_tokenizer(resolved)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     model = LlamaModel(config, DTYPES[dtype], device)
+    num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
     model.load_hf_state_dict(state)
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s",
+        "loaded %s (%s, %d layers) as %s on %s%s",
         resolved,
         config.architecture,
         config.num_layers,
         dtype,
         device,
+        f", {num_packed} matrices packed as in the file" if num_packed else "",
     )
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, model_id=str(resolved))
 
@@ -165,8 +174,9 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config and dequantised tensors (Q4_0/Q4_1/Q8_0/F16/F32/… via ``gguf``)."""
+def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Read config and tensors: dequantised (Q4_0/Q4_1/Q8_0/F16/F32/… via ``gguf``), or,
+    with ``packed``, Q4_0/Q4_1/Q8_0 matrices kept as the file stores them."""
     import numpy as np
     from gguf import GGUFReader, dequantize
 
@@ -205,20 +215,29 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         hf["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
     config = ModelConfig.from_hf(hf)
     state: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(
-        reader.tensors, desc=f"dequantising {path.name}", unit="tensor", leave=False
-    ):
-        weights = dequantize(tensor.data, tensor.tensor_type)
+    for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
         name = tensor.name
+        keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
+        base = None
         if name in _GGUF_GLOBAL_NAMES:
             hf_name = _GGUF_GLOBAL_NAMES[name]
         else:
             _, layer, base, kind = name.split(".")
             hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
-            if arch == "llama" and base in ("attn_q", "attn_k"):
-                # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
-                heads = num_heads if base == "attn_q" else config.num_kv_heads
-                weights = _unpermute_rotary(weights, heads)
+        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
+        heads = {"attn_q": num_heads, "attn_k": config.num_kv_heads}.get(base)
+        unpermute = arch == "llama" and heads is not None
+        if keep:
+            weight = PackedWeight.from_gguf(tensor)
+            if unpermute:  # a permutation of output rows: done on the packed rows
+                weight = weight.select_rows(
+                    torch.from_numpy(_unpermute_rotary(np.arange(weight.out_features), heads))
+                )
+            state[hf_name] = weight
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        if unpermute:
+            weights = _unpermute_rotary(weights, heads)
         # np.array copies: F32 tensors come back as read-only memory maps of the file.
         state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32))
     return config, state

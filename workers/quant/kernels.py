@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -71,6 +72,18 @@ def _torch_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return y
 
 
+def _ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the ``ninja`` package (a dependency) has
+    it in the environment's bin folder, which is not on PATH when nobody activated it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # the build fails and the torch path runs, with its warning
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def native_available() -> bool:
     return native_kernels() is not None
 
@@ -89,6 +102,7 @@ def native_kernels() -> ModuleType | None:
         start = time.perf_counter()
         from torch.utils import cpp_extension
 
+        _ninja_on_path()
         module = cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(SOURCE)],
