@@ -41,6 +41,7 @@ from tessera.workers.kv_transfer import (
     usable_blocks,
 )
 from tessera.workers.protocol import PrefillSource, TransferCounters
+from tessera.workers.sampling_fields import message_values, options_message, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -66,31 +67,24 @@ def first_token_sampling(params: SamplingParams) -> SamplingParams:
     )
 
 
-# Sampling travels as the gRPC API's SamplingOptions (the fields a first token needs).
-_OPTIONS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "logprobs", "min_tokens")  # fmt: skip
+# Sampling travels as the gRPC API's SamplingOptions, through the one wire table.
+#: The sampling fields that decide a prompt's first token (what a prefill worker
+#: samples); the rest (stop strings, n, beams, speculation, parallel tokens) are the
+#: decode worker's.
+FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty", "logprobs", "min_tokens",
+                      "stop_token_ids", "ignore_eos")  # fmt: skip
 
 
 def sampling_options(params: SamplingParams) -> generation_pb2.SamplingOptions:
-    options = generation_pb2.SamplingOptions(
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
-    )
-    for name in _OPTIONS:
-        value = getattr(params, name)
-        if value is not None:
-            setattr(options, name, value)
-    return options
+    return options_message(generation_pb2.SamplingOptions, params, FIRST_TOKEN_FIELDS)
 
 
 def sampling_from_options(options: generation_pb2.SamplingOptions, seed: int) -> SamplingParams:
-    kwargs = {name: getattr(options, name) for name in _OPTIONS if options.HasField(name)}
-    return SamplingParams(
-        max_tokens=1,
-        seed=seed,
-        stop_token_ids=tuple(options.stop_token_ids),
-        ignore_eos=options.ignore_eos,
-        **kwargs,
-    )
+    """The prefill worker's one-token request: the first-token fields, and the seed the
+    decode worker derived."""
+    values = message_values(options, FIRST_TOKEN_FIELDS)
+    return sampling_params(values | {"max_tokens": 1, "seed": seed})
 
 
 class PhaseManager:
