@@ -20,6 +20,7 @@ from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
+from tessera.workers.quant.int4 import Int4Weight, int4_row_limit
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
 Weight = torch.Tensor | PackedWeight
@@ -32,7 +33,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        """In float32, then in the weight's dtype (the model's): a float32 residual
+        stream (see ``LlamaModel.forward``) enters the next matmul in the model's dtype."""
+        dtype = self.weight.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -46,9 +49,16 @@ class Linear(nn.Module):
     ``F.linear`` with Hugging Face's ``[out, in]`` (2 cores: 16 x 576 -> 3072 took
     0.56 ms vs 2.3 ms).
 
-    Packed (``load_weight`` given a ``PackedWeight``: GGUF Q4_0/Q4_1/Q8_0 rows as the
-    file stores them), ``weight`` is empty and ``quant_matmul`` dequantises inside the
-    kernel, in float32: a step reads ~96 MB of SmolLM2's weights instead of 538 MB.
+    Packed (``load_weight`` given ``PackedWeight`` parts: GGUF Q4_0/Q4_1/Q8_0 rows as
+    the file stores them):
+
+    - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
+      ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
+      SmolLM2's weights instead of 538 MB;
+    - a bfloat16 model (the fast mode) keeps Q4 weights in torch's int4 layout
+      (``Int4Weight``) for batches of at most ``int4_rows`` rows, and a dense bf16
+      ``weight`` for larger ones, where a GEMM wins (``int4_row_limit`` measures where,
+      once per process).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -57,10 +67,15 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
+        self.int4: Int4Weight | None = None
+        self.int4_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:
             y = quant_matmul(x, self.packed)
+            return y if self.bias is None else y.add_(self.bias)
+        if self.int4 is not None and x.shape[0] <= self.int4_rows:
+            y = self.int4.matmul(x)
             return y if self.bias is None else y.add_(self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight)
@@ -68,7 +83,8 @@ class Linear(nn.Module):
 
     def load_weight(self, parts: list[Weight], name: str) -> None:
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
-        (q/k/v, gate/up). All packed: kept packed; otherwise dense."""
+        (q/k/v, gate/up). All packed: kept packed as the class docstring says; otherwise
+        dense."""
         if all(isinstance(part, PackedWeight) for part in parts):
             packed = PackedWeight.cat(parts) if len(parts) > 1 else parts[0]
             if packed.shape != (self.out_features, self.in_features):
@@ -76,9 +92,14 @@ class Linear(nn.Module):
                     f"tensor {name!r}: shape {packed.shape}, expected "
                     f"{(self.out_features, self.in_features)}"
                 )
-            self.packed = packed
-            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            return
+            if self.weight.dtype == torch.float32:
+                self.packed = packed
+                self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                return
+            if self.weight.dtype == torch.bfloat16 and Int4Weight.supports(packed):
+                self.int4 = Int4Weight.from_packed(packed)
+                self.int4_rows = int4_row_limit()
+            parts = [packed]
         dense = torch.cat([_dense(part) for part in parts]).t()
         _put(self.weight, dense, name)
 
@@ -183,18 +204,20 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # [S]: rows of the batch whose next-token logits we need
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab]."""
+        # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
+        # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
         if self.packed_embedding is not None:
             hidden = self.packed_embedding.embedding(input_ids)
         else:
-            hidden = self.embed_tokens(input_ids)
+            hidden = self.embed_tokens(input_ids).float()
         cos, sin = self.rope.lookup(positions)
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
         hidden = self.norm(hidden.index_select(0, logits_indices))
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.packed_embedding is not None:
-            return quant_matmul(hidden, self.packed_embedding)
+        if self.packed_embedding is not None:  # float32 in and out, whatever the model's dtype
+            return quant_matmul(hidden.float(), self.packed_embedding)
         # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
         return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 

@@ -110,15 +110,16 @@ def load_model(
     device: str | torch.device = "cpu",
     packed_weights: bool = True,
 ) -> LoadedModel:
-    """Load weights and tokenizer. ``packed_weights``: a float32 model on the CPU keeps
-    a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed and multiplies with them directly
-    (dequantised exactly inside the kernel); otherwise every tensor is dequantised to a
-    dense one at load."""
+    """Load weights and tokenizer. ``packed_weights``: a float32 or bfloat16 model on the
+    CPU keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed (float32: multiplied
+    directly, dequantised exactly inside the kernel; bfloat16: Q4 in torch's int4 layout
+    for small batches, see ``Linear``); otherwise every tensor is dequantised to a dense
+    one at load."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
     resolved = resolve_model_path(path)
     device = torch.device(device)
-    packed = packed_weights and dtype == "float32" and device.type == "cpu"
+    packed = packed_weights and dtype in ("float32", "bfloat16") and device.type == "cpu"
     if resolved.suffix == ".gguf":
         config, state = _read_gguf(resolved, packed)
     else:
