@@ -27,12 +27,31 @@ CHAT_QUESTIONS = [
 ]
 
 
+#: CPU features that decide which kernels can run fast (machines differ between sessions).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_features() -> dict[str, Any]:
+    """The CPU's model, the features in ``CPU_FEATURES`` (present or not), and all flags."""
+    from tessera.workers.quant.kernels import _cpu_flags
+
+    parts = dict(p.partition("=")[::2] for p in _cpu_flags().split("|")[1:])
+    flags = set(parts.get("flags", parts.get("Features", "")).split())
+    return {
+        "model": parts.get("model name"),
+        **{f: f in flags for f in CPU_FEATURES},
+        "flags": " ".join(sorted(flags)),
+    }
+
+
 def machine() -> dict[str, Any]:
+    """Where a benchmark ran; every report records it, CPU features included."""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_features": cpu_features(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 

@@ -87,8 +87,6 @@ DEFAULT_MODES = tuple(MODES_BY_NAME)
 DECODE_TARGETS = {"fast": 1.0, "exact": 0.5}
 PROMPT_EVAL_TARGET = 1.0
 
-#: CPU features that decide which kernels either side can use.
-CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 # Runs under llama-cpp-python's python, one JSON object per line both ways. Reads the job
 # ({"model", "prompt", "new_tokens", "threads", "n_ctx"}), loads the model and answers
@@ -306,19 +304,6 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-def cpu_features() -> dict[str, Any]:
-    """The CPU's model, the features in ``CPU_FEATURES`` (present or not), and all flags."""
-    from tessera.workers.quant.kernels import _cpu_flags
-
-    parts = dict(p.partition("=")[::2] for p in _cpu_flags().split("|")[1:])
-    flags = set(parts.get("flags", parts.get("Features", "")).split())
-    return {
-        "model": parts.get("model name"),
-        **{f: f in flags for f in CPU_FEATURES},
-        "flags": " ".join(sorted(flags)),
-    }
-
-
 def targets(rows: list[dict[str, Any]], modes: list[Mode]) -> list[dict[str, Any]]:
     """The issue's targets, each met, missed or not measured (no such mode was run)."""
     by_target = {m.target: m.name for m in modes if m.target}
@@ -463,7 +448,6 @@ def main() -> None:
             },
             "engine_config_fields": sorted(EngineConfig.__dataclass_fields__),
             "native_kernel": native_kernels() is not None,
-            "cpu": cpu_features(),
             "llamacpp_system_info": peer.info["system_info"],
             "llamacpp_load_s": peer.info["load_s"],
             "llamacpp_eog_tokens": peer.info["eog_tokens"],

@@ -82,6 +82,9 @@ class EngineStats:
     peak_used_blocks: int  # most blocks in use at any step so far
     shared_blocks: int  # blocks held by more than one sequence right now
     recent_step_time: float  # seconds, moving average over the last steps that ran a batch
+    #: seconds of those steps spent outside the model's forward (scheduling, building
+    #: the batch, sampling, detokenizing, outputs): the host overhead, moving average
+    recent_host_time: float = 0.0
     spec_proposed: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # of them accepted
     spec_steps: int = 0  # verification steps (one per speculating sequence and step)
@@ -155,6 +158,7 @@ class Engine:
         self._generated_tokens = 0
         self._peak_used_blocks = 0
         self._step_time = 0.0
+        self._host_time = 0.0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -234,10 +238,15 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Apply queued adds/aborts, run one batch, return the deltas it produced."""
         with self._step_lock:
+            started = time.perf_counter()
+            steps = self._steps
             outputs, self._ready = self._ready, []
             outputs += self._drain_inbox()
             outputs += self._run_batch()
             outputs += self._drain_inbox()  # aborts that arrived during the batch
+            if self._steps > steps:  # a batch ran
+                host = time.perf_counter() - started - self.runner.forward_time
+                self._host_time = host if steps == 0 else 0.8 * self._host_time + 0.2 * host
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
@@ -598,6 +607,7 @@ class Engine:
             peak_used_blocks=self._peak_used_blocks,
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
             recent_step_time=self._step_time,
+            recent_host_time=self._host_time,
             spec_proposed=self.speculator.proposed,
             spec_accepted=self.speculator.accepted,
             spec_steps=self.speculator.steps,

@@ -19,6 +19,7 @@ The batch layout (one row per new token, several rows per sequence allowed)::
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -82,6 +83,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.block_size = kv.block_size
+        #: Seconds the last ``execute`` spent in the model's forward (on CUDA: launching
+        #: it, the kernels run on asynchronously).
+        self.forward_time = 0.0
 
     def execute(self, chunks: Seq[Chunk]) -> torch.Tensor:
         """Compute every chunk's tokens (writing their K/V); return the logits of each
@@ -165,10 +169,14 @@ class ModelRunner:
             else tuple(None if m is None else m.to(dev) for m in masks),
             decode_plan=decode_plan,
         )
-        return self.model(
+        inputs = (
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),
             self.kv_cache,
             meta,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
+        started = time.perf_counter()
+        logits = self.model(*inputs)
+        self.forward_time = time.perf_counter() - started
+        return logits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -175,6 +176,21 @@ def test_phases_are_observable(make_engine):
     run_engine(engine)
     stats = engine.stats()
     assert stats.steps > 4 and stats.preemptions == 0 and stats.generated_tokens >= 3
+
+
+def test_the_host_overhead_is_the_step_less_its_forward(make_engine):
+    """``recent_host_time``: what a step spends outside the model's forward."""
+    engine = make_engine()
+    engine.add_request("h", "word " * 30, SamplingParams(max_tokens=8, temperature=0))
+    assert engine.stats().recent_host_time == 0.0
+    started = time.perf_counter()
+    engine.step()  # the first batch: the average is this step's own figure
+    elapsed = time.perf_counter() - started
+    forward = engine.runner.forward_time
+    assert 0.0 < forward < elapsed
+    assert 0.0 < engine.stats().recent_host_time <= elapsed - forward
+    run_engine(engine)
+    assert 0.0 < engine.stats().recent_host_time < engine.stats().recent_step_time
 
 
 async def test_async_api_streams_and_abort_on_early_exit(make_engine):

@@ -1,0 +1,98 @@
+"""Host overhead of an engine step: the time outside the model's forward, at 1, 16 and 64
+running sequences, beside the forward itself (the peer: the same step's forward).
+
+Each point runs ``N`` greedy requests (128-token prompts) until all decode, then times
+``--steps`` decode steps; ``engine.stats()`` gives the moving averages
+(``recent_step_time``, ``recent_host_time``) and the per-step figures are measured here
+as well. Host time is scheduling, building the flattened batch, sampling, detokenizing
+and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
+
+    python benchmarks/step_overhead.py                       # exact mode (float32)
+    python benchmarks/step_overhead.py --dtype bfloat16      # fast mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import report  # noqa: E402
+from tessera.workers.api import SamplingParams  # noqa: E402
+from tessera.workers.config import EngineConfig  # noqa: E402
+from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.model.loader import load_model  # noqa: E402
+
+TARGET_HOST_MS_AT_64 = 1.0
+
+
+def measure(loaded, dtype: str, running: int, steps: int) -> dict:
+    engine = Engine(EngineConfig(dtype=dtype, num_kv_blocks=running * 24 + 16), loaded=loaded)
+    prompt = loaded.tokenizer("The history of the Roman empire is long. " * 14).input_ids[:128]
+    greedy = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
+    for index in range(running):
+        engine.add_request(f"r{index}", prompt[index % 7 :], greedy)
+    while engine.stats().running < running or engine.stats().last_num_tokens != running:
+        engine.step()  # prefills, until every sequence decodes
+    step_ms, host_ms = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - start
+        step_ms.append(total * 1e3)
+        host_ms.append((total - engine.runner.forward_time) * 1e3)
+    stats = engine.stats()
+    return {
+        "running": running,
+        "step_ms": statistics.median(step_ms),
+        "forward_ms": statistics.median(s - h for s, h in zip(step_ms, host_ms, strict=True)),
+        "host_ms": statistics.median(host_ms),
+        "host_share": statistics.median(host_ms) / statistics.median(step_ms),
+        "stats_host_ms": stats.recent_host_time * 1e3,
+        "tok_s": running / statistics.median(step_ms) * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=30, help="decode steps timed per point")
+    args = parser.parse_args()
+    loaded = load_model(None, args.dtype)
+    rows = [measure(loaded, args.dtype, n, args.steps) for n in args.running]
+    at_64 = next((r["host_ms"] for r in rows if r["running"] == 64), None)
+
+    def plot(ax) -> None:
+        labels = [str(r["running"]) for r in rows]
+        ax.bar(labels, [r["forward_ms"] for r in rows], label="model forward")
+        ax.bar(
+            labels,
+            [r["host_ms"] for r in rows],
+            bottom=[r["forward_ms"] for r in rows],
+            label="host overhead",
+        )
+        ax.set_xlabel("running sequences (decode)")
+        ax.set_ylabel("ms per step (median)")
+        ax.legend()
+
+    report(
+        f"step_overhead_{args.dtype}",
+        rows,
+        {
+            "peer": "the same step's model forward (host / step is the ratio)",
+            "dtype": args.dtype,
+            "steps": args.steps,
+            "target": f"host overhead <= {TARGET_HOST_MS_AT_64} ms at 64 running sequences",
+            "target_met": None if at_64 is None else at_64 <= TARGET_HOST_MS_AT_64,
+        },
+        plot,
+    )
+
+
+if __name__ == "__main__":
+    main()
