@@ -19,6 +19,7 @@ messages handed in.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -61,37 +62,30 @@ class WireField:
         return value
 
 
-#: Every sampling field a request carries, in ``SamplingParams``' order.
-FIELDS: tuple[WireField, ...] = (
-    WireField("max_tokens"),
-    WireField("min_tokens"),
-    WireField("temperature"),
-    WireField("top_p"),
-    WireField("top_k"),
-    WireField("min_p"),
-    WireField("repetition_penalty"),
-    WireField("presence_penalty"),
-    WireField("frequency_penalty"),
-    WireField("seed"),
-    WireField("stop", repeated=True),
-    WireField("stop_token_ids", repeated=True),
-    WireField("ignore_eos"),
-    WireField("logprobs"),
-    WireField("skip_special_tokens"),
-    WireField("n"),
-    WireField("best_of"),
-    WireField("beam_width"),
-    WireField("length_penalty"),
-    WireField("early_stopping"),
-    WireField("speculative", nested=SpeculativeParams),
-    WireField("parallel_tokens", nested=ParallelTokensParams),
+#: ``SamplingParams`` fields that no wire carries (none today): every other field is on
+#: the wire under its own name, and the ``SamplingOptions`` message must carry it (a
+#: unit test holds the message to ``FIELDS``).
+NOT_ON_THE_WIRE: frozenset[str] = frozenset()
+
+
+def _wire_field(name: str, annotation: Any) -> WireField:
+    """How a ``SamplingParams`` field travels, read from its type: a tuple is a list on
+    the wire, a params dataclass a nested object."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    nested = next((k for k in kinds if k in (SpeculativeParams, ParallelTokensParams)), None)
+    return WireField(name, repeated=typing.get_origin(annotation) is tuple, nested=nested)
+
+
+#: Every sampling field a request carries, in ``SamplingParams``' order: derived from
+#: ``SamplingParams`` itself, the one declaration of them.
+FIELDS: tuple[WireField, ...] = tuple(
+    _wire_field(name, annotation)
+    for name, annotation in typing.get_type_hints(SamplingParams).items()
+    if name not in NOT_ON_THE_WIRE
 )
 BY_NAME: dict[str, WireField] = {field.name: field for field in FIELDS}
 #: The wire names, which are the ``SamplingParams`` field names.
 WIRE_NAMES: frozenset[str] = frozenset(BY_NAME)
-#: ``SamplingParams`` fields that no wire carries (none today). A new field goes into
-#: ``FIELDS`` (and the ``SamplingOptions`` message) or here; a unit test holds to it.
-NOT_ON_THE_WIRE: frozenset[str] = frozenset()
 
 
 def _field_names(kind: type) -> set[str]:
