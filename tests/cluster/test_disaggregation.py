@@ -16,6 +16,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.cluster.metrics import Metrics
+from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams
 from tessera.workers.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster_sync
@@ -165,12 +166,27 @@ async def test_a_killed_prefill_worker_falls_back_to_a_local_prefill(cluster, ma
 async def test_an_abort_during_the_transfer_ends_the_request_at_once(cluster):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompt = "aborted: " + SYSTEM * 4 + "Where is my parcel now?"
-    for _ in range(300):  # a test before may have killed it: wait for its restart
+    # A test before may have killed the prefill worker: wait until it is back and the
+    # scheduler has a report from its new incarnation (with its KV-transfer address).
+    # Placed before that, the request would prefill on the decode worker and never pull.
+    for _ in range(300):
         try:
-            await (await prefill_worker(cluster)).inject_kv_fault.remote("stall")
-            break
+            worker = await prefill_worker(cluster)
+            incarnation = await worker.health.remote()
         except ray.exceptions.ActorUnavailableError:
             await asyncio.sleep(0.2)
+            continue
+        (state,) = [w for w in (await cluster.stats()).workers if w.role == "prefill"]
+        if (  # a report of this incarnation came in: it carried the KV address
+            state.status is WorkerStatus.HEALTHY
+            and state.load is not None
+            and state.load.incarnation == incarnation
+        ):
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError(f"the prefill worker did not come back: {state}")
+    await worker.inject_kv_fault.remote("stall")
     submitted = asyncio.ensure_future(cluster.submit("ab", prompt, params))
     for _ in range(100):  # until the decode worker reports the pull under way
         phases = dict((await decode_load(cluster)).phases)
