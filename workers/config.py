@@ -66,8 +66,9 @@ class EngineConfig:
     packed_weights: bool = _setting(
         True,
         "keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices packed as the file stores them and "
-        "multiply with them directly (float32 on the CPU; exact: dequantised inside the "
-        "kernel); off: dequantise every weight to a dense one at load",
+        "multiply with them directly, on the CPU (float32, the exact mode: dequantised "
+        "inside the kernel; bfloat16, the fast mode: Q4 in torch's int4 layout); off: "
+        "dequantise every weight to a dense one at load",
     )
     block_size: int = _setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", ge=1)
     kv_cache_memory: int | None = _setting(
