@@ -269,6 +269,23 @@ class ClusterConfig(EngineSettings):
             return f"{self.prefill_workers} prefill + {self.decode_workers} decode worker(s)"
         return f"{self.workers} worker(s)"
 
+    @property
+    def precision_text(self) -> str:
+        """The precision mode and each worker's CPUs in words, for the ready line."""
+        mode = {"float32": "exact mode", "bfloat16": "fast mode"}.get(self.dtype)
+        packed = (
+            self.packed_weights
+            and mode is not None
+            and self.device != "cuda"
+            and (self.model is None or self.model.endswith(".gguf"))
+        )
+        weights = "packed GGUF weights on the CPU" if packed else None
+        details = ", ".join(filter(None, (mode, weights)))
+        return (
+            f"{self.dtype}{f' ({details})' if details else ''}, "
+            f"{self.worker_num_cpus:g} CPU(s) and torch threads per worker"
+        )
+
     def _check_common(self) -> ClusterConfig:
         tls = (self.kv_transfer_tls_cert, self.kv_transfer_tls_key, self.kv_transfer_tls_ca)
         if any(tls) and not all(tls):

@@ -112,7 +112,8 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         grpc = f", gRPC on port {config.grpc_port}" if config.grpc_port is not None else ""
         _say(
             f"ready at {url}{grpc} in {time.perf_counter() - start:.1f} s: model "
-            f"{config.model_name!r}, {config.workers_text}; try {url}/v1/models "
+            f"{config.model_name!r}, {config.workers_text}, {config.precision_text}; try "
+            f"{url}/v1/models "
             "(Ctrl-C stops)"
         )
         try:

@@ -44,6 +44,22 @@ def test_defaults_are_valid():
     assert config.pool_bounds == (1, 1)
 
 
+def test_the_ready_line_names_the_precision_mode():
+    assert ClusterConfig.create().precision_text == (
+        "float32 (exact mode, packed GGUF weights on the CPU), "
+        "1 CPU(s) and torch threads per worker"
+    )
+    fast = ClusterConfig.create(dtype="bfloat16", worker_num_cpus=2, model="/m/model.gguf")
+    assert fast.precision_text == (
+        "bfloat16 (fast mode, packed GGUF weights on the CPU), "
+        "2 CPU(s) and torch threads per worker"
+    )
+    dense = ClusterConfig.create(dtype="float32", packed_weights=False, model="/m/hf-dir")
+    assert dense.precision_text == "float32 (exact mode), 1 CPU(s) and torch threads per worker"
+    half = ClusterConfig.create(dtype="float16")
+    assert half.precision_text == "float16, 1 CPU(s) and torch threads per worker"
+
+
 def test_workers_zero():
     assert create_error(workers=0) == "workers: the cluster needs at least one worker, got 0"
     assert create_error(workers=-1) == "workers: Input should be greater than or equal to 0, got -1"
