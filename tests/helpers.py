@@ -13,8 +13,8 @@ from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model_runner import ModelRunner
 from tessera.workers.sequence import Sequence
 
-#: The exactness contract (docs/architecture.md): a greedy divergence from transformers is acceptable only
-#: at a step where the reference's top-2 logit gap is below this.
+#: The exactness contract (docs/architecture.md): a greedy divergence from transformers
+#: is acceptable only at a step where the reference's top-2 logit gap is below this.
 NEAR_TIE_GAP = 1e-4
 #: The Ray namespace of the tests' named actors (``ray_session`` in conftest.py).
 RAY_NAMESPACE = "tessera-tests"
@@ -55,7 +55,8 @@ class TransformersReference:
 
 
 def assert_greedy_matches(ours: list[int] | tuple[int, ...], ref: Reference) -> None:
-    """Token-identical, or diverging only where the reference had a near-tie (docs/architecture.md)."""
+    """Token-identical, or diverging only where the reference had a near-tie (the
+    exactness contract, docs/architecture.md)."""
     ours = list(ours)
     for i, (a, b) in enumerate(zip(ours, ref.token_ids, strict=False)):
         if a != b:

@@ -1,4 +1,5 @@
-"""Greedy float32 output of the engine equals transformers' on SmolLM2 (the exactness contract, docs/architecture.md).
+"""Greedy float32 output of the engine equals transformers' on SmolLM2 (the exactness
+contract, docs/architecture.md).
 
 Each scenario drives the engine step by step and checks the pool's integrity after
 every step.
