@@ -98,7 +98,7 @@ class Linear(nn.Module):
                 return
             if self.weight.dtype == torch.bfloat16 and Int4Weight.supports(packed):
                 self.int4 = Int4Weight.from_packed(packed)
-                self.int4_rows = int4_row_limit()
+                self.int4_rows = int4_row_limit(self.out_features, self.in_features)
             parts = [packed]
         dense = torch.cat([_dense(part) for part in parts]).t()
         _put(self.weight, dense, name)

@@ -14,7 +14,7 @@ the exact mode, ``tests/engine/test_fast_mode.py``).
 
 One row of activations reads the packed ~0.5 byte per weight; many rows are faster as a
 dense bf16 GEMM (the int4 kernel dequantises per row block). ``int4_row_limit`` measures
-where the two cross on this CPU, once per process.
+where the two cross on this CPU, once per weight shape and process.
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ class Int4Weight:
 
 
 @functools.cache
-def int4_row_limit(out_features: int = 3072, in_features: int = 576) -> int:
+def int4_row_limit(out_features: int, in_features: int) -> int:
     """The most rows for which the int4 kernel beats a dense bf16 GEMM on this CPU
-    (0: never), timed on a matrix of the given shape (default: SmolLM2's gate/up).
-    Measured once per process; ~0.2 s."""
+    (0: never), timed on a matrix of the given shape. Measured once per shape and
+    process (~0.2 s each; SmolLM2 has five shapes)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(
         0, 16, (out_features, in_features // 2), dtype=torch.uint8, generator=generator
