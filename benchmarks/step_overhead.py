@@ -9,6 +9,11 @@ and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
 
     python benchmarks/step_overhead.py                       # exact mode (float32)
     python benchmarks/step_overhead.py --dtype bfloat16      # fast mode
+    python benchmarks/step_overhead.py --device cuda         # on a GPU (CUDA graphs)
+    python benchmarks/step_overhead.py --device cuda --no-cuda-graphs
+
+On CUDA the forward is timed up to a device synchronisation, so that host time is not
+hidden in (or counted as) queued kernels.
 """
 
 from __future__ import annotations
@@ -30,8 +35,15 @@ from tessera.workers.model.loader import load_model  # noqa: E402
 TARGET_HOST_MS_AT_64 = 1.0
 
 
-def measure(loaded, dtype: str, running: int, steps: int) -> dict:
-    engine = Engine(EngineConfig(dtype=dtype, num_kv_blocks=running * 24 + 16), loaded=loaded)
+def measure(loaded, args: argparse.Namespace, running: int) -> dict:
+    dtype, steps = args.dtype, args.steps
+    config = EngineConfig(
+        dtype=dtype,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
+        num_kv_blocks=running * 24 + 16,
+    )
+    engine = Engine(config, loaded=loaded)
     prompt = loaded.tokenizer("The history of the Roman empire is long. " * 14).input_ids[:128]
     greedy = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
     for index in range(running):
@@ -62,9 +74,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per point")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, replay decode steps from CUDA graphs (the engine's default)",
+    )
     args = parser.parse_args()
-    loaded = load_model(None, args.dtype)
-    rows = [measure(loaded, args.dtype, n, args.steps) for n in args.running]
+    loaded = load_model(None, args.dtype, args.device)
+    rows = [measure(loaded, args, n) for n in args.running]
     at_64 = next((r["host_ms"] for r in rows if r["running"] == 64), None)
 
     def plot(ax) -> None:
@@ -81,11 +100,15 @@ def main() -> None:
         ax.legend()
 
     report(
-        f"step_overhead_{args.dtype}",
+        f"step_overhead_{args.dtype}"
+        + ("" if args.device == "cpu" else f"_{args.device}")
+        + ("" if args.device == "cpu" or args.cuda_graphs else "_eager"),
         rows,
         {
             "peer": "the same step's model forward (host / step is the ratio)",
             "dtype": args.dtype,
+            "device": args.device,
+            "cuda_graphs": args.device != "cpu" and args.cuda_graphs,
             "steps": args.steps,
             "target": f"host overhead <= {TARGET_HOST_MS_AT_64} ms at 64 running sequences",
             "target_met": None if at_64 is None else at_64 <= TARGET_HOST_MS_AT_64,

@@ -70,6 +70,12 @@ class EngineConfig:
         "inside the kernel; bfloat16, the fast mode: Q4 in torch's int4 layout); off: "
         "dequantise every weight to a dense one at load",
     )
+    cuda_graphs: bool = _setting(
+        True,
+        "on CUDA, replay steps of decodes from captured CUDA graphs (batch sizes and "
+        "context widths bucketed, each graph captured on first use); off: every step "
+        "launches its kernels one by one",
+    )
     block_size: int = _setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", ge=1)
     kv_cache_memory: int | None = _setting(
         None,
@@ -139,7 +145,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_block_sharing", "packed_weights"):
+        for name in (
+            "enable_prefix_caching",
+            "enable_block_sharing",
+            "packed_weights",
+            "cuda_graphs",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:

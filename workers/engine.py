@@ -125,7 +125,10 @@ class Engine:
         kv_cache = allocate_kv_cache(
             self.model_config, num_blocks, config.block_size, dtype, device
         )
-        self.runner = ModelRunner(self.loaded.model, self.kv, kv_cache)
+        graphs = config.cuda_graphs and device.type == "cuda"
+        self.runner = ModelRunner(
+            self.loaded.model, self.kv, kv_cache, static_decode="graphs" if graphs else "off"
+        )
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
         draft = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ import torch
 
 from tessera.workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
 from tessera.workers.attention.paged import plan_decode
+from tessera.workers.cuda_graphs import DecodeGraphs
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.llama import LlamaModel
 
@@ -77,14 +79,35 @@ DECODE_SPLIT_TOKENS = 8
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCacheManager, kv_cache: torch.Tensor) -> None:
+    """Runs a step's chunks through the model.
+
+    ``static_decode``: steps whose attention entries are all decodes run through
+    ``DecodeGraphs`` (bucketed static buffers; on CUDA replayed from captured graphs);
+    ``"off"`` runs every step on the dynamic path; ``"eager"`` takes the static path
+    without capturing (so the CPU tests can check it).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCacheManager,
+        kv_cache: torch.Tensor,
+        static_decode: str = "off",
+    ) -> None:
+        if static_decode not in ("off", "eager", "graphs"):
+            raise ValueError(f"static_decode: 'off', 'eager' or 'graphs', got {static_decode!r}")
         self.model = model
         self.kv = kv
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.block_size = kv.block_size
-        #: Seconds the last ``execute`` spent in the model's forward (on CUDA: launching
-        #: it, the kernels run on asynchronously).
+        self.decode_graphs = (
+            None
+            if static_decode == "off"
+            else DecodeGraphs(model, kv_cache, kv.block_size, capture=static_decode == "graphs")
+        )
+        #: Seconds the last ``execute`` spent in the model's forward (on CUDA, up to the
+        #: end of its kernels).
         self.forward_time = 0.0
 
     def execute(self, chunks: Seq[Chunk]) -> torch.Tensor:
@@ -107,6 +130,9 @@ class ModelRunner:
             else:
                 entries.append((i, 0, n))
         entries.sort(key=lambda entry: entry[2] != 1)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(len(entries)) and all(e[2] == 1 for e in entries):
+            return self._static_decode(chunks, entries)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -176,7 +202,30 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
+        return self._timed(lambda: self.model(*inputs))
+
+    def _static_decode(
+        self, chunks: Seq[Chunk], entries: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """A step of decode entries only (each ``(chunk, token, 1)``), in entry order."""
+        assert self.decode_graphs is not None
+        row_of = {(i, row): index for index, (i, row, _) in enumerate(entries)}
+        input_ids, positions, indices, tables = [], [], [], []
+        for i, row, _ in entries:
+            chunk = chunks[i]
+            input_ids.append(chunk.token_ids[row])
+            index = chunk.start + row
+            positions.append(index if chunk.positions is None else chunk.positions[row])
+            indices.append(index)
+            tables.append(self.kv.block_ids(chunk.seq_id))
+        logits_rows = [row_of[i, r] for i, chunk in enumerate(chunks) for r in chunk.logits_rows]
+        run = self.decode_graphs.prepare(input_ids, positions, indices, tables, logits_rows)
+        return self._timed(run)
+
+    def _timed(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         started = time.perf_counter()
-        logits = self.model(*inputs)
+        logits = forward()
+        if logits.is_cuda:  # sampling waits for it anyway; the time then means the forward
+            torch.cuda.synchronize(logits.device)
         self.forward_time = time.perf_counter() - started
         return logits

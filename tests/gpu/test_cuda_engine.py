@@ -85,3 +85,29 @@ def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make
         sets = [s.token_ids for d in out["parallel"] for s in d.parallel_sets]
         results.append(({rid: tokens_of(out[rid]) for rid in requests}, sets))
     assert results[0] == results[1]
+
+
+def test_cuda_graphs_replay_what_eager_steps_compute(smollm2_path):
+    """Decode steps replayed from CUDA graphs (the default) give the eager steps'
+    tokens, for a batch that changes size as requests finish (several buckets)."""
+    from tessera.workers.engine import Engine
+    from tessera.workers.model.loader import load_model
+
+    loaded = load_model(smollm2_path, "float32", "cuda")
+    prompts = [f"Item {i}: a short note about the number {i * 7}." for i in range(11)]
+    results = []
+    for graphs in (True, False):
+        engine = Engine(
+            EngineConfig(device="cuda", num_kv_blocks=128, cuda_graphs=graphs), loaded=loaded
+        )
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True)
+            engine.add_request(f"r{i}", prompt, params)
+        outputs = run_engine(engine)
+        results.append({rid: tokens_of(deltas) for rid, deltas in outputs.items()})
+        steps = engine.runner.decode_graphs.steps if graphs else {}
+        if graphs:
+            assert len(steps) >= 3 and all(s.graph is not None for s in steps.values())
+        else:
+            assert engine.runner.decode_graphs is None
+    assert results[0] == results[1]

@@ -40,6 +40,7 @@ OTHER_VALUES = {
     "max_model_len": 256,
     "enable_prefix_caching": False,
     "packed_weights": False,
+    "cuda_graphs": False,
     "speculative_method": "draft",
     "speculative_num_tokens": 6,
     "speculative_min_tokens": 2,
