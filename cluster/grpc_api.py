@@ -34,6 +34,7 @@ from tessera.cluster.auth import key_matches
 from tessera.cluster.grpc_client import API_VERSION
 from tessera.cluster.openai_protocol import api_error, invalid
 from tessera.protos.tessera.v1 import generation_pb2 as pb
+from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import DeadlineError, WorkerStatus
 from tessera.workers import sampling_fields
 from tessera.workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 #: The services the gRPC ingress serves: ``grpc_options.grpc_servicer_functions``.
 SERVICER_FUNCTIONS = (
-    "tessera.protos.tessera.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    "tessera.cluster.grpc_api.add_generation_servicer",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 )
 #: The service name health checks may ask about (besides "", the whole server).
@@ -65,6 +66,55 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
+
+
+class Malformed:
+    """What a request whose bytes are not a valid message parses to (picklable: Serve's
+    proxy sends the parsed request to the replica); the methods answer it with
+    ``INVALID_ARGUMENT`` instead of the proxy's ``UNKNOWN``."""
+
+    def __init__(self, message_type: str, reason: str) -> None:
+        self.message_type, self.reason = message_type, reason
+
+
+def _lenient(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+    message_type = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+    name = message_type.full_name if message_type is not None else "request"
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return parse(data)
+        except Exception as error:  # protobuf's DecodeError, or anything a parser raises
+            return Malformed(name, str(error) or type(error).__name__)
+
+    return handler._replace(request_deserializer=deserialize)
+
+
+class _LenientRegistration:
+    """The server as the generated registration sees it: each method's request parser
+    replaced by a lenient one (``Malformed`` instead of an exception)."""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        for handler in handlers:  # grpc's own generic handler keeps them in this dict
+            methods = handler._method_handlers
+            handler._method_handlers = {name: _lenient(h) for name, h in methods.items()}
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        lenient = {name: _lenient(handler) for name, handler in handlers.items()}
+        self._server.add_registered_method_handlers(service, lenient)
+
+
+def add_generation_servicer(servicer, server: grpc.Server) -> None:
+    """``tessera.v1.Generation``'s generated registration, with lenient parsers (the
+    servicer function named in ``grpc_options``)."""
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, _LenientRegistration(server))
 
 
 class GrpcError(Exception):
@@ -134,7 +184,13 @@ def response(request_id: str, delta: RequestOutput) -> pb.GenerateResponse:
     return message
 
 
-def _check_version(version: int) -> None:
+def _check_message(request: object) -> None:
+    """A request that parsed, in a version this server speaks."""
+    if isinstance(request, Malformed):
+        raise invalid(
+            None, f"the request is not a valid {request.message_type} message: {request.reason}"
+        )
+    version = request.version
     if version not in (0, API_VERSION):
         raise invalid("version", f"this server speaks version {API_VERSION}, got {version}")
 
@@ -152,7 +208,7 @@ class GenerationService:
         stream = None
         try:
             self._grpc_authorize(grpc_context)
-            _check_version(request.version)
+            _check_message(request)
             self._check_model(request.model or None)
             prompt, sampling = self._grpc_prompt(request)
             timeout = self.config.request_timeout_s
@@ -216,7 +272,7 @@ class GenerationService:
     async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:  # noqa: N802
         try:
             self._grpc_authorize(grpc_context)
-            _check_version(request.version)
+            _check_message(request)
             if not request.request_id:
                 raise invalid("request_id", "must not be empty")
             aborted = await self.client.abort(request.request_id)
@@ -229,7 +285,7 @@ class GenerationService:
     ) -> pb.ListModelsResponse:
         try:
             self._grpc_authorize(grpc_context)
-            _check_version(request.version)
+            _check_message(request)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
         model = pb.Model(
@@ -242,7 +298,7 @@ class GenerationService:
     ) -> pb.TokenizeResponse:
         try:
             self._grpc_authorize(grpc_context)
-            _check_version(request.version)
+            _check_message(request)
             self._check_model(request.model or None)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
@@ -308,6 +364,7 @@ class GenerationService:
                 raise invalid("token_ids", "must not be empty")
             prompt = self._token_ids(list(request.token_ids.ids))
         sampling = sampling_params(request.sampling)
+        self._check_stop_ids(sampling, "sampling.stop_token_ids")
         self._check_length(prompt, sampling.max_tokens, "sampling.max_tokens")
         return prompt, sampling
 

@@ -42,8 +42,6 @@ from tessera.workers.sampling_fields import WIRE_NAMES, defaults, sampling_param
 
 logger = logging.getLogger(__name__)
 
-#: Most stop strings one request may give.
-MAX_STOP = 16
 #: Most prompts one completions request may batch.
 MAX_PROMPTS = 64
 #: Seconds a client is told to wait before retrying an overloaded cluster.
@@ -181,9 +179,7 @@ class _Sampling(_Body):
         if self.timeout is not None and not (0 < self.timeout < math.inf):
             raise invalid("timeout", f"must be a number of seconds > 0, got {self.timeout}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        if len(stop) > MAX_STOP:
-            raise invalid("stop", f"at most {MAX_STOP} stop strings, got {len(stop)}")
-        beam_width = self.beam_width or 1
+        beam_width = 1 if self.beam_width is None else self.beam_width
         if self.use_beam_search and self.beam_width is None:
             beam_width = max(self.best_of or self.n, 2)
         elif self.use_beam_search and beam_width < 2:
@@ -192,12 +188,18 @@ class _Sampling(_Body):
         values = self.model_dump(include=WIRE_NAMES)
         values |= {"max_tokens": max_tokens, "logprobs": logprobs, "stop": stop,
                    "beam_width": beam_width}  # fmt: skip
-        for name in _BEAMS_ONLY if beam_width == 1 else _NOT_WITH_BEAMS:
-            del values[name]  # unset: the engine's default
         try:
+            if beam_width == 1:  # ignored without beams, but still checked
+                sampling_params({name: values[name] for name in _BEAMS_ONLY})
+            for name in _BEAMS_ONLY if beam_width == 1 else _NOT_WITH_BEAMS:
+                del values[name]  # unset: the engine's default
             return sampling_params(values)
         except InvalidRequestError as error:
-            raise invalid(error.field, error.message) from None
+            raise invalid(self.wire_name(error.field), error.message) from None
+
+    def wire_name(self, field: str) -> str:
+        """The body's name of an engine field (chat's ``max_completion_tokens``)."""
+        return field
 
 
 class CompletionRequest(_Sampling):
@@ -273,11 +275,37 @@ class ChatCompletionRequest(_Sampling):
             for m in self.messages
         ]
 
+    def wire_name(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return field
+
     @property
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+def _check_unicode(value: Any, path: list[str]) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate (JSON's ``"\\ud800"``): it is
+    not Unicode text, and neither the tokenizer nor a UTF-8 response can carry it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise invalid(
+                ".".join(path) or None,
+                f"has a lone surrogate (U+{ord(value[error.start]):04X}) at character "
+                f"{error.start}: not valid Unicode text",
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path)
+            _check_unicode(item, [*path, str(key)])
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(item, [*path, str(index)])
 
 
 def parse_body(raw: bytes, model: type[_Body]) -> Any:
@@ -290,6 +318,7 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         raise invalid(None, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise invalid(None, f"the body must be a JSON object, got {type(data).__name__}")
+    _check_unicode(data, [])
     data = {key: value for key, value in data.items() if value is not None}  # null: default
     try:
         return model.model_validate(data)

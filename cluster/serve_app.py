@@ -214,6 +214,7 @@ class OpenAIServer(GenerationService):
             for prompt in prompts:
                 self._check_length(prompt, max_tokens, "max_tokens")
             sampling = body.sampling_for(max_tokens)
+            self._check_stop_ids(sampling, "stop_token_ids")
             job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
             echo = [
                 (text if isinstance(text, str) else self.tokenizer.decode(ids)) if body.echo else ""
@@ -277,9 +278,9 @@ class OpenAIServer(GenerationService):
                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             )
             self._check_length(prompt, max_tokens, field_name)
-            job = self._job(
-                "chat", "chatcmpl", [prompt], body.sampling_for(max_tokens), body, arrival
-            )
+            sampling = body.sampling_for(max_tokens)
+            self._check_stop_ids(sampling, "stop_token_ids")
+            job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
             await self._start(job, body)
         except APIError as error:
             self.metrics.finished("chat", error.status, arrival, None, 0, 0, 0, 0)
@@ -382,6 +383,15 @@ class OpenAIServer(GenerationService):
             raise invalid("messages", f"the chat template refused them: {error}") from None
         # The template wrote the special tokens (BOS) already.
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _check_stop_ids(self, sampling: SamplingParams, field_name: str) -> None:
+        """Checked here, not only by the worker, so that each door names its own field."""
+        for token_id in sampling.stop_token_ids:
+            if token_id >= self.vocab_size:
+                raise invalid(
+                    field_name,
+                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
+                )
 
     def _check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
         if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 MAX_TOP_LOGPROBS = 20
 #: The most sequences one request may fork into (n, best_of, beam_width).
 MAX_WIDTH = 64
+#: The most stop strings one request may give (OpenAI allows 4; vLLM has no limit).
+MAX_STOP = 16
 EARLY_STOPPING_VALUES = (True, False, "never")
 #: Proposers of draft tokens: prompt lookup (n-gram) and a draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -223,6 +225,10 @@ class SamplingParams:
                 raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequestError("stop", f"must be a tuple of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP:
+            raise InvalidRequestError(
+                "stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}"
+            )
         if any(s == "" for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must not be empty")
         for token_id in self.stop_token_ids:

@@ -241,6 +241,9 @@ INVALID = [
     ({"prompt": [10**8]}, "prompt: token id 100000000 is out of the vocabulary"),
     ({"version": 7}, "version: this server speaks version 1, got 7"),
     ({"timeout_s": -1.0}, "timeout_s: must be a number > 0"),
+    ({"sampling": {"stop_token_ids": [10**6]}}, "sampling.stop_token_ids: token id 1000000"),
+    ({"sampling": {"stop": ["a"] * 17}}, "sampling.stop: at most 16 stop strings, got 17"),
+    ({"sampling": {"beam_width": 0}}, "sampling.beam_width: must be in [1, 64], got 0"),
 ]
 
 
@@ -257,6 +260,20 @@ def test_invalid_arguments_name_the_field(client, fields, named):
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
     assert error.details().startswith(named), error.details()  # the message, no traceback
     assert [d.text for d in client.generate("Hi", max_tokens=2, temperature=0)]  # still serves
+
+
+def test_a_malformed_message_is_invalid_argument(client):
+    """Bytes that are not a GenerateRequest: INVALID_ARGUMENT naming the message type
+    (the proxy's parser would answer UNKNOWN), and the server goes on."""
+    generate = client.channel.unary_stream(
+        "/tessera.v1.Generation/Generate",
+        request_serializer=lambda raw: raw,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    error = _error(lambda: list(generate(b"\xff\xff\xff", metadata=client.metadata, timeout=30)))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith("the request is not a valid tessera.v1.GenerateRequest")
+    assert [d.text for d in client.generate("Hi", max_tokens=2, temperature=0)]
 
 
 def test_unknown_model_is_not_found_and_unknown_option_a_type_error(client):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 
@@ -338,6 +339,24 @@ ERRORS = [
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "2**63"),
     ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "not served"),
+    ("/v1/completions", {"prompt": "Hi \ud800 there"}, 400, "prompt", "lone surrogate (U+D800)"),
+    ("/v1/completions", {"prompt": "x", "beam_width": 0}, 400, "beam_width", "[1, 64], got 0"),
+    ("/v1/completions", {"prompt": "x", "length_penalty": math.nan}, 400, "length_penalty", "NaN"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids", "vocab"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]},
+        400,
+        "messages.0.content.0.text",
+        "lone surrogate (U+DC00) at character 1",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+        ">= 1, got 0",
+    ),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
     ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages", "required"),
     (
