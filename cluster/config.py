@@ -411,6 +411,19 @@ class ServeConfig(ClusterConfig):
     max_request_bytes: int = Field(
         4 * 2**20, ge=1, description="largest request body, e.g. 4MiB; larger ones get 413"
     )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a client has to send a request's whole body after its "
+        "headers; slower ones get 408 and their connection is closed",
+    )
+    max_pending_bodies: int = Field(
+        64,
+        ge=1,
+        description="requests whose bodies are slow (incomplete 0.5 s after their headers) "
+        "one front-end replica reads at once; the next slow one gets 503, so stalled "
+        "uploads cannot starve the others",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,

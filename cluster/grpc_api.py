@@ -210,7 +210,7 @@ class GenerationService:
             self._grpc_authorize(grpc_context)
             _check_message(request)
             self._check_model(request.model or None)
-            prompt, sampling = self._grpc_prompt(request)
+            prompt, sampling = await self._grpc_prompt(request)
             timeout = self.config.request_timeout_s
             if request.HasField("timeout_s"):
                 if not (request.timeout_s > 0 and math.isfinite(request.timeout_s)):
@@ -300,9 +300,13 @@ class GenerationService:
             self._grpc_authorize(grpc_context)
             _check_message(request)
             self._check_model(request.model or None)
+            self._check_size(len(request.text), "text")
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
-        ids = self.tokenizer(request.text, add_special_tokens=request.add_special_tokens).input_ids
+        encoded = await self._off_loop(
+            self.tokenizer, request.text, add_special_tokens=request.add_special_tokens
+        )
+        ids = encoded.input_ids
         return pb.TokenizeResponse(version=API_VERSION, token_ids=ids)
 
     # ------------------------------------------------------------------ health
@@ -351,18 +355,18 @@ class GenerationService:
         if not key_matches(self._api_key, given):
             raise GrpcError(grpc.StatusCode.UNAUTHENTICATED, "incorrect API key")
 
-    def _grpc_prompt(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _grpc_prompt(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise invalid("prompt", "must be set: text or token_ids")
         if kind == "text":
             if not request.text:
                 raise invalid("text", "must not be empty")
-            prompt = self._token_ids(request.text)
+            prompt = await self._token_ids(request.text, "text")
         else:
             if not request.token_ids.ids:
                 raise invalid("token_ids", "must not be empty")
-            prompt = self._token_ids(list(request.token_ids.ids))
+            prompt = await self._token_ids(list(request.token_ids.ids), "prompt")
         sampling = sampling_params(request.sampling)
         self._check_stop_ids(sampling, "sampling.stop_token_ids")
         self._check_length(prompt, sampling.max_tokens, "sampling.max_tokens")

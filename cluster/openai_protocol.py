@@ -57,6 +57,16 @@ _SPECULATIVE = defaults(SpeculativeParams)
 _PARALLEL = defaults(ParallelTokensParams)
 
 
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a text of ``max_model_len`` tokens can have, so that longer
+    ones are refused before they are tokenized: a token of a byte-level BPE or
+    SentencePiece vocabulary covers at most as many characters as its vocabulary entry
+    has (the longest bounds them all); twice that leaves room for normalizers that
+    merge characters (NFKC)."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    return max_model_len * longest * 2
+
+
 class APIError(Exception):
     """An error response: HTTP ``status`` and OpenAI's error object."""
 

@@ -12,20 +12,28 @@ tokenize, place each request through the scheduler and relay the worker's stream
 
 **Errors** are OpenAI's error objects (``cluster.openai_protocol.APIError``): 400
 naming the field, 401 without the API key, 404 for an unknown model or route, 408 past
-the request's deadline, 413 above the body limit, 429 with ``Retry-After`` when the
-cluster is overloaded, 503 when no worker is left. A stream that fails after it began
+the request's deadline or a body slower than ``body_timeout_s``, 413 above the body
+limit, 429 with ``Retry-After`` when the cluster is overloaded, 503 when no worker is
+left or too many bodies are slow (``max_pending_bodies``).
+
+**The event loop stays free.** Tokenizing and chat templates run on a thread pool of
+the machine's size; a text longer than any context could hold (``max_prompt_chars``)
+is refused by its length before it is tokenized. A stream that fails after it began
 ends with an error event and ``[DONE]``. A client that goes away aborts its request on
 the worker, which frees its blocks at once.
 """
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +48,7 @@ from tessera.cluster.grpc_api import GenerationService
 from tessera.cluster.launch import Cluster
 from tessera.cluster.metrics import CONTENT_TYPE, Metrics
 from tessera.cluster.openai_protocol import (
+    RETRY_AFTER_S,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +56,7 @@ from tessera.cluster.openai_protocol import (
     api_error,
     finish_reason,
     invalid,
+    max_prompt_chars,
     parallel_sets,
     parse_body,
     speculative_stats,
@@ -59,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 #: The default ``max_tokens`` of the completions API (OpenAI's).
 COMPLETIONS_MAX_TOKENS = 16
+#: A request body not complete this long after its headers is a slow one (see ``_read``).
+BODY_GRACE_S = 0.5
 
 api = FastAPI(title="Tessera", summary="An OpenAI-compatible LLM server", docs_url="/docs")
 
@@ -82,6 +94,26 @@ async def _render_internal_error(request: Request, error: Exception) -> JSONResp
     logger.exception("internal error on %s %s", request.method, request.url.path)
     body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
     return JSONResponse(body.body(), status_code=500)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is over the limit of {limit} bytes (max_request_bytes)",
+        code="request_too_large",
+    )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body; ``request.state.body_bytes`` counts what came so far."""
+    chunks = []
+    request.state.body_bytes = 0
+    async for chunk in request.stream():
+        request.state.body_bytes += len(chunk)
+        if request.state.body_bytes > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
@@ -168,6 +200,11 @@ class OpenAIServer(GenerationService):
         self.metrics = Metrics()
         self.created = int(time.time())
         self._api_key = expected_authorization(config.api_key)
+        # Tokenizing (and chat templates) run here, off the event loop, so that one
+        # large prompt does not stall every other stream and /health.
+        self._cpu = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tessera-cpu")
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        self._slow_bodies = 0
 
     # ------------------------------------------------------------------ routes
     @api.get("/health")
@@ -209,7 +246,7 @@ class OpenAIServer(GenerationService):
             self._authorize(request)
             body = parse_body(await self._read(request), CompletionRequest)
             self._check_model(body.model)
-            prompts = [self._token_ids(p) for p in body.prompts()]
+            prompts = [await self._token_ids(p, "prompt") for p in body.prompts()]
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
             for prompt in prompts:
                 self._check_length(prompt, max_tokens, "max_tokens")
@@ -261,7 +298,7 @@ class OpenAIServer(GenerationService):
             self._authorize(request)
             body = parse_body(await self._read(request), ChatCompletionRequest)
             self._check_model(body.model)
-            prompt = self._chat_prompt(body)
+            prompt = await self._chat_prompt(body)
             max_tokens = body.requested_max_tokens
             if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
                 width = body.beam_width or body.best_of or body.n
@@ -329,22 +366,51 @@ class OpenAIServer(GenerationService):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
 
     async def _read(self, request: Request) -> bytes:
-        limit = self.config.max_request_bytes
+        """The body, within ``max_request_bytes`` and ``body_timeout_s``.
+
+        A body still incomplete after ``BODY_GRACE_S`` is slow: at most
+        ``max_pending_bodies`` slow ones are read at once per replica, the next gets 503
+        at once. Bodies that arrive with their headers (every ordinary client's) never
+        count, so stalled uploads cannot crowd them out.
+        """
+        config = self.config
+        limit = config.max_request_bytes
         length = request.headers.get("content-length", "")
-        too_large = APIError(
-            413,
-            f"the request body is over the limit of {limit} bytes (max_request_bytes)",
-            code="request_too_large",
-        )
         if length.isdigit() and int(length) > limit:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
+            raise _too_large(limit)
+        reading = asyncio.ensure_future(_read_body(request, limit))
+        started = time.monotonic()
+        try:
+            done, _ = await asyncio.wait({reading}, timeout=BODY_GRACE_S)
+            if done:
+                return reading.result()
+            if self._slow_bodies >= config.max_pending_bodies:
+                raise APIError(
+                    503,
+                    f"{self._slow_bodies} requests are already slow to send their bodies to "
+                    "this replica, its limit (max_pending_bodies); retry shortly",
+                    type="overloaded_error",
+                    code="overloaded",
+                    # its body may still come: close rather than read it
+                    headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+                )
+            self._slow_bodies += 1
+            try:
+                remaining = config.body_timeout_s - (time.monotonic() - started)
+                return await asyncio.wait_for(asyncio.shield(reading), max(remaining, 0))
+            finally:
+                self._slow_bodies -= 1
+        except TimeoutError:
+            expected = f" of {length}" if length else ""
+            raise APIError(
+                408,
+                f"the request body did not arrive within {config.body_timeout_s:g} s "
+                f"(body_timeout_s): {request.state.body_bytes}{expected} bytes came",
+                code="timeout",
+                headers={"Connection": "close"},
+            ) from None
+        finally:
+            reading.cancel()
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -355,26 +421,46 @@ class OpenAIServer(GenerationService):
                 code="model_not_found",
             )
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+    async def _off_loop(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU work (tokenizing, chat templates) on the replica's thread pool."""
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, call)
+
+    def _check_size(self, chars: int, field_name: str) -> None:
+        """Refuse text that is certainly over the context before tokenizing it."""
+        if chars > self.max_prompt_chars:
+            raise invalid(
+                field_name,
+                f"the text is {chars} characters, more than any {self.max_model_len}-token "
+                f"context holds ({self.max_prompt_chars} characters at most, from the "
+                "vocabulary's longest token)",
+            )
+
+    async def _token_ids(self, prompt: str | list[int], field_name: str) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids
+            self._check_size(len(prompt), field_name)
+            return (await self._off_loop(self.tokenizer, prompt)).input_ids
         for token_id in prompt:
             if not 0 <= token_id < self.vocab_size:
                 raise invalid(
-                    "prompt", f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})"
+                    field_name,
+                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
                 )
         return prompt
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if not self.tokenizer.chat_template:
             raise invalid("messages", "this model has no chat template; use /v1/completions")
         if body.continue_final_message and body.add_generation_prompt:
             raise invalid(
                 "continue_final_message", "needs add_generation_prompt to be false as well"
             )
+        conversation = body.conversation()
+        self._check_size(sum(len(m["content"]) for m in conversation), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                body.conversation(),
+            text = await self._off_loop(
+                self.tokenizer.apply_chat_template,
+                conversation,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tokenize=False,
@@ -382,7 +468,7 @@ class OpenAIServer(GenerationService):
         except Exception as error:  # the template refuses the conversation
             raise invalid("messages", f"the chat template refused them: {error}") from None
         # The template wrote the special tokens (BOS) already.
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return (await self._off_loop(self.tokenizer, text, add_special_tokens=False)).input_ids
 
     def _check_stop_ids(self, sampling: SamplingParams, field_name: str) -> None:
         """Checked here, not only by the worker, so that each door names its own field."""

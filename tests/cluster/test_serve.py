@@ -45,6 +45,7 @@ def server(ray_session, tmp_path_factory) -> Server:
         "max_ongoing_requests: 16\n"
         "max_queued_requests: 64\n"
         "draft_model: target:8\n"  # the first 8 layers draft for speculative method draft
+        "body_timeout_s: 3\n"
         "port: 1\n"  # overridden by --port: flags win over the file
     )
     with serve_process(tmp_path_factory.mktemp("serve"), settings, API_KEY, NAMESPACE) as server:
@@ -395,6 +396,73 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(
     assert set(error) == {"message", "type", "param", "code"}
     ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200, ok.text
+
+
+def _stalled_upload(server: Server) -> socket.socket:
+    """A connection that sends a completion's headers and never its 4096-byte body."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 4096\r\n"
+        + f"Authorization: Bearer {server.api_key}\r\n\r\n".encode()
+    )
+    return sock
+
+
+def _response(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_stalled_uploads_get_503_past_the_cap_and_408_then_close(server):
+    """70 uploads that never send their bodies (the replica waits for at most 64 slow
+    bodies at once, body_timeout_s is 3 here): the 6 past the cap get 503 at once,
+    /health and real requests are served meanwhile, and each stalled one gets 408 and
+    is closed."""
+    socks = [_stalled_upload(server) for _ in range(70)]
+    try:
+        time.sleep(1.0)
+        started = time.monotonic()
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200 and time.monotonic() - started < 2
+        ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        answers = [_response(sock) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    statuses = sorted(answer.split(b" ", 2)[1].decode() for answer in answers)
+    assert statuses.count("503") >= 6 and set(statuses) == {"408", "503"}, statuses
+    timed_out = next(a for a in answers if a.startswith(b"HTTP/1.1 408"))
+    assert b"did not arrive within 3 s (body_timeout_s): 0 of 4096 bytes came" in timed_out
+    busy = next(a for a in answers if a.startswith(b"HTTP/1.1 503"))
+    assert b"max_pending_bodies" in busy
+
+
+def test_a_huge_prompt_is_refused_before_tokenizing_while_streams_go_on(server):
+    """A 3.9 MB prompt is over any context by its size alone: 400 at once, and a
+    stream running meanwhile never stalls."""
+    client = server.client()
+    stream = client.completions.create(
+        model=MODEL, prompt="Count: one, two,", max_tokens=40, temperature=0, stream=True
+    )
+    next(iter(stream))
+    started = time.monotonic()
+    response = server.post("/v1/completions", {"prompt": "word " * 780_000, "max_tokens": 4})
+    assert time.monotonic() - started < 3
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt"
+    assert "the text is 3900000 characters, more than any 8192-token context" in error["message"]
+    gaps, last = [], time.monotonic()
+    for _ in stream:
+        gaps.append(time.monotonic() - last)
+        last = time.monotonic()
+    assert gaps and max(gaps) < 2
 
 
 def test_context_length_error_names_both_numbers_and_the_limit(server):
