@@ -37,7 +37,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from tessera.scheduler.api import ClusterStats, NoWorkerError, Placement, Refusal
+from tessera.scheduler.api import ClusterStats, DeadlineError, NoWorkerError, Placement, Refusal
 from tessera.workers.api import (
     InvalidRequestError,
     Request,
@@ -52,6 +52,11 @@ logger = logging.getLogger(__name__)
 
 #: Worker losses one request survives before it fails with ``NoWorkerError``.
 MAX_FAILOVERS = 8
+#: How long a request without its own ``timeout_s`` waits for a scheduler that does not
+#: answer (it restarts in seconds; Ray retries the call on its new incarnation).
+SCHEDULER_WAIT_S = 60.0
+#: How long closing a stream waits for the scheduler to note its release.
+RELEASE_WAIT_S = 5.0
 
 
 @dataclass
@@ -128,18 +133,29 @@ class _Run:
     async def _attempt(self, failover: bool) -> None:
         request = self.request
         parts = self._plan()
+        # A restarting scheduler takes the call when it is back: wait for it within
+        # the request's queue deadline (place answers by then itself once it runs).
+        wait_s = (self.timeout_s or SCHEDULER_WAIT_S) + 5.0
         try:
-            placement = await self.client.scheduler.place.remote(
-                request.request_id,
-                list(request.prompt_token_ids),
-                request.cache_salt,
-                MIXED,
-                self.timeout_s,
-                failover,
-                tuple(part.worker_request_id for part in parts),
+            placement = await asyncio.wait_for(
+                self.client.scheduler.place.remote(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    request.cache_salt,
+                    MIXED,
+                    self.timeout_s,
+                    failover,
+                    tuple(part.worker_request_id for part in parts),
+                ),
+                wait_s,
             )
+        except TimeoutError:
+            raise DeadlineError(
+                f"the cluster's scheduler did not answer within {wait_s:g} s; retry"
+            ) from None
         except RayActorError as error:  # the scheduler itself, not a worker
-            raise NoWorkerError(f"the cluster's scheduler is gone ({error})") from None
+            logger.error("the scheduler is gone: %s", error)
+            raise NoWorkerError("the cluster's scheduler is gone") from None
         if isinstance(placement, Refusal):
             raise placement.error(placement.message)
         self.placement, self.parts = placement, parts
@@ -279,8 +295,9 @@ class _Run:
             for part in live:  # sent now, not awaited: nothing may hold up the release
                 placement.worker.abort.remote(part.worker_request_id)
         self.client._runs.pop(self.request.request_id, None)
-        with contextlib.suppress(RayActorError):
-            await self.client.scheduler.release.remote(self.request.request_id)
+        release = self.client.scheduler.release.remote(self.request.request_id)
+        with contextlib.suppress(RayActorError, TimeoutError):  # Ray retries it meanwhile
+            await asyncio.wait_for(asyncio.shield(release), RELEASE_WAIT_S)
 
 
 def _sampling(sampling: SamplingParams | None) -> SamplingParams:
@@ -407,4 +424,5 @@ class ClusterClient:
         return run.placement if run is not None else None
 
     async def stats(self) -> ClusterStats:
-        return await self.scheduler.stats.remote()
+        """The cluster's stats; ``TimeoutError`` while the scheduler does not answer."""
+        return await asyncio.wait_for(self.scheduler.stats.remote(), RELEASE_WAIT_S)

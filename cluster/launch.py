@@ -24,7 +24,7 @@ import ray
 
 from tessera.cluster.client import ClusterClient, RequestStream
 from tessera.cluster.config import ClusterConfig, check_environment
-from tessera.scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class
+from tessera.scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class, worker_actors
 from tessera.scheduler.api import ClusterStats
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.config import SchedulerConfig, WorkerPool
@@ -128,7 +128,7 @@ class Cluster:
             stats = await scheduler.wait_ready.remote(ready_timeout_s, not owns_scheduler)
         except BaseException:
             if owns_scheduler:
-                await _stop(scheduler)
+                await _stop(scheduler, config)
             if owns_ray:
                 ray.shutdown()
             raise
@@ -156,13 +156,17 @@ class Cluster:
         """Stop the scheduler and every worker it started if this ``Cluster`` created
         it, and Ray if it started Ray; a shared scheduler is left running."""
         if self.owns_scheduler:
-            await _stop(self.scheduler)
+            await _stop(self.scheduler, self.config)
         if self.owns_ray:
             ray.shutdown()
 
 
-async def _stop(scheduler) -> None:
+async def _stop(scheduler, config: ClusterConfig) -> None:
+    """Stop the scheduler and its workers. Workers are detached (they outlive a
+    scheduler crash), so any its ``shutdown`` did not reach are killed here by name."""
     try:
         await scheduler.shutdown.remote()
     finally:
         ray.kill(scheduler, no_restart=True)
+        for _, worker in worker_actors(config.scheduler_name, config.namespace):
+            ray.kill(worker, no_restart=True)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.exceptions import RayError
 
 from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
 from tessera.workers.api import (
@@ -119,8 +120,26 @@ def api_error(error: BaseException) -> APIError:
         return APIError(429, str(error), type="overloaded_error", code="overloaded", headers=retry)
     if isinstance(error, NoWorkerError):
         return APIError(503, str(error), type="unavailable_error", code="no_worker", headers=retry)
+    # Ray's errors name actors, processes and nodes: the log has them, the client not.
     logger.error("request failed: %s: %s", type(error).__name__, error)
-    return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
+    if isinstance(error, RayError):
+        return APIError(
+            503,
+            "a part of the cluster failed while serving the request; retry",
+            type="unavailable_error",
+            code="unavailable",
+            headers=retry,
+        )
+    return internal_error(error)
+
+
+def internal_error(error: BaseException) -> APIError:
+    """A 500 that names the error's type only (its text may carry internals)."""
+    return APIError(
+        500,
+        f"internal error ({type(error).__name__}); the server's log has the details",
+        "internal_error",
+    )
 
 
 # ------------------------------------------------------------------ requests
@@ -259,13 +278,25 @@ class Message(_Body):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+class _Conversation(_Body):
+    """A conversation as a chat template renders it."""
+
     messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (developer is system)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+
+class ChatCompletionRequest(_Sampling, _Conversation):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
     def sampling_for(self, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None:
@@ -278,13 +309,6 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling(max_tokens, logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (developer is system)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
-
     def wire_name(self, field: str) -> str:
         if field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
@@ -295,6 +319,30 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Conversation):
+    """``POST /tokenize`` with messages: the chat template's prompt (vLLM's shape)."""
+
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _check_unicode(value: Any, path: list[str]) -> None:

@@ -2,6 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 ``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
@@ -52,9 +53,13 @@ from tessera.cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LogprobFormatter,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     api_error,
     finish_reason,
+    internal_error,
     invalid,
     max_prompt_chars,
     parallel_sets,
@@ -92,8 +97,7 @@ async def _render_http_error(request: Request, error: HTTPException) -> JSONResp
 @api.exception_handler(Exception)
 async def _render_internal_error(request: Request, error: Exception) -> JSONResponse:
     logger.exception("internal error on %s %s", request.method, request.url.path)
-    body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
-    return JSONResponse(body.body(), status_code=500)
+    return JSONResponse(internal_error(error).body(), status_code=500)
 
 
 def _too_large(limit: int) -> APIError:
@@ -133,15 +137,15 @@ class _Choice:
     finish_reason: str | None = None
     started: bool = False  # a streamed chat choice has sent its role
     offset: int = 0  # completions logprobs: text offset of the next token
-    parallel_sets: list = field(default_factory=list)  # parallel_tokens requests
+    parallel_sets: list | None = None  # parallel_tokens requests: the sets so far
     speculative: SpeculativeStats | None = None  # the latest counters of a speculating one
 
     def extras(self, delta: RequestOutput | None = None) -> dict:
-        """The choice's ``parallel_tokens`` and ``speculative`` fields: a streamed
-        ``delta``'s own sets, or (None) all of them."""
+        """The choice's ``parallel_tokens`` and ``speculative`` fields, only where the
+        request asked for them: a streamed ``delta``'s own sets, or (None) all of them."""
         out: dict = {}
         sets = self.parallel_sets if delta is None else delta.parallel_sets
-        if sets is not None and (delta is None or delta.parallel_sets is not None):
+        if sets is not None:
             out["parallel_tokens"] = parallel_sets(sets)
         if self.speculative is not None and (delta is None or delta.finished):
             out["speculative"] = speculative_stats(self.speculative)
@@ -351,6 +355,44 @@ class OpenAIServer(GenerationService):
             }
         )
 
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """A prompt's or a conversation's token ids, as vLLM's ``/tokenize`` gives them."""
+        self._authorize(request)
+        raw = await self._read(request)
+        try:  # the shape decides; parse_body names a bad field
+            chat = "messages" in json.loads(raw)
+        except (ValueError, TypeError):
+            chat = False
+        body = parse_body(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        self._check_model(body.model)
+        if chat:
+            ids = await self._chat_prompt(body, body.add_special_tokens)
+        else:
+            self._check_size(len(body.prompt), "prompt")
+            encoded = await self._off_loop(
+                self.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+            ids = encoded.input_ids
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }  # fmt: skip
+        )
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """Token ids back to text, as vLLM's ``/detokenize`` gives it."""
+        self._authorize(request)
+        body = parse_body(await self._read(request), DetokenizeRequest)
+        self._check_model(body.model)
+        ids = await self._token_ids(body.tokens, "tokens")
+        return JSONResponse({"prompt": await self._off_loop(self.tokenizer.decode, ids)})
+
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
@@ -448,7 +490,9 @@ class OpenAIServer(GenerationService):
                 )
         return prompt
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(
+        self, body: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
+    ) -> list[int]:
         if not self.tokenizer.chat_template:
             raise invalid("messages", "this model has no chat template; use /v1/completions")
         if body.continue_final_message and body.add_generation_prompt:
@@ -468,7 +512,8 @@ class OpenAIServer(GenerationService):
         except Exception as error:  # the template refuses the conversation
             raise invalid("messages", f"the chat template refused them: {error}") from None
         # The template wrote the special tokens (BOS) already.
-        return (await self._off_loop(self.tokenizer, text, add_special_tokens=False)).input_ids
+        encoded = await self._off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return encoded.input_ids
 
     def _check_stop_ids(self, sampling: SamplingParams, field_name: str) -> None:
         """Checked here, not only by the worker, so that each door names its own field."""
@@ -564,13 +609,17 @@ class OpenAIServer(GenerationService):
             await _close(job.streams)
 
     def _record(self, job: _Job, k: int, delta: RequestOutput) -> _Choice:
-        choice = job.choices.setdefault(job.choice_index(k, delta), _Choice())
+        choice = job.choices.get(job.choice_index(k, delta))
+        if choice is None:
+            choice = job.choices[job.choice_index(k, delta)] = _Choice()
+            if job.sampling.parallel_tokens is not None:
+                choice.parallel_sets = []
         if delta.token_ids and job.first_token is None:
             job.first_token = time.monotonic()
         choice.text.append(delta.text)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
-        if delta.parallel_sets:
+        if delta.parallel_sets and choice.parallel_sets is not None:
             choice.parallel_sets.extend(delta.parallel_sets)
         if delta.speculative is not None:
             choice.speculative = delta.speculative

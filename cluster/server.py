@@ -129,7 +129,11 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         else:
             serve.shutdown()
         if cluster is not None:
-            asyncio.run(cluster.shutdown())
+            try:
+                asyncio.run(cluster.shutdown())
+            except Exception as error:  # Ray's own text names actors and pids: the log
+                logger.warning("the cluster did not stop cleanly: %s", error)
+                _say(f"the cluster did not stop cleanly ({type(error).__name__})")
         if owns_ray:
             ray.shutdown()
         _say("stopped")

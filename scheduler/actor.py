@@ -16,6 +16,15 @@ What it holds:
 
 A monitor loop pulls a report from each worker every ``report_interval_s`` (that is
 the health check), restarts or replaces dead workers, and runs the autoscaler.
+
+**Restarts.** Workers are detached named actors (``worker_actor_name``), so they do
+not share the scheduler's fate, and the cluster layer creates the scheduler with
+``max_restarts``. A restarted scheduler (Ray runs ``__init__`` again) finds its live
+workers by name, asks each for a full report (its prefix-cache snapshot and the ids of
+the requests running there, counted as in flight until they end), and resumes
+placement; its worker ids go on from the highest found. Calls that arrive meanwhile
+are retried by Ray on the new incarnation (``max_task_retries``); the front ends bound
+them by their deadlines. Streams never notice: tokens do not pass through here.
 Invariant: a request is placed only on a ``HEALTHY`` worker of its role below its
 capacity (the registry states its own).
 """
@@ -26,6 +35,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import time
 
 import ray
@@ -63,6 +73,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.restarted = _reconstructed()
         self.policy = make_policy(config.placement)
         self.registry = Registry()
         self.queue = AdmissionQueue(config.max_queued_requests)
@@ -73,16 +84,34 @@ class Scheduler:
         self._ids = itertools.count()
         self._monitor: asyncio.Task | None = None
         self._placed = self._refused = self._failovers = 0
+        if self.restarted:  # nobody calls start() on a restarted actor: resume at once
+            self._resuming = asyncio.get_running_loop().create_task(self.start())
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Start the configured workers and the monitor loop (once)."""
         if self._monitor is not None:
             return
-        for pool in self.config.pools:
-            for _ in range(pool.workers):
-                self._add_worker(pool.role)
+        if self.restarted:
+            self._recover()
+        else:
+            for pool in self.config.pools:
+                for _ in range(pool.workers):
+                    self._add_worker(pool.role)
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
+
+    def _recover(self) -> None:
+        """After a restart: take back the live workers (their first report, a full one,
+        makes them healthy and says which requests still run on them)."""
+        found = worker_actors(self.config.scheduler_name, self.config.namespace)
+        numbers = [-1]
+        for worker_id, handle in found:
+            role, _, number = worker_id.rpartition("-")
+            numbers += [int(number)] if number.isdigit() else []
+            record = WorkerRecord(worker_id, role, handle, resync=True, recovered=set())
+            self.registry.add(record)
+        self._ids = itertools.count(max(numbers) + 1)
+        self._event(f"scheduler restarted: took back {len(found)} live workers")
 
     async def wait_ready(
         self, timeout_s: float = STARTUP_TIMEOUT_S, any_healthy: bool = False
@@ -119,6 +148,10 @@ class Scheduler:
         handle = (
             worker_actor_class()
             .options(
+                # detached and named: a restarted scheduler finds it (see the module doc)
+                name=worker_actor_name(self.config.scheduler_name, worker_id),
+                namespace=self.config.namespace,
+                lifetime="detached",
                 num_cpus=self.config.worker_num_cpus,
                 num_gpus=self.config.worker_num_gpus,
                 resources={f"tessera-{role}": 1} if self.config.role_resources else None,
@@ -206,6 +239,9 @@ class Scheduler:
         if self.registry.get(worker.worker_id) is not worker:
             return
         self.register(info)
+        if worker.recovered is not None and not worker.recovered and worker.load is None:
+            worker.recovered.update(load.request_ids)  # its first report since the restart
+        worker.recount(load.request_ids)
         if load.snapshot is not None:
             self.registry.index.reset(worker.worker_id, load.snapshot)
         else:
@@ -237,10 +273,10 @@ class Scheduler:
                     worker_id=w.worker_id,
                     starting=w.status is WorkerStatus.STARTING,
                     draining=w.status is WorkerStatus.DRAINING,
-                    ongoing=len(w.ongoing),
+                    ongoing=w.in_flight,
                     waiting=w.load.engine.waiting if w.load else 0,
                     kv_usage=w.load.engine.kv_usage if w.load else 0.0,
-                    idle_since=w.idle_since if not w.ongoing else None,
+                    idle_since=w.idle_since if not w.in_flight else None,
                 )
                 for w in pool
             ]
@@ -254,7 +290,7 @@ class Scheduler:
                 self.registry.workers[worker_id].status = WorkerStatus.DRAINING
                 self._event(f"draining idle worker {worker_id}")
         for worker in self.registry:
-            if worker.status is WorkerStatus.DRAINING and not worker.ongoing:
+            if worker.status is WorkerStatus.DRAINING and not worker.in_flight:
                 self._remove(worker, kill=True)
                 self._event(f"stopped drained worker {worker.worker_id}")
 
@@ -276,6 +312,10 @@ class Scheduler:
             f"{self.queue.limit} queued"
         )
         self._dispatch()
+
+    def pid(self) -> int:
+        """The scheduler's process id (operators, and the chaos tests, kill it)."""
+        return os.getpid()
 
     def worker_handle(self, worker_id: str):
         """The actor handle of ``worker_id`` (operators and tests reach a worker with it)."""
@@ -343,6 +383,8 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Abort a placed request on its worker (from any front end); False if unknown."""
         placed = self.registry.placed_on(request_id)
+        if placed is None:  # placed before a restart: by the ids its parts run under
+            placed = self.registry.recovered_on(request_id)
         if placed is None:
             return False
         worker, ids = placed
@@ -365,13 +407,13 @@ class Scheduler:
         candidates = [
             Candidate(
                 worker_id=w.worker_id,
-                ongoing=len(w.ongoing),
+                ongoing=w.in_flight,
                 capacity=capacity,
                 kv_usage=w.load.engine.kv_usage if w.load else 0.0,
                 matched_blocks=self.registry.index.matched(w.worker_id, hashes),
             )
             for w in self.registry
-            if w.role == role and w.status is WorkerStatus.HEALTHY and len(w.ongoing) < capacity
+            if w.role == role and w.status is WorkerStatus.HEALTHY and w.in_flight < capacity
         ]
         if not candidates:
             return None
@@ -443,6 +485,38 @@ class Scheduler:
         )
 
 
+def worker_actor_name(scheduler_name: str, worker_id: str) -> str:
+    """The Ray name of a worker actor: ``<scheduler name>/<worker id>``."""
+    return f"{scheduler_name}/{worker_id}"
+
+
+def worker_actors(scheduler_name: str, namespace: str) -> list[tuple[str, object]]:
+    """(worker id, handle) of each live worker actor of that scheduler."""
+    prefix = worker_actor_name(scheduler_name, "")
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == namespace and actor["name"].startswith(prefix):
+            try:
+                handle = ray.get_actor(actor["name"], namespace=namespace)
+            except ValueError:  # gone since it was listed
+                continue
+            found.append((actor["name"].removeprefix(prefix), handle))
+    return found
+
+
+def _reconstructed() -> bool:
+    """Whether this is a restarted actor (False outside an actor)."""
+    try:
+        return ray.get_runtime_context().was_current_actor_reconstructed
+    except Exception:  # no Ray, or not in an actor
+        return False
+
+
+#: Restarts of the scheduler actor Ray makes (each time it dies), and retries of the
+#: calls it was given meanwhile.
+SCHEDULER_ACTOR_OPTIONS = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": -1}
+
+
 def scheduler_actor_class():
     """The Ray remote class (made on demand, so importing this module needs no Ray)."""
-    return ray.remote(num_cpus=0)(Scheduler)
+    return ray.remote(**SCHEDULER_ACTOR_OPTIONS)(Scheduler)

@@ -4,7 +4,8 @@ Plain bookkeeping, no Ray calls: the scheduler actor decides, the registry recor
 Invariants:
 
 - ``placements`` and the workers' ``ongoing`` sets hold the same requests, each on
-  exactly one worker;
+  exactly one worker (requests placed before a scheduler restart are counted in
+  ``recovered`` instead, by the ids the worker reports);
 - the prefix index has entries only for workers in the registry, and what it holds
   for a worker was reported (or expected) by the worker's current incarnation.
 """
@@ -31,6 +32,10 @@ class WorkerRecord:
     info: WorkerInfo | None = None  # from its current incarnation's registration
     load: WorkerLoad | None = None  # its last report
     ongoing: set[str] = field(default_factory=set)  # request ids placed here
+    # Ids that requests run under here that an earlier incarnation of the scheduler
+    # placed (learnt from the worker's reports after a scheduler restart; None: none
+    # to learn). They count as in flight until the worker reports them gone.
+    recovered: set[str] | None = None
     placed: int = 0
     restarts: int = 0
     idle_since: float | None = None  # when its last request ended
@@ -40,6 +45,16 @@ class WorkerRecord:
     @property
     def incarnation(self) -> str | None:
         return self.info.incarnation if self.info else None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running here: those placed, and those recovered after a restart."""
+        return len(self.ongoing) + len(self.recovered or ())
+
+    def recount(self, running: tuple[str, ...]) -> None:
+        """A report's running ids: the recovered ones still running stay counted."""
+        if self.recovered is not None:
+            self.recovered.intersection_update(running)
 
 
 class Registry:
@@ -69,6 +84,7 @@ class Registry:
         """The worker (re)started as ``info.incarnation``: its cache and requests are new."""
         if record.info is not None:
             record.restarts += 1
+            record.recovered = None  # what ran there before is gone with it
         record.info = info
         self.index.reset(record.worker_id)
         self.drop_placements(record)
@@ -93,14 +109,31 @@ class Registry:
         self.index.expect(record.worker_id, hashes)
 
     def release(self, request_id: str) -> WorkerRecord | None:
-        """Forget where the request ran; return that worker (None if unknown)."""
+        """Forget where the request ran; return that worker (None if unknown). A
+        request placed before a scheduler restart is found by the ids it runs under
+        (the request id, or ``<id>:<suffix>`` for its parts)."""
         worker_id, _ = self.placements.pop(request_id, (None, ()))
+        if worker_id is None:
+            found = self.recovered_on(request_id)
+            if found is not None:
+                record, ids = found
+                record.recovered.difference_update(ids)
+                return record
+            return None
         record = self.get(worker_id)
         if record is not None:
             record.ongoing.discard(request_id)
-            if not record.ongoing:
+            if not record.in_flight:
                 record.idle_since = time.monotonic()
         return record
+
+    def recovered_on(self, request_id: str) -> tuple[WorkerRecord, tuple[str, ...]] | None:
+        """The worker and ids of a request placed before a scheduler restart."""
+        for record in self.workers.values():
+            ids = tuple(i for i in record.recovered or () if i.split(":", 1)[0] == request_id)
+            if ids:
+                return record, ids
+        return None
 
     def placed_on(self, request_id: str) -> tuple[WorkerRecord, tuple[str, ...]] | None:
         worker_id, ids = self.placements.get(request_id, (None, ()))
@@ -114,7 +147,7 @@ class Registry:
                 role=r.role,
                 status=r.status,
                 incarnation=r.incarnation,
-                ongoing=len(r.ongoing),
+                ongoing=r.in_flight,
                 capacity=capacity,
                 placed=r.placed,
                 restarts=r.restarts,

@@ -73,7 +73,7 @@ class WorkerActor:
         engine = Engine(engine_config)
         engine.kv.pool.record_events()
         self.engine = AsyncEngine(engine)
-        self._requests = 0
+        self._live: set[str] = set()  # ids of the requests streaming from here
         self.kv_config = kv_transfer or KVTransferConfig()
         self.transfers = TransferCounters()
         self.phases = PhaseManager(worker_id)
@@ -90,7 +90,10 @@ class WorkerActor:
         self.kv_server: KVTransferServer | None = None  # prefill workers, started on demand
         logger.info("worker %s (%s) up as %s", worker_id, role, self.incarnation)
         if scheduler_name is not None:  # tell the scheduler at once (it also polls)
-            scheduler = ray.get_actor(scheduler_name, namespace=namespace)
+            try:
+                scheduler = ray.get_actor(scheduler_name, namespace=namespace)
+            except ValueError:  # it is restarting: its new incarnation polls this worker
+                return
             scheduler.register.remote(self.info())
 
     def info(self) -> WorkerInfo:
@@ -144,7 +147,7 @@ class WorkerActor:
         """Yield ``Accepted``, then the request's deltas until all its outputs finish.
         ``InvalidRequestError`` raises before ``Accepted``. With ``prefill`` (a decode
         worker), the prompt's blocks are pulled from that prefill worker first."""
-        self._requests += 1
+        self._live.add(request_id)
         stream = None
         disaggregated = prefill is not None and resume is None  # a resumed one recomputes
         try:
@@ -176,7 +179,7 @@ class WorkerActor:
             async for delta in stream:
                 yield delta
         finally:
-            self._requests -= 1
+            self._live.discard(request_id)
             self._aborted_pulls.discard(request_id)
             if disaggregated and request_id in self.phases.phases:
                 self.phases.enter(request_id, "finished")
@@ -206,7 +209,8 @@ class WorkerActor:
             snapshot, events = tuple(pool.cached), ()
         load = WorkerLoad(
             incarnation=self.incarnation,
-            requests=self._requests,
+            requests=len(self._live),
+            request_ids=tuple(sorted(self._live)),
             engine=engine_load(stats),
             transfers=self.transfers.snapshot(),
             phases=tuple(sorted(self.phases.counts().items())),

@@ -86,6 +86,8 @@ class WorkerLoad:
     incarnation: str
     requests: int  # requests streaming from this worker
     engine: EngineLoad
+    # the ids those requests run under here (a restarted scheduler recounts from them)
+    request_ids: tuple[str, ...] = ()
     transfers: TransferCounters = field(default_factory=TransferCounters)
     phases: tuple[tuple[str, int], ...] = ()  # disaggregated requests per phase, now
     # (stored?, block hash) in order; ``snapshot`` replaces the index instead.

@@ -107,13 +107,24 @@ def test_a_bad_multi_token_option_names_its_field(options, field):
         (NoWorkerError("none left"), grpc.StatusCode.UNAVAILABLE),
         (APIError(401, "incorrect API key"), grpc.StatusCode.UNAUTHENTICATED),
         (APIError(404, "model: 'x' is not served here"), grpc.StatusCode.NOT_FOUND),
-        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
     ],
 )
 def test_errors_map_to_status_codes_keeping_the_message(error, code):
     mapped = grpc_error(error)
     assert mapped.code is code
     assert str(error) in mapped.message
+
+
+def test_unexpected_errors_show_clients_no_internals():
+    """Their text (Ray's names actors, pids and nodes) goes to the log only."""
+    from ray.exceptions import RayActorError
+
+    internal = grpc_error(RuntimeError("boom at pid 4242"))
+    assert internal.code is grpc.StatusCode.INTERNAL
+    assert internal.message == "internal error (RuntimeError); the server's log has the details"
+    lost = grpc_error(RayActorError(error_msg="actor 9f3e... (pid 4242) died"))
+    assert lost.code is grpc.StatusCode.UNAVAILABLE
+    assert lost.message == "a part of the cluster failed while serving the request; retry"
 
 
 def test_a_finished_delta_carries_its_reason_stop_and_logprobs():
