@@ -398,6 +398,42 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(
     assert ok.status_code == 200, ok.text
 
 
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server, make_engine):
+    tokenizer = make_engine().tokenizer
+    text = "The lighthouse keeper climbed the stairs."
+    done = server.post("/tokenize", {"prompt": text, "return_token_strs": True})
+    assert done.status_code == 200, done.text
+    ids = tokenizer(text).input_ids
+    assert done.json() == {
+        "count": len(ids),
+        "max_model_len": 8192,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids),
+    }
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = server.post("/tokenize", {"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    assert chat["token_strs"] is None
+    back = server.post("/detokenize", {"tokens": ids})
+    assert back.json() == {"prompt": tokenizer.decode(ids)}
+    bad = server.post("/detokenize", {"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    unknown = server.post("/tokenize", {"prompt": "x", "model": "gpt-9"})
+    assert unknown.status_code == 404
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_extension_fields_appear_only_when_asked(server):
+    plain = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert set(plain.json()["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+    chat = server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    )
+    assert set(chat.json()["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
+
+
 def _stalled_upload(server: Server) -> socket.socket:
     """A connection that sends a completion's headers and never its 4096-byte body."""
     host, port = server.url.removeprefix("http://").split(":")
