@@ -128,8 +128,12 @@ class ClusterConfig(EngineSettings):
     max_workers: int | None = Field(
         None, ge=1, description="autoscaling ceiling (default: --workers, no autoscaling)"
     )
-    worker_num_cpus: float = Field(
-        1.0, ge=0, description="CPUs Ray reserves per worker (also its torch threads)"
+    worker_num_cpus: float | None = Field(
+        None,
+        ge=0,
+        description="CPUs Ray reserves per worker, also its torch threads (default: the "
+        "Ray cluster's CPUs shared evenly among the most workers the pools may grow to, "
+        "at least 1; 1 for a GPU worker)",
     )
     worker_max_restarts: int = Field(
         3, ge=-1, description="times Ray restarts a crashed worker (-1: forever)"
@@ -269,9 +273,9 @@ class ClusterConfig(EngineSettings):
             return f"{self.prefill_workers} prefill + {self.decode_workers} decode worker(s)"
         return f"{self.workers} worker(s)"
 
-    @property
-    def precision_text(self) -> str:
-        """The precision mode and each worker's CPUs in words, for the ready line."""
+    def precision_text(self, worker_num_cpus: float) -> str:
+        """The precision mode and each worker's CPUs (as resolved) in words, for the
+        ready line."""
         mode = {"float32": "exact mode", "bfloat16": "fast mode"}.get(self.dtype)
         packed = (
             self.packed_weights
@@ -283,7 +287,7 @@ class ClusterConfig(EngineSettings):
         details = ", ".join(filter(None, (mode, weights)))
         return (
             f"{self.dtype}{f' ({details})' if details else ''}, "
-            f"{self.worker_num_cpus:g} CPU(s) and torch threads per worker"
+            f"{worker_num_cpus:g} CPU(s) and torch threads per worker"
         )
 
     def _check_common(self) -> ClusterConfig:

@@ -43,9 +43,25 @@ def resolve_device(config: ClusterConfig) -> tuple[str, float]:
     return device, (1.0 if device == "cuda" else 0.0)
 
 
-def scheduler_config(config: ClusterConfig, device: str, num_gpus: float) -> SchedulerConfig:
+def resolve_worker_cpus(config: ClusterConfig, device: str) -> float:
+    """CPUs (and torch threads) per worker: as configured, else the Ray cluster's CPUs
+    shared evenly among the most workers the pools may grow to (so that autoscaled
+    workers fit too), at least 1; a GPU worker takes 1. The Serve proxy, replicas and
+    the scheduler reserve none: on a 2-core machine one worker gets both cores."""
+    if config.worker_num_cpus is not None:
+        return config.worker_num_cpus
+    if device == "cuda":
+        return 1.0
+    most = sum(high for _, _, high in config.pools.values())
+    return float(max(1, int(ray.cluster_resources().get("CPU", 1) // max(most, 1))))
+
+
+def scheduler_config(
+    config: ClusterConfig, device: str, num_gpus: float, worker_num_cpus: float
+) -> SchedulerConfig:
     """The scheduler's settings from the cluster's: its workers run on ``device`` (not
-    auto: see ``resolve_device``) and each asks Ray for ``num_gpus``."""
+    auto: see ``resolve_device``), each asks Ray for ``num_gpus`` and
+    ``worker_num_cpus`` (see ``resolve_worker_cpus``)."""
     return SchedulerConfig(
         pools=tuple(
             WorkerPool(
@@ -64,7 +80,7 @@ def scheduler_config(config: ClusterConfig, device: str, num_gpus: float) -> Sch
         ),
         engine=config.engine_config(device),
         worker_num_gpus=num_gpus,
-        worker_num_cpus=config.worker_num_cpus,
+        worker_num_cpus=worker_num_cpus,
         worker_max_restarts=config.worker_max_restarts,
         role_resources=config.role_resources,
         kv_transfer=config.kv_transfer_config(),
@@ -93,6 +109,8 @@ class Cluster:
         self.client = client
         self.owns_ray = owns_ray
         self.owns_scheduler = owns_scheduler
+        #: CPUs (and torch threads) each worker got (``resolve_worker_cpus``).
+        self.worker_num_cpus = config.worker_num_cpus
 
     @classmethod
     async def start(
@@ -120,7 +138,9 @@ class Cluster:
             scheduler = (
                 scheduler_actor_class()
                 .options(**options, get_if_exists=True)
-                .remote(scheduler_config(config, device, num_gpus))
+                .remote(
+                    scheduler_config(config, device, num_gpus, resolve_worker_cpus(config, device))
+                )
             )
             owns_scheduler = True
         try:
@@ -134,7 +154,9 @@ class Cluster:
             raise
         logger.info("cluster ready: %d workers", len(stats.workers))
         client = ClusterClient(scheduler, load_tokenizer(config.model))
-        return cls(config, scheduler, client, owns_ray, owns_scheduler)
+        cluster = cls(config, scheduler, client, owns_ray, owns_scheduler)
+        cluster.worker_num_cpus = (await scheduler.get_config.remote()).worker_num_cpus
+        return cluster
 
     async def submit(
         self,

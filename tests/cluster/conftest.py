@@ -17,6 +17,7 @@ def cluster_config(**fields):
     fields.setdefault("report_interval_s", 0.1)
     fields.setdefault("namespace", RAY_NAMESPACE)
     fields.setdefault("device", "cpu")
+    fields.setdefault("worker_num_cpus", 1)  # the session's Ray has 2 CPUs for all clusters
     return ClusterConfig.create(**fields)
 
 

@@ -73,6 +73,8 @@ def serve_process(
     (plus `--grpc-port <free>` when ``grpc``); yield it once ready; on exit, SIGINT it
     and check that it stopped cleanly."""
     config = root / "serve.yaml"
+    if "worker_num_cpus" not in settings:  # the session's Ray has 2 CPUs for all clusters
+        settings = f"worker_num_cpus: 1\n{settings}"
     config.write_text(f"namespace: {namespace}\n{settings}")
     port = free_port()
     grpc_port = free_port() if grpc else None

@@ -29,6 +29,7 @@ def test_app_builder_bootstraps_the_scheduler_and_workers(ray_session):
         "num_kv_blocks": "128",
         "device": "cpu",
         "report_interval_s": "0.1",
+        "worker_num_cpus": "1",
     }
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

@@ -45,19 +45,19 @@ def test_defaults_are_valid():
 
 
 def test_the_ready_line_names_the_precision_mode():
-    assert ClusterConfig.create().precision_text == (
+    assert ClusterConfig.create().precision_text(1) == (
         "float32 (exact mode, packed GGUF weights on the CPU), "
         "1 CPU(s) and torch threads per worker"
     )
     fast = ClusterConfig.create(dtype="bfloat16", worker_num_cpus=2, model="/m/model.gguf")
-    assert fast.precision_text == (
+    assert fast.precision_text(2) == (
         "bfloat16 (fast mode, packed GGUF weights on the CPU), "
         "2 CPU(s) and torch threads per worker"
     )
     dense = ClusterConfig.create(dtype="float32", packed_weights=False, model="/m/hf-dir")
-    assert dense.precision_text == "float32 (exact mode), 1 CPU(s) and torch threads per worker"
+    assert dense.precision_text(1) == "float32 (exact mode), 1 CPU(s) and torch threads per worker"
     half = ClusterConfig.create(dtype="float16")
-    assert half.precision_text == "float16, 1 CPU(s) and torch threads per worker"
+    assert half.precision_text(1) == "float16, 1 CPU(s) and torch threads per worker"
 
 
 def test_workers_zero():
@@ -322,3 +322,24 @@ def test_full_help_renders():
     text = make_parser().format_help()  # '%' in descriptions must be escaped
     assert "10% of the worker's free memory" in text
     assert "--kv-cache-memory" in text
+
+
+@pytest.mark.parametrize(
+    ("fields", "device", "cpus", "expected"),
+    [
+        ({}, "cpu", 2, 2.0),  # one worker takes the machine
+        ({"workers": 2}, "cpu", 16, 8.0),
+        ({"min_workers": 1, "max_workers": 4}, "cpu", 16, 4.0),  # room for the ceiling
+        ({"workers": 3}, "cpu", 2, 1.0),  # at least one
+        ({"prefill_workers": 1, "decode_workers": 2}, "cpu", 12, 4.0),
+        ({}, "cuda", 16, 1.0),
+        ({"worker_num_cpus": 0.5}, "cpu", 16, 0.5),  # as configured
+    ],
+)
+def test_worker_cpus_default_to_the_machine(monkeypatch, fields, device, cpus, expected):
+    import ray
+
+    from tessera.cluster.launch import resolve_worker_cpus
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": float(cpus)})
+    assert resolve_worker_cpus(ClusterConfig.create(**fields), device) == expected
