@@ -36,7 +36,7 @@ from tessera.cluster.openai_protocol import api_error, invalid
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import DeadlineError, WorkerStatus
-from tessera.workers import sampling_fields
+from tessera.workers import sampling_fields, structured
 from tessera.workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -369,6 +369,11 @@ class GenerationService:
             prompt = await self._token_ids(list(request.token_ids.ids), "prompt")
         sampling = sampling_params(request.sampling)
         self._check_stop_ids(sampling, "sampling.stop_token_ids")
+        if sampling.structured is not None:
+            try:
+                structured.check(sampling.structured)
+            except InvalidRequestError as error:
+                raise invalid(f"sampling.{error.field}", error.message) from None
         self._check_length(prompt, sampling.max_tokens, "sampling.max_tokens")
         return prompt, sampling
 

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.exceptions import RayError
 
 from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
+from tessera.workers import structured
 from tessera.workers.api import (
     MAX_TOP_LOGPROBS,
     FinishReason,
@@ -37,6 +38,7 @@ from tessera.workers.api import (
     SamplingParams,
     SpeculativeParams,
     SpeculativeStats,
+    StructuredParams,
     TokenLogprob,
 )
 from tessera.workers.sampling_fields import WIRE_NAMES, defaults, sampling_params
@@ -163,6 +165,37 @@ class ParallelTokensBody(_Body):
     mode: str = _PARALLEL["mode"]
 
 
+#: Engine fields the OpenAI bodies carry under other names: ``structured`` comes from
+#: ``response_format`` (OpenAI's) or ``structured_outputs`` (vLLM's extra).
+HTTP_NAMES = {"structured": ("response_format", "structured_outputs")}
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI's; ``schema`` is aliased: pydantic
+    reserves the name)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Body):
+    """Tessera's structured outputs, named as vLLM's ``structured_outputs``: one of a
+    JSON schema, a regex, a choice of strings or an EBNF / Lark grammar."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _Sampling(_Body):
     """Fields both endpoints share."""
 
@@ -196,6 +229,40 @@ class _Sampling(_Body):
     timeout: float | None = None  # seconds; the server's request_timeout_s caps it
     speculative: SpeculativeBody | None = None
     parallel_tokens: ParallelTokensBody | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+
+    def structured(self) -> tuple[dict[str, str], str] | None:
+        """The engine's ``structured`` setting and the body's field it came from."""
+        chosen = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                chosen.append(({"kind": "json", "spec": '{"type": "object"}'}, "response_format"))
+            elif fmt.json_schema is None:
+                raise invalid("response_format.json_schema", "is required with type json_schema")
+            else:
+                spec = json.dumps(fmt.json_schema.json_schema)
+                chosen.append(({"kind": "json", "spec": spec}, "response_format.json_schema"))
+        if self.structured_outputs is not None:
+            body = self.structured_outputs
+            given = {
+                "json": body.json_ if not isinstance(body.json_, dict) else json.dumps(body.json_),
+                "regex": body.regex,
+                "choice": None if body.choice is None else json.dumps(body.choice),
+                "grammar": body.grammar,
+            }
+            kinds = [(kind, spec) for kind, spec in given.items() if spec is not None]
+            if len(kinds) != 1:
+                raise invalid(
+                    "structured_outputs",
+                    f"give exactly one of json, regex, choice, grammar; got {len(kinds)}",
+                )
+            kind, spec = kinds[0]
+            chosen.append(({"kind": kind, "spec": spec}, f"structured_outputs.{kind}"))
+        if len(chosen) > 1:
+            raise invalid("structured_outputs", "is not allowed together with response_format")
+        return chosen[0] if chosen else None
 
     @property
     def include_usage(self) -> bool:
@@ -217,6 +284,13 @@ class _Sampling(_Body):
         values = self.model_dump(include=WIRE_NAMES)
         values |= {"max_tokens": max_tokens, "logprobs": logprobs, "stop": stop,
                    "beam_width": beam_width}  # fmt: skip
+        structured_given = self.structured()
+        if structured_given is not None:
+            values["structured"], source = structured_given
+            try:
+                structured.check(StructuredParams(**values["structured"]))
+            except InvalidRequestError as error:
+                raise invalid(source, error.message) from None
         try:
             if beam_width == 1:  # ignored without beams, but still checked
                 sampling_params({name: values[name] for name in _BEAMS_ONLY})
@@ -228,6 +302,9 @@ class _Sampling(_Body):
 
     def wire_name(self, field: str) -> str:
         """The body's name of an engine field (chat's ``max_completion_tokens``)."""
+        if field.startswith("structured"):
+            given = self.structured()
+            return given[1] if given is not None else field
         return field
 
 
@@ -312,7 +389,7 @@ class ChatCompletionRequest(_Sampling, _Conversation):
     def wire_name(self, field: str) -> str:
         if field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return field
+        return super().wire_name(field)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -149,7 +149,8 @@ class WorkerActor:
         worker), the prompt's blocks are pulled from that prefill worker first."""
         self._live.add(request_id)
         stream = None
-        disaggregated = prefill is not None and resume is None  # a resumed one recomputes
+        # a resumed one recomputes; a structured one too (its first token is masked here)
+        disaggregated = prefill is not None and resume is None and sampling.structured is None
         try:
             if disaggregated:
                 token_ids = self.engine.engine.validate(prompt, sampling, resume)

@@ -29,6 +29,11 @@ MAX_PARALLEL_WIDTH = 16
 SEED_MODULUS = 2**63
 
 
+#: What a structured output may follow: a JSON schema (JSON text), a regular
+#: expression, one of a list of strings (a JSON list) or a Lark / GBNF grammar.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
 class InvalidRequestError(ValueError):
     """A request parameter is out of range. ``field`` names the parameter."""
 
@@ -54,6 +59,27 @@ class Phase(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredParams:
+    """Constrain the output to ``spec``, a ``kind`` of ``STRUCTURED_KINDS``: every token
+    is sampled from those the grammar allows next (llguidance computes the mask), and
+    EOS only once the grammar is complete."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                "structured.kind",
+                f"must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+            )
+        if not isinstance(self.spec, str) or not self.spec:
+            raise InvalidRequestError(
+                "structured.spec", f"must be a non-empty string, got {self.spec!r}"
+            )
 
 
 def fork_seed(seed: int, index: int) -> int:
@@ -182,6 +208,7 @@ class SamplingParams:
     early_stopping: bool | str = False
     speculative: SpeculativeParams | None = None  # None: the worker's default
     parallel_tokens: ParallelTokensParams | None = None
+    structured: StructuredParams | None = None  # structured outputs (a grammar)
 
     def __post_init__(self) -> None:
         _check_number("max_tokens", self.max_tokens, integer=True)
@@ -245,6 +272,25 @@ class SamplingParams:
                 )
         self._check_forks()
         self._check_multi_token()
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        if self.structured is None:
+            return
+        if not isinstance(self.structured, StructuredParams):
+            raise InvalidRequestError(
+                "structured", f"must be StructuredParams or None, got {self.structured!r}"
+            )
+        speculates = self.speculative is not None and self.speculative.num_tokens > 0
+        for name, given in (
+            ("beam_width", self.beam_width > 1),
+            ("parallel_tokens", self.parallel_tokens is not None),
+            ("speculative", speculates),
+            ("ignore_eos", self.ignore_eos),
+            ("min_tokens", self.min_tokens > 0),
+        ):
+            if given:
+                raise InvalidRequestError(name, "is not supported with structured outputs")
 
     def _check_multi_token(self) -> None:
         for name, kind in (

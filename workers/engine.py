@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.workers import structured
 from tessera.workers.api import (
     FinishReason,
     InvalidRequestError,
@@ -131,6 +132,9 @@ class Engine:
         )
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
+        self.grammars = structured.Grammars(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         draft = None
         if config.draft_model is not None:
             drafter = load_draft(config.draft_model, self.loaded, config.dtype, config.device)
@@ -182,6 +186,8 @@ class Engine:
     ) -> tuple[int, ...]:
         """Check a prompt against the model and pool; return its token ids."""
         self.speculator.check(sampling)
+        if sampling.structured is not None:
+            structured.check(sampling.structured)
         return validate_request(
             prompt,
             sampling,
@@ -312,11 +318,19 @@ class Engine:
                 children = self.forks.fork(group)
                 rows.update({id(child): rows[id(group.seqs[0])] for child in children})
                 sampled_here += children
+                parent = group.seqs[0].grammar
+                for child in children:  # each fork follows the grammar on its own
+                    child.grammar = None if parent is None else parent.deep_copy()
             targets += [(group, s) for s in sampled_here]
             logit_rows += [rows[id(s)] for s in sampled_here]
         if targets:
             if logit_rows != list(range(len(sampled))):
                 logits = logits[logit_rows]
+            constrained = [i for i, (_, s) in enumerate(targets) if s.grammar is not None]
+            if constrained:
+                logits = logits.clone()  # masked here: the step's own logits stay as they are
+                matchers = [targets[i][1].grammar for i in constrained]
+                self.grammars.apply(logits, constrained, matchers)
             results = self.sampler.sample(logits, [self._sampling_row(s) for _, s in targets])
             for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
                 if seq.request.sampling.parallel_tokens is not None:
@@ -446,8 +460,13 @@ class Engine:
                 seq.token_ids.append(token_id)
                 seq.stop_matcher.feed(seq.detokenizer.push(token_id))
             seq.cumulative_logprob = resume.cumulative_logprob
+        if sampling.structured is not None:
+            replay = resume.token_ids if resume is not None else ()
+            seq.grammar = self.grammars.matcher(sampling.structured, replay)
         self._update_hashes(seq)
         self.speculator.start(seq)
+        if seq.grammar is not None:
+            seq.spec = None  # the worker's default speculation: drafts skip the grammar
         group = SequenceGroup(request, [seq], sampling.num_samples, self._order)
         if sampling.beam_width > 1:
             group.beam = self.forks.new_beam_search(sampling, self._end_token_ids(sampling))
@@ -492,6 +511,10 @@ class Engine:
     ) -> None:
         params = seq.request.sampling
         seq.token_ids.append(token_id)
+        grammar = seq.grammar
+        eos = token_id in self.model_config.eos_token_ids
+        if grammar is not None and not eos and not grammar.consume_token(token_id):
+            logger.error("grammar refused token %d: %s", token_id, grammar.get_error())  # a bug
         self._update_hashes(seq)
         seq.phase = Phase.DECODE
         self._generated_tokens += 1

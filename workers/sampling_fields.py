@@ -28,7 +28,15 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 
-from tessera.workers.api import ParallelTokensParams, SamplingParams, SpeculativeParams
+from tessera.workers.api import (
+    ParallelTokensParams,
+    SamplingParams,
+    SpeculativeParams,
+    StructuredParams,
+)
+
+#: The params dataclasses a sampling field may hold (a nested object on the wire).
+NESTED = (SpeculativeParams, ParallelTokensParams, StructuredParams)
 
 M = TypeVar("M", bound=Message)
 
@@ -41,7 +49,9 @@ class WireField:
     #: A list on the wire, a tuple in ``SamplingParams``.
     repeated: bool = False
     #: An object / message of its own, whose fields are this dataclass's.
-    nested: type[SpeculativeParams] | type[ParallelTokensParams] | None = None
+    nested: type[SpeculativeParams] | type[ParallelTokensParams] | type[StructuredParams] | None = (
+        None
+    )
 
     def to_param(self, value: Any) -> Any:
         """A wire value (not None) as the ``SamplingParams`` field takes it. A value of
@@ -72,7 +82,7 @@ def _wire_field(name: str, annotation: Any) -> WireField:
     """How a ``SamplingParams`` field travels, read from its type: a tuple is a list on
     the wire, a params dataclass a nested object."""
     kinds = typing.get_args(annotation) or (annotation,)
-    nested = next((k for k in kinds if k in (SpeculativeParams, ParallelTokensParams)), None)
+    nested = next((k for k in kinds if k in NESTED), None)
     return WireField(name, repeated=typing.get_origin(annotation) is tuple, nested=nested)
 
 

@@ -14,7 +14,7 @@ together, so a beam step always sees every beam's logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,6 +87,9 @@ class Sequence:
     # (first index, width) of every set of two or more tokens, in order.
     positions: list[int] | None = None
     parallel_sets: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: this sequence's llguidance matcher (tokens it has consumed:
+    # the output so far), or None.
+    grammar: Any = None
 
     @property
     def seq_id(self) -> str:

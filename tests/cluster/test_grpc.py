@@ -244,6 +244,10 @@ INVALID = [
     ({"sampling": {"stop_token_ids": [10**6]}}, "sampling.stop_token_ids: token id 1000000"),
     ({"sampling": {"stop": ["a"] * 17}}, "sampling.stop: at most 16 stop strings, got 17"),
     ({"sampling": {"beam_width": 0}}, "sampling.beam_width: must be in [1, 64], got 0"),
+    (
+        {"sampling": {"structured": {"kind": "json", "spec": "{oops"}}},
+        "sampling.structured.spec: is not a valid json",
+    ),
 ]
 
 

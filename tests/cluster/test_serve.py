@@ -434,6 +434,90 @@ def test_extension_fields_appear_only_when_asked(server):
     assert set(chat.json()["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
 
 
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "pattern": "^[A-Z][a-z]{2,10}$"},
+            "population": {"type": "integer", "minimum": 1, "maximum": 10_000_000},
+            "kind": {"enum": ["town", "city"]},
+        },
+        "required": ["city", "population", "kind"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string"}]},
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "bounded", "anyof"])
+def test_sampled_json_schema_outputs_validate(server, schema):
+    import jsonschema
+
+    client = server.client()
+    for seed in (1, 2):
+        done = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Answer in JSON."}],
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema, "strict": True},
+            },
+        )
+        assert done.choices[0].finish_reason == "stop", done
+        jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+
+
+def test_the_sdks_parse_and_tessera_structured_outputs(server):
+    from pydantic import BaseModel
+
+    class Lighthouse(BaseModel):
+        name: str
+        height_m: int
+
+    client = server.client()
+    parsed = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a lighthouse."}],
+        response_format=Lighthouse,
+        max_tokens=80,
+        temperature=0,
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Lighthouse)
+    choice = client.completions.create(
+        model=MODEL,
+        prompt="The best colour is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    )
+    assert choice.choices[0].text in ("red", "green", "blue")
+    bad = server.post(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}},
+        },
+    )
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "response_format.json_schema"
+
+
 def _stalled_upload(server: Server) -> socket.socket:
     """A connection that sends a completion's headers and never its 4096-byte body."""
     host, port = server.url.removeprefix("http://").split(":")

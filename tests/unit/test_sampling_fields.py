@@ -12,6 +12,7 @@ import pytest
 from tessera.cluster.grpc_api import sampling_params as grpc_sampling_params
 from tessera.cluster.grpc_client import generate_request
 from tessera.cluster.openai_protocol import (
+    HTTP_NAMES,
     ChatCompletionRequest,
     CompletionRequest,
     ParallelTokensBody,
@@ -25,6 +26,7 @@ from tessera.workers.api import (
     ParallelTokensParams,
     SamplingParams,
     SpeculativeParams,
+    StructuredParams,
     fork_seed,
 )
 from tessera.workers.sampling_fields import (
@@ -51,7 +53,8 @@ SPECULATING = SamplingParams(
 )
 PARALLEL = SamplingParams(parallel_tokens=ParallelTokensParams(0.25, 3, "visible"))
 BEAMS = SamplingParams(beam_width=4, n=2, length_penalty=0.5, early_stopping=True)
-EXAMPLES = [SamplingParams(), SAMPLED, SPECULATING, PARALLEL, BEAMS]
+STRUCTURED = SamplingParams(n=2, structured=StructuredParams("regex", r"\d+"))
+EXAMPLES = [SamplingParams(), SAMPLED, SPECULATING, PARALLEL, BEAMS, STRUCTURED]
 
 
 # ------------------------------------------------------------------ the table
@@ -77,9 +80,10 @@ def test_the_grpc_message_holds_exactly_the_table():
 
 @pytest.mark.parametrize("body", [CompletionRequest, ChatCompletionRequest])
 def test_the_http_bodies_take_every_wire_name_with_the_engines_defaults(body):
-    assert set(body.model_fields) >= WIRE_NAMES
+    assert set(body.model_fields) >= WIRE_NAMES - set(HTTP_NAMES)
+    assert set(body.model_fields) >= {n for names in HTTP_NAMES.values() for n in names}
     engine = defaults(SamplingParams)
-    for name in WIRE_NAMES:
+    for name in WIRE_NAMES - set(HTTP_NAMES):
         default = body.model_fields[name].default
         if default is not None and name != "logprobs":  # chat's logprobs is a bool
             assert default == engine[name], name

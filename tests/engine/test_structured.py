@@ -1,0 +1,148 @@
+"""Structured outputs in the engine: greedy decoding under a grammar equals
+transformers' greedy decoding with the same grammar's mask applied step by step (the
+reference is built here from llguidance's own matcher and transformers' logits);
+sampled outputs validate; forks, failover (resume) and refusals behave."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import pytest
+import torch
+
+from tessera.workers.api import (
+    InvalidRequestError,
+    Resume,
+    SamplingParams,
+    SpeculativeParams,
+    StructuredParams,
+)
+from tessera.workers.structured import grammar_text
+from tests.helpers import NEAR_TIE_GAP, run_engine, text_of, tokens_of
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+PROMPT = "Describe a person as JSON:"
+
+
+def masked_greedy(hf_model, tokenizer, prompt_ids, params: StructuredParams, max_tokens: int):
+    """transformers' greedy loop with llguidance's mask: (tokens, gaps between the best
+    two allowed logits)."""
+    lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf_model.config.vocab_size)
+    matcher = llguidance.LLMatcher(lltok, grammar_text(params))
+    vocab = hf_model.config.vocab_size
+    tokens, gaps = [], []
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_tokens):
+            allowed = torch.zeros(vocab, dtype=torch.bool)
+            allowed[[i for i, byte in enumerate(matcher.compute_logit_bias()[:vocab]) if byte]] = (
+                True
+            )
+            logits = out.logits[0, -1].float().masked_fill(~allowed, -torch.inf)
+            top2 = logits.topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+            token = int(logits.argmax())
+            tokens.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+            assert matcher.consume_token(token)
+            out = hf_model(torch.tensor([[token]]), past_key_values=out.past_key_values)
+    return tokens, gaps
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        StructuredParams("json", json.dumps(PERSON)),
+        StructuredParams("regex", r"(19|20)\d\d-[01]\d-[0-3]\d"),
+        StructuredParams("choice", json.dumps(["lighthouse", "harbour", "ship"])),
+        StructuredParams("grammar", 'start: "yes" | "no" | "maybe"'),
+    ],
+    ids=["json", "regex", "choice", "grammar"],
+)
+def test_greedy_under_a_grammar_equals_transformers_masked(make_engine, hf_reference, params):
+    engine = make_engine()
+    prompt_ids = engine.tokenizer(PROMPT).input_ids
+    engine.add_request(
+        "r", prompt_ids, SamplingParams(max_tokens=60, temperature=0, structured=params)
+    )
+    out = run_engine(engine)["r"]
+    ours = tokens_of(out)
+    ref, gaps = masked_greedy(hf_reference.model, engine.tokenizer, prompt_ids, params, 60)
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a != b:
+            assert gaps[i] < NEAR_TIE_GAP, (i, a, b, gaps[i])
+            return
+    assert ours == ref
+    assert out[-1].finish_reason.value == "stop"
+
+
+def test_sampled_outputs_validate_and_forks_sample_as_alone(make_engine):
+    """n = 3 seeded forks, each its own matcher: every output is valid JSON for the
+    schema, and fork i gives what a lone request with seed + i gives."""
+    params = StructuredParams("json", json.dumps(PERSON))
+    engine = make_engine()
+    sampled = {"temperature": 1.0, "max_tokens": 80, "structured": params}
+    engine.add_request("forks", PROMPT, SamplingParams(n=3, seed=11, **sampled))
+    for i in range(3):
+        engine.add_request(f"alone{i}", PROMPT, SamplingParams(seed=11 + i, **sampled))
+    out = run_engine(engine)
+    forks: dict[int, str] = {}
+    for delta in out["forks"]:
+        forks[delta.index] = forks.get(delta.index, "") + delta.text
+    for i in range(3):
+        jsonschema.validate(json.loads(forks[i]), PERSON)
+        assert forks[i] == text_of(out[f"alone{i}"])
+
+
+def test_a_resumed_request_replays_its_tokens_into_the_grammar(make_engine):
+    """Failover: a request resumed after k tokens ends as the undisturbed one does."""
+    params = SamplingParams(
+        max_tokens=60,
+        temperature=1.0,
+        seed=5,
+        structured=StructuredParams("json", json.dumps(PERSON)),
+    )
+    engine = make_engine()
+    engine.add_request("whole", PROMPT, params)
+    whole = tokens_of(run_engine(engine)["whole"])
+    engine.add_request("resumed", PROMPT, params, resume=Resume(tuple(whole[:7]), 0.0))
+    assert whole[:7] + tokens_of(run_engine(engine)["resumed"]) == whole
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"beam_width": 2}, "beam_width"),
+        ({"speculative": SpeculativeParams("ngram", 4)}, "speculative"),
+        ({"ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_what_a_grammar_does_not_combine_with_is_refused_by_name(extra, field):
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(structured=StructuredParams("regex", "a+"), **extra)
+    assert caught.value.field == field
+
+
+def test_a_bad_spec_is_refused_naming_it(make_engine):
+    engine = make_engine()
+    for spec in ("{not json", '{"type": "nonsense"}'):
+        with pytest.raises(InvalidRequestError) as caught:
+            engine.add_request(
+                "bad", PROMPT, SamplingParams(structured=StructuredParams("json", spec))
+            )
+        assert caught.value.field == "structured.spec"
