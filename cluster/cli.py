@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
 import typing
+from pathlib import Path
 
 # Only what the parser needs is imported here: `tessera --help` must not load torch.
 from tessera.cluster.config import ServeConfig, add_config_arguments, add_engine_arguments
@@ -109,7 +111,35 @@ def _sampling(args: argparse.Namespace, nested: bool = True) -> SamplingParams:
             "max_width": args.parallel_max_width,
             "mode": args.parallel_mode,
         }
+    structured = _structured(args)
+    if structured is not None:
+        values["structured"] = structured
     return sampling_params(values)
+
+
+def _structured(args: argparse.Namespace) -> dict[str, str] | None:
+    """``--json-schema FILE`` / ``--regex`` / ``--choice`` / ``--grammar FILE``: at most one."""
+    given = {
+        "json": args.json_schema,
+        "regex": args.regex,
+        "choice": None if args.choice is None else json.dumps(args.choice),
+        "grammar": args.grammar,
+    }
+    chosen = {kind: value for kind, value in given.items() if value is not None}
+    if len(chosen) > 1:
+        raise ValueError(
+            "structured outputs: give one of --json-schema, --regex, --choice, --grammar"
+        )
+    if not chosen:
+        return None
+    ((kind, value),) = chosen.items()
+    if kind in ("json", "grammar"):
+        flag = "--json-schema" if kind == "json" else "--grammar"
+        try:
+            value = Path(value).read_text()
+        except OSError as error:
+            raise ValueError(f"{flag}: cannot read {value!r}: {error.strerror}") from None
+    return {"kind": kind, "spec": value}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -228,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="wrap the prompt in the model's chat template as a user message",
     )
+    shape = gen.add_argument_group(
+        "structured outputs", "the output follows one of these (every token is masked to it)"
+    )
+    shape.add_argument("--json-schema", metavar="FILE", help="a JSON schema file")
+    shape.add_argument("--regex", help="a regular expression")
+    shape.add_argument("--choice", nargs="+", metavar="TEXT", help="one of these strings")
+    shape.add_argument("--grammar", metavar="FILE", help="a Lark or GBNF grammar file")
     gen.add_argument(
         "--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)"
     )

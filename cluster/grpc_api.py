@@ -155,6 +155,12 @@ def response(request_id: str, delta: RequestOutput) -> pb.GenerateResponse:
         token_ids=delta.token_ids,
         finish_reason=_FINISH[delta.finish_reason if delta.finished else None],
     )
+    for logprob in (delta.prompt_logprobs or ())[1:]:  # the first prompt token has none
+        message.prompt_logprobs.add(
+            token_id=logprob.token_id,
+            logprob=logprob.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in logprob.top],
+        )
     for logprob in delta.logprobs or ():
         message.logprobs.add(
             token_id=logprob.token_id,

@@ -17,15 +17,17 @@ engine's names and map to ``SamplingParams`` by ``tessera.workers.sampling_field
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from ray.exceptions import RayError
 
+from tessera.cluster import tools as tool_calls
 from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
 from tessera.workers import structured
 from tessera.workers.api import (
@@ -231,6 +233,7 @@ class _Sampling(_Body):
     parallel_tokens: ParallelTokensBody | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob
 
     def structured(self) -> tuple[dict[str, str], str] | None:
         """The engine's ``structured`` setting and the body's field it came from."""
@@ -334,9 +337,11 @@ class CompletionRequest(_Sampling):
     def sampling_for(self, max_tokens: int) -> SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise invalid("logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo", "is not supported together with logprobs (no prompt logprobs)")
-        return self.sampling(max_tokens, self.logprobs)
+        sampling = self.sampling(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            # the echoed prompt's tokens carry logprobs too: computed in the prefill
+            sampling = dataclasses.replace(sampling, prompt_logprobs=self.logprobs)
+        return sampling
 
 
 class TextPart(_Body):
@@ -344,15 +349,49 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class _Conversation(_Body):
@@ -362,18 +401,83 @@ class _Conversation(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (developer is system)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+    def conversation(self, template_takes_tools: bool = True) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (developer is system). Earlier
+        tool calls and results go to a template that takes tools as its messages
+        (arguments parsed); to others as plain turns in the Hermes format."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            message: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_calls:
+                calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+                if template_takes_tools:
+                    message["tool_calls"] = [
+                        {"type": "function", "function": {"name": n, "arguments": a}}
+                        for n, a in calls
+                    ]
+                else:
+                    message["content"] = "\n".join(
+                        filter(None, [m.text(), *(tool_calls.call_text(n, a) for n, a in calls)])
+                    )
+            if role == "tool":
+                if template_takes_tools:
+                    message["tool_call_id"] = m.tool_call_id
+                else:
+                    message = {
+                        "role": "user",
+                        "content": f"<tool_response>\n{m.text()}\n</tool_response>",
+                    }
+            out.append(message)
+        return out
 
 
 class ChatCompletionRequest(_Sampling, _Conversation):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    #: The model family's call format (``tools.tool_format``); the server sets it.
+    _tool_format: str = PrivateAttr("hermes")
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The functions the model may call (none with ``tool_choice`` none)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise invalid("tool_choice", "needs tools")
+            return []
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise invalid("tools", "function names must be unique")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid(
+                "tool_choice.function.name",
+                f"{choice.function.name!r} is not among the tools ({', '.join(names)})",
+            )
+        if choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def calls_forced(self) -> bool:
+        """``required`` or a named function: decoding follows the calls' grammar."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def structured(self) -> tuple[dict[str, str], str] | None:
+        given = super().structured()
+        if not (self.offered_tools() and self.calls_forced):
+            return given
+        if given is not None:
+            raise invalid("tool_choice", f"is not allowed together with {given[1]}")
+        choice = self.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        grammar = tool_calls.call_grammar(
+            self.offered_tools(), name, self.parallel_tool_calls, self._tool_format
+        )
+        return {"kind": "grammar", "spec": grammar}, "tool_choice"
 
     def sampling_for(self, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None:
@@ -420,6 +524,14 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _arguments(text: str) -> Any:
+    """An earlier call's arguments for a chat template: parsed when they are JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _check_unicode(value: Any, path: list[str]) -> None:
@@ -539,16 +651,16 @@ class LogprobFormatter:
         return self.tokenizer.decode([token_id])
 
     def completion(
-        self, logprobs: Sequence[TokenLogprob], offset: int
+        self,
+        logprobs: Sequence[TokenLogprob | None],
+        offset: int,
+        out: dict[str, list] | None = None,
     ) -> tuple[dict[str, list], int]:
-        """``choices[i].logprobs`` of the completions API; returns it and the text
-        offset after it."""
-        out: dict[str, list] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        """``choices[i].logprobs`` of the completions API (appended to ``out``, e.g. the
+        echoed prompt's); returns it and the text offset after it. A ``None`` entry is
+        the prompt's first token: ``prompt_token_id`` names it, with no logprob."""
+        if out is None:
+            out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for entry in logprobs:
             text = self.token(entry.token_id)
             out["tokens"].append(text)
@@ -559,6 +671,41 @@ class LogprobFormatter:
             out["text_offset"].append(offset)
             offset += len(text)
         return out, offset
+
+    def prompt(
+        self, prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], offset: int = 0
+    ) -> tuple[dict[str, list], int]:
+        """The echoed prompt's part of ``choices[i].logprobs``: its first token has
+        none (OpenAI's null)."""
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        first = self.token(prompt_ids[0])
+        out["tokens"].append(first)
+        out["token_logprobs"].append(None)
+        out["top_logprobs"].append(None)
+        out["text_offset"].append(offset)
+        return self.completion([e for e in logprobs[1:] if e is not None], offset + len(first), out)
+
+    def prompt_logprobs(self, logprobs: Sequence[TokenLogprob | None]) -> list[Any]:
+        """vLLM's ``prompt_logprobs``: None for the first token, then per token a map
+        of token id to its logprob and text (the chosen one and the top ones)."""
+        out: list[Any] = []
+        for entry in logprobs:
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {entry.token_id: entry.logprob, **dict(entry.top)}
+            out.append(
+                {
+                    str(t): {"logprob": lp, "decoded_token": self.token(t)}
+                    for t, lp in ranked.items()
+                }
+            )
+        return out
 
     def chat(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         """``choices[i].logprobs.content`` of the chat API."""

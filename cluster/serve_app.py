@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
+from tessera.cluster import tools as tool_calls
 from tessera.cluster.auth import expected_authorization, key_matches
 from tessera.cluster.config import ServeConfig
 from tessera.cluster.grpc_api import GenerationService
@@ -74,6 +75,8 @@ logger = logging.getLogger(__name__)
 
 #: The default ``max_tokens`` of the completions API (OpenAI's).
 COMPLETIONS_MAX_TOKENS = 16
+#: Characters of a tool call's arguments per streamed delta.
+TOOL_ARGUMENT_PIECE = 16
 #: A request body not complete this long after its headers is a slow one (see ``_read``).
 BODY_GRACE_S = 0.5
 
@@ -168,6 +171,8 @@ class _Job:
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     choices: dict[int, _Choice] = field(default_factory=dict)
     first_token: float | None = None
+    tool_names: frozenset[str] = frozenset()  # chat with tools offered: parse calls
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # by prompt
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -208,6 +213,8 @@ class OpenAIServer(GenerationService):
         # large prompt does not stall every other stream and /health.
         self._cpu = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tessera-cpu")
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.tool_format = tool_calls.tool_format(self.tokenizer.chat_template)
+        self.template_takes_tools = tool_calls.template_takes_tools(self.tokenizer.chat_template)
         self._slow_bodies = 0
 
     # ------------------------------------------------------------------ routes
@@ -271,10 +278,11 @@ class OpenAIServer(GenerationService):
         choices = []
         for index in sorted(job.choices):
             choice = job.choices[index]
+            k = index // body.n
             logprobs = None
             if body.logprobs is not None:
-                logprobs, _ = self.logprobs.completion(choice.logprobs, len(echo[index // body.n]))
-            text = echo[index // body.n] + "".join(choice.text)
+                logprobs = self._completion_logprobs(job, k, choice.logprobs, len(echo[k]), body)
+            text = echo[k] + "".join(choice.text)
             choices.append(
                 {
                     "index": index,
@@ -282,6 +290,7 @@ class OpenAIServer(GenerationService):
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
                     **choice.extras(),
+                    **self._prompt_logprobs_field(job, k, body),
                 }
             )
         return JSONResponse(
@@ -319,9 +328,11 @@ class OpenAIServer(GenerationService):
                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             )
             self._check_length(prompt, max_tokens, field_name)
+            body._tool_format = self.tool_format
             sampling = body.sampling_for(max_tokens)
             self._check_stop_ids(sampling, "stop_token_ids")
             job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
+            job.tool_names = frozenset(f["name"] for f in body.offered_tools())
             await self._start(job, body)
         except APIError as error:
             self.metrics.finished("chat", error.status, arrival, None, 0, 0, 0, 0)
@@ -335,13 +346,27 @@ class OpenAIServer(GenerationService):
             logprobs = None
             if body.logprobs:
                 logprobs = {"content": self.logprobs.chat(choice.logprobs)}
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+            finish = choice.finish_reason
+            if job.tool_names:
+                content, calls = tool_calls.parse(
+                    message["content"], self.tool_format, job.tool_names
+                )
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [call.message() for call in calls],
+                    }
+                    finish = "tool_calls"
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": "".join(choice.text)},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
+                    "finish_reason": finish,
                     **choice.extras(),
+                    **self._prompt_logprobs_field(job, 0, body),
                 }
             )
         return JSONResponse(
@@ -499,8 +524,18 @@ class OpenAIServer(GenerationService):
             raise invalid(
                 "continue_final_message", "needs add_generation_prompt to be false as well"
             )
-        conversation = body.conversation()
+        conversation = body.conversation(self.template_takes_tools)
         self._check_size(sum(len(m["content"]) for m in conversation), "messages")
+        offered = body.offered_tools() if isinstance(body, ChatCompletionRequest) else []
+        extra: dict[str, Any] = {}
+        if offered and self.template_takes_tools:
+            extra["tools"] = [{"type": "function", "function": f} for f in offered]
+        elif offered:  # our own tool prompt, in the system message
+            prompt = tool_calls.tool_prompt(offered)
+            if conversation[0]["role"] == "system":
+                conversation[0]["content"] += "\n\n" + prompt
+            else:
+                conversation.insert(0, {"role": "system", "content": prompt})
         try:
             text = await self._off_loop(
                 self.tokenizer.apply_chat_template,
@@ -508,6 +543,7 @@ class OpenAIServer(GenerationService):
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tokenize=False,
+                **extra,
             )
         except Exception as error:  # the template refuses the conversation
             raise invalid("messages", f"the chat template refused them: {error}") from None
@@ -616,6 +652,8 @@ class OpenAIServer(GenerationService):
                 choice.parallel_sets = []
         if delta.token_ids and job.first_token is None:
             job.first_token = time.monotonic()
+        if delta.prompt_logprobs is not None:
+            job.prompt_logprobs[k] = delta.prompt_logprobs
         choice.text.append(delta.text)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
@@ -705,11 +743,18 @@ class OpenAIServer(GenerationService):
                     choice.offset = len(echo[k])
                 logprobs = None
                 if body.logprobs is not None:
+                    prompt_part = None
+                    if fresh and body.echo and k in job.prompt_logprobs:
+                        prompt_part, _ = self.logprobs.prompt(
+                            job.prompts[k], job.prompt_logprobs[k]
+                        )
                     logprobs, choice.offset = self.logprobs.completion(
-                        delta.logprobs or (), choice.offset
+                        delta.logprobs or (), choice.offset, prompt_part
                     )
                 finish = choice.finish_reason if delta.finished else None
                 entry = {"index": index, "text": text, "logprobs": logprobs}
+                if fresh:
+                    entry |= self._prompt_logprobs_field(job, k, body)
                 entry["finish_reason"] = finish
                 yield self._chunk(job, [entry | choice.extras(delta)])
         if job.include_usage:
@@ -727,6 +772,11 @@ class OpenAIServer(GenerationService):
                         job,
                         [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}],
                     )
+                if job.tool_names:  # calls are known once the output is whole
+                    if delta.finished:
+                        for entry in self._tool_call_entries(job, index, choice):
+                            yield self._chunk(job, [entry])
+                    continue
                 logprobs = None
                 if body.logprobs:
                     logprobs = {"content": self.logprobs.chat(delta.logprobs or ())}
@@ -741,6 +791,47 @@ class OpenAIServer(GenerationService):
                 yield self._chunk(job, [entry | choice.extras(delta)])
         if job.include_usage:
             yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
+
+    def _completion_logprobs(
+        self, job: _Job, k: int, logprobs: list, offset: int, body: CompletionRequest
+    ) -> dict[str, list]:
+        """A whole choice's ``logprobs``: the echoed prompt's (computed in the prefill)
+        first, then the completion's."""
+        if body.echo and k in job.prompt_logprobs:
+            prompt_part, _ = self.logprobs.prompt(job.prompts[k], job.prompt_logprobs[k])
+            return self.logprobs.completion(logprobs, offset, prompt_part)[0]
+        return self.logprobs.completion(logprobs, offset)[0]
+
+    def _prompt_logprobs_field(self, job: _Job, k: int, body: Any) -> dict:
+        """``prompt_logprobs`` (vLLM's extra) for a choice of prompt ``k``, if asked."""
+        if body.prompt_logprobs is None or k not in job.prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": self.logprobs.prompt_logprobs(job.prompt_logprobs[k])}
+
+    def _tool_call_entries(self, job: _Job, index: int, choice: _Choice) -> list[dict]:
+        """A finished choice of a chat with tools, as OpenAI streams it: each call's
+        id and name, then its arguments in pieces; or the text, if it made no call."""
+        text = "".join(choice.text)
+        content, calls = tool_calls.parse(text, self.tool_format, job.tool_names)
+        if not calls:
+            entries = [{"content": text}] if text else []
+            finish = choice.finish_reason
+        else:
+            entries = [{"content": content}] if content else []
+            for i, call in enumerate(calls):
+                first = call.message(i)
+                first["function"] = {"name": call.name, "arguments": ""}
+                entries.append({"tool_calls": [first]})
+                for start in range(0, len(call.arguments), TOOL_ARGUMENT_PIECE):
+                    piece = call.arguments[start : start + TOOL_ARGUMENT_PIECE]
+                    entries.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+            finish = "tool_calls"
+        out = [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in entries
+        ]
+        out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish})
+        return out
 
 
 def build_app(config: ServeConfig) -> serve.Application:

@@ -200,6 +200,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many top ones
     skip_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None
@@ -263,6 +264,13 @@ class SamplingParams:
             if token_id < 0:
                 raise InvalidRequestError(
                     "stop_token_ids", f"token ids must be >= 0, got {token_id}"
+                )
+        if self.prompt_logprobs is not None:
+            _check_number("prompt_logprobs", self.prompt_logprobs, integer=True)
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(
+                    "prompt_logprobs",
+                    f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}",
                 )
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, integer=True)
@@ -426,6 +434,8 @@ class RequestOutput:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # prompt_logprobs (in the first delta only): one per prompt token, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0

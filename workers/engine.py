@@ -295,6 +295,10 @@ class Engine:
                 continue
             seq_logits = logits[offset : offset + count]
             offset += count
+            if seq.wants_prompt_logprobs(chunk.start):
+                seq_logits = self._prompt_logprobs(seq, chunk, seq_logits)
+                if seq_logits is None:
+                    continue  # a prompt chunk that samples nothing yet
             if seq.num_draft:
                 verifying.append((seq, seq_logits))
             else:
@@ -345,6 +349,20 @@ class Engine:
         self._tokens_sum += batch.num_tokens
         self._last = (len(batch.items), batch.num_tokens)
         return outputs
+
+    def _prompt_logprobs(self, seq: Sequence, chunk, rows: torch.Tensor) -> torch.Tensor | None:
+        """Record the logprobs of the prompt tokens this chunk's rows predict; return
+        the row that samples the first output token (the chunk's last, once it ends the
+        prompt), or None."""
+        # entry i is token i's; recomputed after a preemption, the chunk overwrites
+        del seq.prompt_logprobs[chunk.start + 1 :]
+        samples = chunk.end == seq.num_tokens
+        prompt_rows = rows[:-1] if samples else rows
+        first = chunk.start + 1
+        targets = seq.token_ids[first : first + len(prompt_rows)]
+        k = seq.request.sampling.prompt_logprobs or 0
+        seq.prompt_logprobs += self.sampler.token_logprobs(prompt_rows, targets, k)
+        return rows[-1:] if samples else None
 
     def _speculating(self) -> list[Sequence]:
         """Running sequences that speculate and are decoding (their last token is the
@@ -460,6 +478,8 @@ class Engine:
                 seq.token_ids.append(token_id)
                 seq.stop_matcher.feed(seq.detokenizer.push(token_id))
             seq.cumulative_logprob = resume.cumulative_logprob
+        if sampling.prompt_logprobs is not None and resume is None:
+            seq.prompt_logprobs = [None]  # the first token has none
         if sampling.structured is not None:
             replay = resume.token_ids if resume is not None else ()
             seq.grammar = self.grammars.matcher(sampling.structured, replay)
@@ -479,6 +499,11 @@ class Engine:
         are not hashed: their K/V depend on positions and masks, not tokens alone."""
         if self.config.enable_prefix_caching:
             keys = (*self.hash_keys, seq.request.cache_salt or "")
+            if seq.request.sampling.prompt_logprobs is not None:
+                # Every prompt position's logits are needed, and a cached block holds
+                # only K/V: such a prompt runs whole, so it neither matches nor is
+                # matched (its blocks hash under its own request id).
+                keys = (*keys, seq.request.request_id)
             tokens = seq.token_ids
             if seq.parallel_sets:
                 tokens = tokens[: seq.parallel_sets[0][0]]

@@ -18,6 +18,7 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
         text=seq.pending_text,
         token_ids=tuple(seq.pending_token_ids),
         logprobs=tuple(seq.pending_logprobs) if params.logprobs is not None else None,
+        prompt_logprobs=_take_prompt_logprobs(seq),
         finished=seq.finished,
         finish_reason=seq.finish_reason,
         prompt_tokens=seq.num_prompt_tokens,
@@ -34,6 +35,15 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
     seq.pending_logprobs = []
     seq.pending_sets = []
     return output
+
+
+def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
+    """The prompt's logprobs once all are computed (sent once: the first delta)."""
+    done = seq.prompt_logprobs
+    if done is None or len(done) < seq.num_prompt_tokens:
+        return None
+    seq.prompt_logprobs = None
+    return tuple(done)
 
 
 def beam_outputs(

@@ -272,6 +272,25 @@ class Sampler:
         """One token from the distribution ``probs`` [V] with ``row``'s keyed noise."""
         return int(_race(probs.unsqueeze(0).clone(), [row])[0])
 
+    def token_logprobs(
+        self, logits: torch.Tensor, token_ids: Sequence[int], k: int
+    ) -> list[TokenLogprob]:
+        """Each row's logprob of ``token_ids[row]`` (the raw distribution) and the
+        top ``k`` (prompt logprobs)."""
+        if not len(token_ids):
+            return []
+        raw = torch.log_softmax(logits.to(torch.float32), dim=1)
+        index = torch.tensor(list(token_ids), device=raw.device).unsqueeze(1)
+        chosen = raw.gather(1, index).squeeze(1).tolist()
+        top: list[tuple[tuple[int, float], ...]] = [()] * len(chosen)
+        if k:
+            values, ids = raw.topk(k, dim=1, sorted=True)
+            top = [
+                tuple(zip(i, v, strict=True))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, top, strict=True)]
+
     def with_logprobs(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: Sequence[int]
     ) -> list[SampleResult]:

@@ -87,6 +87,9 @@ class Sequence:
     # (first index, width) of every set of two or more tokens, in order.
     positions: list[int] | None = None
     parallel_sets: list[tuple[int, int]] = field(default_factory=list)
+    # prompt_logprobs: what the prefill has computed so far (None for the first token),
+    # sent with the first delta; None when the request did not ask.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Structured outputs: this sequence's llguidance matcher (tokens it has consumed:
     # the output so far), or None.
     grammar: Any = None
@@ -100,6 +103,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def wants_prompt_logprobs(self, start: int) -> bool:
+        """A chunk from ``start`` is (part of) the prompt whose logprobs the request
+        asked for, and not yet sent."""
+        return self.prompt_logprobs is not None and start < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -151,7 +159,9 @@ class Sequence:
         start = self.num_computed_tokens
         end = start + n
         rows: range | tuple[int, ...] = ()
-        if end == self.num_tokens:
+        if self.wants_prompt_logprobs(start):  # every row: each predicts the next token
+            rows = range(n)
+        elif end == self.num_tokens:
             last = 1
             if self.num_draft:
                 last = self.num_draft + 1

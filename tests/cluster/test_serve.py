@@ -336,7 +336,7 @@ ERRORS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 9000}, 400, "max_tokens", "8192"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 20}, 400, "stop", "at most 16"),
     ("/v1/completions", {"prompt": "x", "logprobs": 30}, 400, "logprobs", "[0, 20]"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "2**63"),
     ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "not served"),
@@ -516,6 +516,143 @@ def test_the_sdks_parse_and_tessera_structured_outputs(server):
     )
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "response_format.json_schema"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+
+
+def test_required_and_named_tool_calls_validate_and_stream_in_pieces(server):
+    import jsonschema
+
+    client = server.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    parameters = WEATHER_TOOL["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for piece in delta.tool_calls or ():
+            entry = calls.setdefault(piece.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = piece.id or entry["id"]
+            entry["name"] += (piece.function.name or "") if piece.function else ""
+            entry["arguments"] += (piece.function.arguments or "") if piece.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_")
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[calls[0]["name"]]
+    jsonschema.validate(
+        json.loads(calls[0]["arguments"]), tool["function"]["parameters"] or {"type": "object"}
+    )
+
+
+def test_a_conversation_with_tool_results_renders_and_bad_tool_choices_are_named(server):
+    client = server.client()
+    done = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
+        ],
+        tools=[WEATHER_TOOL],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert done.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for body, param in (
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "x"}},
+            },
+            "tool_choice.function.name",
+        ),
+    ):
+        bad = server.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body}
+        )
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == param
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_match_transformers(server, hf_reference):
+    import torch
+
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    done = server.post(
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2},
+    ).json()
+    choice = done["choices"][0]
+    logprobs = choice["logprobs"]
+    prompt_tokens = done["usage"]["prompt_tokens"]
+    assert len(logprobs["tokens"]) == prompt_tokens + 3
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert choice["text"].startswith(prompt)
+    chat = server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    listed = chat["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == chat["usage"]["prompt_tokens"]
+    ids = server.post("/tokenize", {"prompt": prompt}).json()["tokens"]
+    with torch.no_grad():
+        logits = hf_reference.model(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    got = torch.tensor(logprobs["token_logprobs"][1:prompt_tokens])
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=0)
 
 
 def _stalled_upload(server: Server) -> socket.socket:

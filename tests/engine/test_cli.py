@@ -45,6 +45,10 @@ def test_help_explains_every_option():
         "--parallel-tokens",
         "--parallel-max-width",
         "--parallel-mode",
+        "--json-schema FILE",
+        "--regex REGEX",
+        "--choice TEXT [TEXT ...]",
+        "--grammar FILE",
     ):
         assert flag in out.stdout
 
@@ -168,6 +172,9 @@ def test_beam_search_prints_each_beam_with_its_score(smollm2, hf_reference):
         (["--model", "/no/such"], "model: path '/no/such' does not exist"),
         (["--beam-width", "2", "--n", "3"], "n: must be <= beam_width (2) with beam search, got 3"),
         (["--early-stopping", "maybe"], "must be true, false or never, got 'maybe'"),
+        (["--regex", "a", "--choice", "b"], "give one of --json-schema, --regex, --choice"),
+        (["--json-schema", "/no/such.json"], "--json-schema: cannot read '/no/such.json'"),
+        (["--regex", "(unclosed"], "structured.spec: is not a valid regex"),
     ],
 )
 def test_invalid_option_is_a_clear_error(args, message):
@@ -176,3 +183,37 @@ def test_invalid_option_is_a_clear_error(args, message):
     )
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_structured_outputs_from_the_command_line(tmp_path):
+    import json
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"answer": {"enum": ["yes", "no"]}},
+                "required": ["answer"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    runs = {
+        "json": ["--json-schema", str(schema)],
+        "regex": ["--regex", r"\d{3}-\d{4}"],
+        "choice": ["--choice", "red", "green", "blue"],
+    }
+    outputs = {}
+    for name, flags in runs.items():
+        out = subprocess.run(
+            [*CLI, "generate", "--prompt", "Answer:", "--max-tokens", "40", *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        outputs[name] = out.stdout.rstrip("\n")
+    assert json.loads(outputs["json"])["answer"] in ("yes", "no")
+    assert re.fullmatch(r"\d{3}-\d{4}", outputs["regex"])
+    assert outputs["choice"] in ("red", "green", "blue")
