@@ -149,8 +149,14 @@ class WorkerActor:
         worker), the prompt's blocks are pulled from that prefill worker first."""
         self._live.add(request_id)
         stream = None
-        # a resumed one recomputes; a structured one too (its first token is masked here)
-        disaggregated = prefill is not None and resume is None and sampling.structured is None
+        # A resumed request recomputes here; so do a structured one (its first token is
+        # masked here) and one that asks for prompt logprobs (they come from the prefill).
+        disaggregated = (
+            prefill is not None
+            and resume is None
+            and sampling.structured is None
+            and sampling.prompt_logprobs is None
+        )
         try:
             if disaggregated:
                 token_ids = self.engine.engine.validate(prompt, sampling, resume)
