@@ -289,11 +289,11 @@ class SamplingParams:
             raise InvalidRequestError(
                 "structured", f"must be StructuredParams or None, got {self.structured!r}"
             )
-        speculates = self.speculative is not None and self.speculative.num_tokens > 0
+        # speculative is accepted and does nothing here: drafts are not checked against
+        # the grammar, so a structured request decodes one token a step
         for name, given in (
             ("beam_width", self.beam_width > 1),
             ("parallel_tokens", self.parallel_tokens is not None),
-            ("speculative", speculates),
             ("ignore_eos", self.ignore_eos),
             ("min_tokens", self.min_tokens > 0),
         ):
@@ -434,8 +434,6 @@ class RequestOutput:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
-    # prompt_logprobs (in the first delta only): one per prompt token, None for the first
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -447,6 +445,8 @@ class RequestOutput:
     seed: int | None = None  # the seed this output sampled with (None for beam search)
     parallel_sets: tuple[ParallelSet, ...] | None = None  # parallel_tokens: this delta's sets
     speculative: SpeculativeStats | None = None  # speculation so far (when it speculates)
+    # prompt_logprobs (in the first delta only): one per prompt token, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -486,7 +486,7 @@ class Engine:
         self._update_hashes(seq)
         self.speculator.start(seq)
         if seq.grammar is not None:
-            seq.spec = None  # the worker's default speculation: drafts skip the grammar
+            seq.spec = None  # no speculation: drafts would not be checked against the grammar
         group = SequenceGroup(request, [seq], sampling.num_samples, self._order)
         if sampling.beam_width > 1:
             group.beam = self.forks.new_beam_search(sampling, self._end_token_ids(sampling))

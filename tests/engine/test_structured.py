@@ -128,7 +128,6 @@ def test_a_resumed_request_replays_its_tokens_into_the_grammar(make_engine):
     ("extra", "field"),
     [
         ({"beam_width": 2}, "beam_width"),
-        ({"speculative": SpeculativeParams("ngram", 4)}, "speculative"),
         ({"ignore_eos": True}, "ignore_eos"),
     ],
 )
@@ -146,3 +145,34 @@ def test_a_bad_spec_is_refused_naming_it(make_engine):
                 "bad", PROMPT, SamplingParams(structured=StructuredParams("json", spec))
             )
         assert caught.value.field == "structured.spec"
+
+
+def test_grammar_with_speculation_preemption_and_a_busy_batch_equals_grammar_alone(make_engine):
+    """Speculative (ngram) asked for: the structured request decodes one token a step
+    and gives the grammar-alone text; the same under preemption (a tiny pool); and 16
+    plain requests beside grammar ones give exactly what they give alone."""
+    params = StructuredParams("json", json.dumps(PERSON))
+    greedy = {"max_tokens": 60, "temperature": 0, "structured": params}
+    alone = make_engine()
+    alone.add_request("g", PROMPT, SamplingParams(**greedy))
+    expected = tokens_of(run_engine(alone)["g"])
+    speculating = make_engine()
+    spec = SpeculativeParams("ngram", 4)
+    speculating.add_request("g", PROMPT, SamplingParams(speculative=spec, **greedy))
+    assert tokens_of(run_engine(speculating)["g"]) == expected
+    plain = [f"Item {i}: the lighthouse" for i in range(16)]
+    references = {}
+    for i, prompt in enumerate(plain):
+        engine = make_engine()
+        engine.add_request("p", prompt, SamplingParams(max_tokens=24, temperature=0))
+        references[f"p{i}"] = tokens_of(run_engine(engine)["p"])
+    crowded = make_engine(num_kv_blocks=24)  # 16 + 3 requests on 24 blocks: preemptions
+    for i, prompt in enumerate(plain):
+        crowded.add_request(f"p{i}", prompt, SamplingParams(max_tokens=24, temperature=0))
+    for i in range(3):
+        crowded.add_request(f"g{i}", PROMPT, SamplingParams(**greedy))
+    out = run_engine(crowded)
+    assert crowded.stats().preemptions > 0
+    assert {rid: tokens_of(out[rid]) for rid in references} == references
+    for i in range(3):
+        assert tokens_of(out[f"g{i}"]) == expected

@@ -190,7 +190,7 @@ def test_chat_messages_and_logprobs():
         == 0
     )
     assert chat(messages=[{"role": "user", "content": "x"}]).sampling_for(2).logprobs is None
-    role = error_of(lambda: chat(messages=[{"role": "tool", "content": "x"}]))
+    role = error_of(lambda: chat(messages=[{"role": "robot", "content": "x"}]))
     assert role.param == "messages.0.role"
     image = error_of(
         lambda: chat(messages=[{"role": "user", "content": [{"type": "image_url", "url": "x"}]}])
