@@ -457,6 +457,14 @@ class ChatCompletionRequest(_Sampling, _Conversation):
                 "tool_choice.function.name",
                 f"{choice.function.name!r} is not among the tools ({', '.join(names)})",
             )
+        for i, tool in enumerate(self.tools):
+            if tool.function.parameters is not None:
+                spec = json.dumps(tool.function.parameters)
+                try:
+                    structured.check(StructuredParams("json", spec))
+                except InvalidRequestError as error:
+                    message = error.message.replace("is not a valid json", "is not a valid schema")
+                    raise invalid(f"tools.{i}.function.parameters", message) from None
         if choice == "none":
             return []
         return [t.function.model_dump(exclude_none=True) for t in self.tools]

@@ -42,7 +42,10 @@ def grammar_text(params: StructuredParams) -> str:
                 isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)
             ):
                 raise ValueError("a choice must be a non-empty JSON list of strings")
-        grammar = llguidance.grammar_from(_FORMATS[params.kind], params.spec)
+        spec = params.spec
+        if params.kind == "json":
+            spec = _compact(spec)
+        grammar = llguidance.grammar_from(_FORMATS[params.kind], spec)
     except (ValueError, TypeError) as error:
         raise InvalidRequestError(
             "structured.spec", f"is not a valid {params.kind}: {error}"
@@ -53,6 +56,21 @@ def grammar_text(params: StructuredParams) -> str:
             "structured.spec", f"is not a valid {params.kind}: {'; '.join(messages)}"
         )
     return grammar
+
+
+#: JSON is written with single spaces after ":" and ",": the grammar's whitespace is not
+#: free (a model sampling at temperature 1 may otherwise emit newlines to the end). A
+#: schema's own ``x-guidance`` options win.
+COMPACT_JSON = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+def _compact(spec: str) -> str:
+    schema = json.loads(spec)
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": COMPACT_JSON}
+    return json.dumps(schema)
 
 
 def check(params: StructuredParams) -> None:

@@ -434,13 +434,44 @@ def test_extension_fields_appear_only_when_asked(server):
     assert set(chat.json()["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
 
 
-SCHEMAS = [
-    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+SCHEMAS = [  # of increasing difficulty; closed objects and bounded strings
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"x": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+        "required": ["x"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2}
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
     {
         "type": "object",
         "properties": {
             "city": {"type": "string", "pattern": "^[A-Z][a-z]{2,10}$"},
-            "population": {"type": "integer", "minimum": 1, "maximum": 10_000_000},
+            "population": {"type": "integer", "minimum": 1, "maximum": 10000000},
             "kind": {"enum": ["town", "city"]},
         },
         "required": ["city", "population", "kind"],
@@ -453,34 +484,90 @@ SCHEMAS = [
                 "type": "array",
                 "minItems": 1,
                 "maxItems": 3,
-                "items": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "string"}]},
+                "items": {
+                    "anyOf": [{"type": "number", "minimum": 0}, {"type": "string", "maxLength": 8}]
+                },
             }
         },
         "required": ["items"],
         "additionalProperties": False,
     },
+    {
+        "type": "object",
+        "properties": {
+            "owner": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 10},
+                    "age": {"type": "integer"},
+                },
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["owner"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "points": {
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                    "required": ["x", "y"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["points"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+            "value": {"anyOf": [{"type": "null"}, {"type": "integer", "minimum": -5}]},
+            "kind": {"enum": ["a", "b", "c"]},
+            "nested": {
+                "type": "object",
+                "properties": {
+                    "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}
+                },
+                "required": ["flags"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["id", "value", "kind", "nested"],
+        "additionalProperties": False,
+    },
 ]
 
 
-@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "bounded", "anyof"])
-def test_sampled_json_schema_outputs_validate(server, schema):
+@pytest.mark.parametrize("schema", SCHEMAS, ids=[f"schema{i}" for i in range(len(SCHEMAS))])
+def test_five_seeded_samples_of_each_json_schema_validate(server, schema):
+    """n = 5 seeded samples at temperature 1 (forks, each with its own matcher)."""
     import jsonschema
 
-    client = server.client()
-    for seed in (1, 2):
-        done = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Answer in JSON."}],
-            max_tokens=120,
-            temperature=1.0,
-            seed=seed,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": schema, "strict": True},
-            },
-        )
-        assert done.choices[0].finish_reason == "stop", done
-        jsonschema.validate(json.loads(done.choices[0].message.content), schema)
+    done = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        max_tokens=160,
+        temperature=1.0,
+        seed=7,
+        n=5,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema, "strict": True},
+        },
+    )
+    assert len(done.choices) == 5
+    for choice in done.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
 
 
 def test_the_sdks_parse_and_tessera_structured_outputs(server):
@@ -516,6 +603,23 @@ def test_the_sdks_parse_and_tessera_structured_outputs(server):
     )
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "response_format.json_schema"
+    for body, param in (
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]},
+            "tools.0.function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools.0.function.name",
+        ),
+    ):
+        bad = server.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body}
+        )
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == param, bad.text
 
 
 WEATHER_TOOL = {
