@@ -234,6 +234,7 @@ class _Sampling(_Body):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
     prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's logprob
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as text) -> bias
 
     def structured(self) -> tuple[dict[str, str], str] | None:
         """The engine's ``structured`` setting and the body's field it came from."""

@@ -559,6 +559,13 @@ class OpenAIServer(GenerationService):
                     field_name,
                     f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
                 )
+        bias_field = field_name.replace("stop_token_ids", "logit_bias")
+        for token_id, _ in sampling.logit_bias:
+            if token_id >= self.vocab_size:
+                raise invalid(
+                    bias_field,
+                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
+                )
 
     def _check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
         if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:

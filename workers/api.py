@@ -16,6 +16,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_WIDTH = 64
 #: The most stop strings one request may give (OpenAI allows 4; vLLM has no limit).
 MAX_STOP = 16
+#: ``logit_bias``: at most this many tokens, each biased within +-LOGIT_BIAS_LIMIT (OpenAI's).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
 EARLY_STOPPING_VALUES = (True, False, "never")
 #: Proposers of draft tokens: prompt lookup (n-gram) and a draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -201,6 +204,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and this many top ones
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to its logit
     skip_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None
@@ -265,6 +269,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "stop_token_ids", f"token ids must be >= 0, got {token_id}"
                 )
+        self._check_logit_bias()
         if self.prompt_logprobs is not None:
             _check_number("prompt_logprobs", self.prompt_logprobs, integer=True)
             if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -281,6 +286,26 @@ class SamplingParams:
         self._check_forks()
         self._check_multi_token()
         self._check_structured()
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise InvalidRequestError(
+                    "logit_bias", f"must be (token id, bias) pairs, got {pair!r}"
+                )
+            token_id, bias = pair
+            _check_number("logit_bias", token_id, integer=True)
+            _check_number("logit_bias", bias)
+            if token_id < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidRequestError(
+                    "logit_bias",
+                    f"token ids must be >= 0 and biases in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {token_id}: {bias}",
+                )
 
     def _check_structured(self) -> None:
         if self.structured is None:

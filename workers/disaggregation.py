@@ -73,7 +73,7 @@ def first_token_sampling(params: SamplingParams) -> SamplingParams:
 #: decode worker's.
 FIRST_TOKEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                       "presence_penalty", "frequency_penalty", "logprobs", "min_tokens",
-                      "stop_token_ids", "ignore_eos")  # fmt: skip
+                      "stop_token_ids", "ignore_eos", "logit_bias")  # fmt: skip
 
 
 def sampling_options(params: SamplingParams) -> generation_pb2.SamplingOptions:

@@ -91,7 +91,13 @@ def _has_penalties(params: SamplingParams) -> bool:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    return row.params.greedy and not row.suppressed_token_ids and not _has_penalties(row.params)
+    params = row.params
+    return (
+        params.greedy
+        and not row.suppressed_token_ids
+        and not params.logit_bias
+        and not _has_penalties(params)
+    )
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
@@ -237,6 +243,11 @@ class Sampler:
             token_ids = logits.argmax(dim=1)  # right for the plain greedy rows
         x = logits[work].to(torch.float32)  # [W, V]; indexing copies, the caller's stays
         work_rows = [rows[i] for i in work]
+        for j, row in enumerate(work_rows):  # OpenAI's logit_bias: added to the logits
+            if row.params.logit_bias:
+                ids, biases = zip(*row.params.logit_bias, strict=True)
+                index = torch.tensor(ids, device=x.device)
+                x[j].index_add_(0, index, torch.tensor(biases, dtype=x.dtype, device=x.device))
         _apply_penalties(x, work_rows)
         greedy = [j for j, row in enumerate(work_rows) if row.params.greedy]
         if greedy:

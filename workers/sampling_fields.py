@@ -29,6 +29,7 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 
 from tessera.workers.api import (
+    InvalidRequestError,
     ParallelTokensParams,
     SamplingParams,
     SpeculativeParams,
@@ -48,6 +49,8 @@ class WireField:
     name: str
     #: A list on the wire, a tuple in ``SamplingParams``.
     repeated: bool = False
+    #: A map on the wire ({token id: bias}), (key, value) pairs in ``SamplingParams``.
+    mapping: bool = False
     #: An object / message of its own, whose fields are this dataclass's.
     nested: type[SpeculativeParams] | type[ParallelTokensParams] | type[StructuredParams] | None = (
         None
@@ -56,6 +59,13 @@ class WireField:
     def to_param(self, value: Any) -> Any:
         """A wire value (not None) as the ``SamplingParams`` field takes it. A value of
         the wrong shape passes through, for ``SamplingParams`` to refuse by name."""
+        if self.mapping and isinstance(value, Mapping):
+            try:
+                return tuple(sorted((int(k), v) for k, v in value.items()))
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    self.name, f"keys must be token ids, got {sorted(value)[:3]!r}"
+                ) from None
         if self.repeated and isinstance(value, (list, tuple)):
             return tuple(value)
         if self.nested is not None and isinstance(value, Mapping):
@@ -69,6 +79,8 @@ class WireField:
         """A ``SamplingParams`` value (not None) as wire values: a nested one as a dict."""
         if self.nested is not None:
             return dataclasses.asdict(value)
+        if self.mapping:
+            return dict(value)
         return value
 
 
@@ -83,7 +95,9 @@ def _wire_field(name: str, annotation: Any) -> WireField:
     the wire, a params dataclass a nested object."""
     kinds = typing.get_args(annotation) or (annotation,)
     nested = next((k for k in kinds if k in NESTED), None)
-    return WireField(name, repeated=typing.get_origin(annotation) is tuple, nested=nested)
+    is_tuple = typing.get_origin(annotation) is tuple
+    pairs = is_tuple and typing.get_origin(kinds[0]) is tuple  # tuple[tuple[K, V], ...]
+    return WireField(name, repeated=is_tuple and not pairs, mapping=pairs, nested=nested)
 
 
 #: Every sampling field a request carries, in ``SamplingParams``' order: derived from
@@ -162,7 +176,9 @@ def options_message(
         if field.name not in values:
             continue
         value = values[field.name]
-        if field.message_type is not None:
+        if _is_map(field):
+            value = dict(value) if not isinstance(value, Mapping) else value
+        elif field.message_type is not None:
             value = _nested_message(field.name, GetMessageClass(field.message_type), value)
         kwargs[field.name] = value
     return kind(**kwargs)
@@ -196,9 +212,16 @@ def message_values(message: Message, names: Collection[str] | None = None) -> di
     }
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    entry = field.message_type
+    return entry is not None and entry.GetOptions().map_entry
+
+
 def _read(message: Message, field: FieldDescriptor) -> Any:
     """A field's value, or None when it is unset (see ``message_values``)."""
     value = getattr(message, field.name)
+    if _is_map(field):
+        return dict(value) if value else None
     if field.message_type is not None:
         if not message.HasField(field.name):
             return None

@@ -38,6 +38,12 @@ def validate_request(
                 )
     if not token_ids:
         raise InvalidRequestError("prompt", "must not be empty")
+    for token_id, _ in sampling.logit_bias:
+        if token_id >= model.vocab_size:
+            raise InvalidRequestError(
+                "logit_bias",
+                f"token id {token_id} is out of the vocabulary [0, {model.vocab_size})",
+            )
     for token_id in sampling.stop_token_ids:
         if token_id >= model.vocab_size:
             raise InvalidRequestError(

@@ -337,6 +337,15 @@ ERRORS = [
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 20}, 400, "stop", "at most 16"),
     ("/v1/completions", {"prompt": "x", "logprobs": 30}, 400, "logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "[0, 20]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias", "vocab"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "logit_bias": {"5": 200}},
+        400,
+        "logit_bias",
+        "[-100, 100]",
+    ),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed", "2**63"),
     ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options", "stream"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "not served"),
@@ -422,6 +431,15 @@ def test_tokenize_and_detokenize_as_vllm_shapes_them(server, make_engine):
     unknown = server.post("/tokenize", {"prompt": "x", "model": "gpt-9"})
     assert unknown.status_code == 404
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_logit_bias_forces_a_token(server):
+    done = server.post(
+        "/v1/completions",
+        {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "logit_bias": {"1234": 100}},
+    ).json()
+    token = server.post("/detokenize", {"tokens": [1234]}).json()["prompt"]
+    assert done["choices"][0]["text"] == token * 3
 
 
 def test_extension_fields_appear_only_when_asked(server):

@@ -46,6 +46,7 @@ SAMPLED = SamplingParams(
     max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.875, top_k=40, min_p=0.125,
     repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-0.5, seed=2**62 + 3,
     stop=("END", "\n\n"), stop_token_ids=(7, 9), ignore_eos=True, logprobs=3,
+    logit_bias=((5, -100.0), (17, 2.5)), prompt_logprobs=2,
     skip_special_tokens=False, n=2, best_of=3,
 )  # fmt: skip
 SPECULATING = SamplingParams(
@@ -71,8 +72,11 @@ def test_the_grpc_message_holds_exactly_the_table():
         assert set(descriptor.fields_by_name) == WIRE_NAMES
         for field in descriptor.fields:
             wire = BY_NAME[field.name]
-            assert field.is_repeated == wire.repeated, field.name
-            assert (field.message_type is not None) == (wire.nested is not None), field.name
+            is_map = field.message_type is not None and field.message_type.GetOptions().map_entry
+            assert is_map == wire.mapping, field.name
+            assert (field.is_repeated and not is_map) == wire.repeated, field.name
+            message = field.message_type is not None and not is_map
+            assert message == (wire.nested is not None), field.name
             if wire.nested is not None:
                 nested = {f.name for f in dataclasses.fields(wire.nested)}
                 assert set(field.message_type.fields_by_name) == nested
