@@ -129,6 +129,9 @@ class Grammars:
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[1]]
-        allowed = allowed.to(device=logits.device, dtype=torch.bool)
+        refused = allowed.to(device=logits.device, dtype=torch.bool).logical_not_()
+        if list(rows) == list(range(logits.shape[0])):
+            logits.masked_fill_(refused, -torch.inf)  # every row: in place
+            return
         index = torch.tensor(list(rows), device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, -torch.inf)
+        logits[index] = logits[index].masked_fill(refused, -torch.inf)
