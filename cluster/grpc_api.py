@@ -29,10 +29,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
+from pydantic import ValidationError
 
 from tessera.cluster.auth import key_matches
 from tessera.cluster.grpc_client import API_VERSION
-from tessera.cluster.openai_protocol import api_error, invalid
+from tessera.cluster.openai_protocol import TokenizeChatRequest, api_error, invalid
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import DeadlineError, WorkerStatus
@@ -302,18 +303,47 @@ class GenerationService:
     async def Tokenize(  # noqa: N802
         self, request: pb.TokenizeRequest, grpc_context
     ) -> pb.TokenizeResponse:
+        """A text's token ids, or a conversation's through the chat template (the
+        HTTP ``/tokenize``'s fields)."""
         try:
             self._grpc_authorize(grpc_context)
             _check_message(request)
             self._check_model(request.model or None)
-            self._check_size(len(request.text), "text")
+            if request.messages:
+                conversation = TokenizeChatRequest.model_validate(
+                    {
+                        "messages": [
+                            {"role": m.role, "content": m.content} for m in request.messages
+                        ],
+                        "add_generation_prompt": (
+                            request.add_generation_prompt
+                            if request.HasField("add_generation_prompt")
+                            else True
+                        ),
+                    }
+                )
+                ids = await self._chat_prompt(conversation, request.add_special_tokens)
+            else:
+                self._check_size(len(request.text), "text")
+                encoded = await self._off_loop(
+                    self.tokenizer, request.text, add_special_tokens=request.add_special_tokens
+                )
+                ids = encoded.input_ids
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            failure = grpc_error(invalid(where, first["msg"]))
+            raise self._grpc_fail(grpc_context, failure) from None
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
-        encoded = await self._off_loop(
-            self.tokenizer, request.text, add_special_tokens=request.add_special_tokens
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else ()
+        return pb.TokenizeResponse(
+            version=API_VERSION,
+            token_ids=ids,
+            count=len(ids),
+            max_model_len=self.max_model_len,
+            token_strs=strs,
         )
-        ids = encoded.input_ids
-        return pb.TokenizeResponse(version=API_VERSION, token_ids=ids)
 
     # ------------------------------------------------------------------ health
     async def Check(  # noqa: N802 (grpc.health.v1.Health)

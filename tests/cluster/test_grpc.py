@@ -170,6 +170,29 @@ def test_list_models_and_tokenize(client, make_engine):
         client.tokenize(PROMPT, add_special_tokens=False)
         == tokenizer(PROMPT, add_special_tokens=False).input_ids
     )
+    stub = generation_pb2_grpc.GenerationStub(client.channel)
+    ids = tokenizer(PROMPT).input_ids
+    full = stub.Tokenize(
+        pb.TokenizeRequest(text=PROMPT, add_special_tokens=True, return_token_strs=True),
+        metadata=client.metadata,
+    )
+    assert (list(full.token_ids), full.count, full.max_model_len) == (ids, len(ids), 8192)
+    assert list(full.token_strs) == tokenizer.convert_ids_to_tokens(ids)
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = stub.Tokenize(
+        pb.TokenizeRequest(messages=[pb.ChatMessage(**m) for m in messages]),
+        metadata=client.metadata,
+    )
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert list(chat.token_ids) == tokenizer(rendered, add_special_tokens=False).input_ids
+    bad = _error(
+        lambda: stub.Tokenize(
+            pb.TokenizeRequest(messages=[pb.ChatMessage(role="robot", content="x")]),
+            metadata=client.metadata,
+        )
+    )
+    assert bad.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert bad.details().startswith("messages.0.role"), bad.details()
 
 
 # ------------------------------------------------------------------ ending early
