@@ -188,6 +188,7 @@ class Engine:
         self.speculator.check(sampling)
         if sampling.structured is not None:
             structured.check(sampling.structured)
+            self.grammars.tokenizer  # noqa: B018 - built (and checked) here, not in the step
         return validate_request(
             prompt,
             sampling,

@@ -18,6 +18,7 @@ from __future__ import annotations
 # Light at import (no torch, no llguidance): the front ends check grammars with it.
 import functools
 import json
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ from tessera.workers.api import InvalidRequestError, StructuredParams
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 #: llguidance's name of each kind's grammar format.
 _FORMATS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -98,9 +101,20 @@ class Grammars:
         if self._tokenizer is None:
             import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(
+            wrapped = llguidance.hf.from_tokenizer(
                 self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
             )
+            probe = 'A "quoted" word, 42: ok.'
+            ids = self._hf_tokenizer(probe, add_special_tokens=False).input_ids
+            if wrapped.decode_bytes(ids) != probe.encode():
+                # Seen with transformers 5.17's GGUF tokenizers: no byte-level decoding,
+                # so llguidance would match grammars against the wrong bytes.
+                raise InvalidRequestError(
+                    "structured",
+                    "structured outputs are unavailable on this server: llguidance cannot "
+                    "read its tokenizer's bytes (a newer transformers converts it right)",
+                )
+            self._tokenizer = wrapped
         return self._tokenizer
 
     def matcher(self, params: StructuredParams, replay: Sequence[int] = ()):
@@ -123,10 +137,15 @@ class Grammars:
         import torch
 
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
         for i, matcher in enumerate(matchers):
             row = bitmask[i]
             matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if matcher.is_error():  # e.g. a parser limit: end the output (EOS only)
+                logger.warning("grammar failed, ending the output: %s", matcher.get_error())
+                row.zero_()
+                for eos in self.eos_token_ids:
+                    row[eos // 32] |= 1 << (eos % 32) if eos % 32 < 31 else -(1 << 31)
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, : logits.shape[1]]
         refused = allowed.to(device=logits.device, dtype=torch.bool).logical_not_()

@@ -111,3 +111,40 @@ def test_cuda_graphs_replay_what_eager_steps_compute(smollm2_path):
         else:
             assert engine.runner.decode_graphs is None
     assert results[0] == results[1]
+
+
+def test_structured_outputs_and_prompt_logprobs_on_cuda_match_the_cpu_engine(
+    smollm2_path, make_engine
+):
+    """A grammar's mask (computed on the CPU, applied to CUDA logits) and prompt
+    logprobs give on CUDA what they give on the CPU."""
+    import json
+
+    from tessera.workers.api import StructuredParams
+    from tessera.workers.engine import Engine
+    from tessera.workers.model.loader import load_model
+
+    loaded = load_model(smollm2_path, "float32", "cuda")
+    cuda = Engine(EngineConfig(device="cuda", num_kv_blocks=64), loaded=loaded)
+    cpu = make_engine(num_kv_blocks=64)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["city", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0,
+        structured=StructuredParams("json", json.dumps(schema)),
+        prompt_logprobs=1,
+    )
+    results = []
+    for engine in (cuda, cpu):
+        engine.add_request("s", "A city as JSON:", params)
+        deltas = run_engine(engine)["s"]
+        logprobs = [e.logprob for e in deltas[0].prompt_logprobs[1:]]
+        results.append((tokens_of(deltas), logprobs))
+    assert results[0][0] == results[1][0]
+    json.loads(cuda.tokenizer.decode(results[0][0], skip_special_tokens=True))
+    assert results[0][1] == pytest.approx(results[1][1], abs=1e-3)
