@@ -112,7 +112,7 @@ class Grammars:
                 raise InvalidRequestError(
                     "structured",
                     "structured outputs are unavailable on this server: llguidance cannot "
-                    "read its tokenizer's bytes (a newer transformers converts it right)",
+                    "read its tokenizer's bytes (transformers >= 5.24 converts it right)",
                 )
             self._tokenizer = wrapped
         return self._tokenizer
