@@ -8,13 +8,14 @@ waits for them to come back, so the tests stay independent of their order.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 import ray
 
 from tessera.scheduler.api import WorkerStatus
-from tessera.workers.api import FinishReason, SamplingParams
+from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
 
@@ -185,13 +186,31 @@ async def test_killed_worker_fails_over_without_changing_the_text(cluster, make_
     await cluster.scheduler.set_placement.remote("prefix_affinity")
     # A prefix no worker holds yet: the first request picks a worker, the rest follow it.
     prefix = "Failover drill. " + SYSTEM * 2
+    # Two under a grammar (6, 7): a resumed output replays its tokens into a new matcher.
+    listing = {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 10},
+                "minItems": 6,
+                "maxItems": 6,
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+    grammar = StructuredParams("json", json.dumps(listing))
     requests = []
     for i in range(8):
-        params = (
-            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-            if i < 4
-            else SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=100 + i)
-        )
+        if i < 4:
+            params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        elif i < 6:
+            params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=100 + i)
+        else:
+            params = SamplingParams(
+                max_tokens=80, temperature=0.8, seed=100 + i, structured=grammar
+            )
         requests.append((f"fo-{i}", prefix + f"Customer {i} asks about returns.", params))
     expected = engine_outputs(make_engine, requests)
 
