@@ -29,11 +29,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2
-from pydantic import ValidationError
 
 from tessera.cluster.auth import key_matches
 from tessera.cluster.grpc_client import API_VERSION
-from tessera.cluster.openai_protocol import TokenizeChatRequest, api_error, invalid
+from tessera.cluster.openai_protocol import TokenizeChatRequest, api_error, invalid, validate_body
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import DeadlineError, WorkerStatus
@@ -310,30 +309,14 @@ class GenerationService:
             _check_message(request)
             self._check_model(request.model or None)
             if request.messages:
-                conversation = TokenizeChatRequest.model_validate(
-                    {
-                        "messages": [
-                            {"role": m.role, "content": m.content} for m in request.messages
-                        ],
-                        "add_generation_prompt": (
-                            request.add_generation_prompt
-                            if request.HasField("add_generation_prompt")
-                            else True
-                        ),
-                    }
-                )
+                messages = [{"role": m.role, "content": m.content} for m in request.messages]
+                given = {"messages": messages}
+                if request.HasField("add_generation_prompt"):
+                    given["add_generation_prompt"] = request.add_generation_prompt
+                conversation = validate_body(given, TokenizeChatRequest)
                 ids = await self._chat_prompt(conversation, request.add_special_tokens)
             else:
-                self._check_size(len(request.text), "text")
-                encoded = await self._off_loop(
-                    self.tokenizer, request.text, add_special_tokens=request.add_special_tokens
-                )
-                ids = encoded.input_ids
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"])
-            failure = grpc_error(invalid(where, first["msg"]))
-            raise self._grpc_fail(grpc_context, failure) from None
+                ids = await self._tokenize(request.text, "text", request.add_special_tokens)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else ()
@@ -404,7 +387,7 @@ class GenerationService:
                 raise invalid("token_ids", "must not be empty")
             prompt = await self._token_ids(list(request.token_ids.ids), "prompt")
         sampling = sampling_params(request.sampling)
-        self._check_stop_ids(sampling, "sampling.stop_token_ids")
+        self._check_token_ids(sampling, "sampling.")
         if sampling.structured is not None:
             try:
                 structured.check(sampling.structured)

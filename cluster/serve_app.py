@@ -262,7 +262,7 @@ class OpenAIServer(GenerationService):
             for prompt in prompts:
                 self._check_length(prompt, max_tokens, "max_tokens")
             sampling = body.sampling_for(max_tokens)
-            self._check_stop_ids(sampling, "stop_token_ids")
+            self._check_token_ids(sampling)
             job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
             echo = [
                 (text if isinstance(text, str) else self.tokenizer.decode(ids)) if body.echo else ""
@@ -330,7 +330,7 @@ class OpenAIServer(GenerationService):
             self._check_length(prompt, max_tokens, field_name)
             body._tool_format = self.tool_format
             sampling = body.sampling_for(max_tokens)
-            self._check_stop_ids(sampling, "stop_token_ids")
+            self._check_token_ids(sampling)
             job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
             job.tool_names = frozenset(f["name"] for f in body.offered_tools())
             await self._start(job, body)
@@ -394,11 +394,7 @@ class OpenAIServer(GenerationService):
         if chat:
             ids = await self._chat_prompt(body, body.add_special_tokens)
         else:
-            self._check_size(len(body.prompt), "prompt")
-            encoded = await self._off_loop(
-                self.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
-            )
-            ids = encoded.input_ids
+            ids = await self._tokenize(body.prompt, "prompt", body.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(
             {
@@ -503,10 +499,17 @@ class OpenAIServer(GenerationService):
                 "vocabulary's longest token)",
             )
 
+    async def _tokenize(
+        self, text: str, field_name: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """``text``'s token ids, off the event loop, once its length could fit."""
+        self._check_size(len(text), field_name)
+        encoded = await self._off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return encoded.input_ids
+
     async def _token_ids(self, prompt: str | list[int], field_name: str) -> list[int]:
         if isinstance(prompt, str):
-            self._check_size(len(prompt), field_name)
-            return (await self._off_loop(self.tokenizer, prompt)).input_ids
+            return await self._tokenize(prompt, field_name)
         for token_id in prompt:
             if not 0 <= token_id < self.vocab_size:
                 raise invalid(
@@ -551,21 +554,20 @@ class OpenAIServer(GenerationService):
         encoded = await self._off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
         return encoded.input_ids
 
-    def _check_stop_ids(self, sampling: SamplingParams, field_name: str) -> None:
-        """Checked here, not only by the worker, so that each door names its own field."""
-        for token_id in sampling.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise invalid(
-                    field_name,
-                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
-                )
-        bias_field = field_name.replace("stop_token_ids", "logit_bias")
-        for token_id, _ in sampling.logit_bias:
-            if token_id >= self.vocab_size:
-                raise invalid(
-                    bias_field,
-                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
-                )
+    def _check_token_ids(self, sampling: SamplingParams, prefix: str = "") -> None:
+        """The request's stop token ids and logit-bias ids are in the vocabulary: checked
+        here, not only by the worker, so that each door names its own field (``prefix``:
+        gRPC's ``sampling.``)."""
+        for name, ids in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
+        ):
+            for token_id in ids:
+                if token_id >= self.vocab_size:
+                    raise invalid(
+                        prefix + name,
+                        f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
+                    )
 
     def _check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
         if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:

@@ -381,6 +381,7 @@ class SamplingParams:
             "best_of": self.best_of is not None,
             "stop": bool(self.stop),
             "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
             "repetition_penalty": self.repetition_penalty != 1.0,
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,

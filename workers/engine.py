@@ -51,7 +51,7 @@ from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
 from tessera.workers.model.loader import DTYPES, LoadedModel, load_model
-from tessera.workers.model_runner import ModelRunner
+from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.outputs import aborted_outputs, beam_outputs, sequence_output
 from tessera.workers.parallel_tokens import choose_set, mean_distribution_logits
 from tessera.workers.sampling import Sampler, SampleResult, SamplingRow
@@ -323,9 +323,12 @@ class Engine:
                 children = self.forks.fork(group)
                 rows.update({id(child): rows[id(group.seqs[0])] for child in children})
                 sampled_here += children
-                parent = group.seqs[0].grammar
-                for child in children:  # each fork follows the grammar on its own
-                    child.grammar = None if parent is None else parent.deep_copy()
+                parent = group.seqs[0]
+                for child in children:
+                    if parent.grammar is not None:  # each fork follows the grammar alone
+                        child.grammar = parent.grammar.deep_copy()
+                    if parent.prompt_logprobs is not None:  # best_of may not send the parent
+                        child.prompt_logprobs = list(parent.prompt_logprobs)
             targets += [(group, s) for s in sampled_here]
             logit_rows += [rows[id(s)] for s in sampled_here]
         if targets:
@@ -351,7 +354,9 @@ class Engine:
         self._last = (len(batch.items), batch.num_tokens)
         return outputs
 
-    def _prompt_logprobs(self, seq: Sequence, chunk, rows: torch.Tensor) -> torch.Tensor | None:
+    def _prompt_logprobs(
+        self, seq: Sequence, chunk: Chunk, rows: torch.Tensor
+    ) -> torch.Tensor | None:
         """Record the logprobs of the prompt tokens this chunk's rows predict; return
         the row that samples the first output token (the chunk's last, once it ends the
         prompt), or None."""

@@ -46,3 +46,33 @@ def test_prompt_logprobs_match_transformers(make_engine, hf_reference, batched_t
             torch.testing.assert_close(values, top_values[i], atol=2e-4, rtol=0)
             if ids != top_ids[i].tolist():  # only where two of the top were near-equal
                 assert (top_values[i][:-1] - top_values[i][1:]).min() < 1e-4
+
+
+def test_every_output_of_a_forked_request_carries_the_prompts_logprobs(make_engine):
+    """n = 2 of best_of = 3 (sent whole at the end, maybe without the parent): each
+    output's first delta has the prompt logprobs of the same prompt run alone."""
+    engine = make_engine()
+    alone = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    engine.add_request("alone", PROMPT, alone)
+    expected = run_engine(engine)["alone"][0].prompt_logprobs
+    forked = SamplingParams(max_tokens=4, n=2, best_of=3, seed=3, prompt_logprobs=1)
+    engine.add_request("forked", PROMPT, forked)
+    deltas = run_engine(engine)["forked"]
+    firsts = {}
+    for delta in deltas:
+        firsts.setdefault(delta.index, delta)
+    assert sorted(firsts) == [0, 1]
+    for delta in firsts.values():
+        assert [e and e.token_id for e in delta.prompt_logprobs] == [
+            e and e.token_id for e in expected
+        ]
+        got = torch.tensor([e.logprob for e in delta.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, torch.tensor([e.logprob for e in expected[1:]]))
+
+
+def test_prompt_logprobs_are_refused_with_beams():
+    from tessera.workers.api import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(beam_width=2, prompt_logprobs=1)
+    assert caught.value.field == "prompt_logprobs"
