@@ -76,6 +76,12 @@ class EngineConfig:
         "context widths bucketed, each graph captured on first use); off: every step "
         "launches its kernels one by one",
     )
+    native_decode: bool = _setting(
+        True,
+        "on the CPU, run every layer of a step of decodes in one call of tessera's C++ "
+        "extension (fused norms, RoPE, paged attention and SwiGLU around the matmuls); "
+        "off: such steps run op by op in torch like every other step",
+    )
     block_size: int = _setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", ge=1)
     kv_cache_memory: int | None = _setting(
         None,
@@ -150,6 +156,7 @@ class EngineConfig:
             "enable_block_sharing",
             "packed_weights",
             "cuda_graphs",
+            "native_decode",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -128,7 +128,11 @@ class Engine:
         )
         graphs = config.cuda_graphs and device.type == "cuda"
         self.runner = ModelRunner(
-            self.loaded.model, self.kv, kv_cache, static_decode="graphs" if graphs else "off"
+            self.loaded.model,
+            self.kv,
+            kv_cache,
+            static_decode="graphs" if graphs else "off",
+            native_decode=config.native_decode,
         )
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()

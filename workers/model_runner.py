@@ -85,6 +85,9 @@ class ModelRunner:
     ``DecodeGraphs`` (bucketed static buffers; on CUDA replayed from captured graphs);
     ``"off"`` runs every step on the dynamic path; ``"eager"`` takes the static path
     without capturing (so the CPU tests can check it).
+
+    ``native_decode``: on the dynamic path, steps of decodes only run every layer in one
+    native call (``LlamaModel.native_layers``) where the model has one.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class ModelRunner:
         kv: KVCacheManager,
         kv_cache: torch.Tensor,
         static_decode: str = "off",
+        native_decode: bool = False,
     ) -> None:
         if static_decode not in ("off", "eager", "graphs"):
             raise ValueError(f"static_decode: 'off', 'eager' or 'graphs', got {static_decode!r}")
@@ -106,6 +110,7 @@ class ModelRunner:
             if static_decode == "off"
             else DecodeGraphs(model, kv_cache, kv.block_size, capture=static_decode == "graphs")
         )
+        self.native_decode = native_decode and model.native_layers() is not None
         #: Seconds the last ``execute`` spent in the model's forward (on CUDA, up to the
         #: end of its kernels).
         self.forward_time = 0.0
@@ -173,8 +178,9 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(len(entries), device=dev), query_lens)
         slot_mapping = block_tables[seq_index, slots_t // bs] * bs + slots_t % bs
         seq_lens_t = torch.tensor(seq_lens, device=dev)
+        native = self.native_decode and num_decodes == len(entries)
         decode_plan = None
-        if num_decodes:
+        if num_decodes and not native:
             decode_plan = plan_decode(
                 block_tables[:num_decodes],
                 seq_lens_t[:num_decodes],
@@ -202,7 +208,7 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
-        return self._timed(lambda: self.model(*inputs))
+        return self._timed(lambda: self.model(*inputs, native=native))
 
     def _static_decode(
         self, chunks: Seq[Chunk], entries: list[tuple[int, int, int]]

@@ -55,8 +55,11 @@ def _check(outputs, references):
         assert_greedy_matches(tokens_of(deltas), ref)
 
 
-def test_batched_prompts_match_transformers(make_engine, prompt_ids, references):
-    engine = make_engine()
+@pytest.mark.parametrize("native_decode", [True, False], ids=["native", "op-by-op"])
+def test_batched_prompts_match_transformers(make_engine, prompt_ids, references, native_decode):
+    """Both decode paths: every layer in one native call (the default), and op by op."""
+    engine = make_engine(native_decode=native_decode)
+    assert engine.runner.native_decode is native_decode
     for i, ids in enumerate(prompt_ids):
         engine.add_request(f"r{i}", list(ids), GREEDY)
     _check(run_engine(engine), references)

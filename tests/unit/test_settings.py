@@ -41,6 +41,7 @@ OTHER_VALUES = {
     "enable_prefix_caching": False,
     "packed_weights": False,
     "cuda_graphs": False,
+    "native_decode": False,
     "speculative_method": "draft",
     "speculative_num_tokens": 6,
     "speculative_min_tokens": 2,

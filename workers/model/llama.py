@@ -10,6 +10,8 @@ so float32 outputs match transformers to rounding.
 from __future__ import annotations
 
 import dataclasses
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +23,15 @@ from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
 from tessera.workers.quant.int4 import Int4Weight, int4_row_limit
+from tessera.workers.quant.kernels import native_kernels
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
 Weight = torch.Tensor | PackedWeight
+
+#: ``Linear`` kinds of the native decode stack (``csrc/decode_layers.cpp``).
+NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4 = 0, 1, 2
+#: Model dtypes the native decode stack has kernels for.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class RMSNorm(nn.Module):
@@ -103,6 +111,26 @@ class Linear(nn.Module):
         dense = torch.cat([_dense(part) for part in parts]).t()
         _put(self.weight, dense, name)
 
+    def native(self, kernels: ModuleType) -> Any:
+        """This projection as the native extension's ``Linear`` (sharing its tensors)."""
+        kind, weight, packed, int4 = NATIVE_DENSE, self.weight, self.packed, self.int4
+        if packed is not None:
+            kind, weight = NATIVE_GGUF, None
+        elif int4 is not None:
+            kind = NATIVE_INT4
+        return kernels.make_linear(
+            kind,
+            weight,
+            None if packed is None else packed.qs,
+            None if packed is None else packed.scales,
+            None if packed is None else packed.mins,
+            0 if packed is None else int(packed.qtype),
+            None if int4 is None else int4.packed,
+            None if int4 is None else int4.scales_and_zeros,
+            self.int4_rows,
+            self.bias,
+        )
+
     def dense_weight(self) -> torch.Tensor:
         """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
         return self.weight if self.packed is None else self.packed.dequantize().t()
@@ -177,6 +205,7 @@ class LlamaModel(nn.Module):
         # The embedding table kept packed (then embed_tokens.weight is empty); tied, it is
         # also the LM head.
         self.packed_embedding: PackedWeight | None = None
+        self._native_layers: Any = _UNBUILT
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """A model of this one's first ``num_layers`` layers, sharing its weights (a
@@ -192,7 +221,39 @@ class LlamaModel(nn.Module):
         model.lm_head = self.lm_head
         model.rope = self.rope
         model.packed_embedding = self.packed_embedding
+        model._native_layers = _UNBUILT
         return model
+
+    def native_layers(self) -> Any | None:
+        """Every layer as one native call for steps of decodes only
+        (``csrc/decode_layers.cpp``), sharing the layers' weights; built on first use
+        (after the weights are loaded). None where it cannot run: not on the CPU, no
+        native extension, or a dtype it has no kernels for."""
+        if self._native_layers is _UNBUILT:
+            self._native_layers = None
+            weight = self.norm.weight
+            kernels = native_kernels() if weight.device.type == "cpu" else None
+            if kernels is not None and weight.dtype in NATIVE_DTYPES:
+                config = self.config
+                stack = kernels.DecodeLayers(
+                    config.num_heads,
+                    config.num_kv_heads,
+                    config.head_dim,
+                    config.intermediate_size,
+                    config.rms_norm_eps,
+                    config.head_dim**-0.5,
+                )
+                for layer in self.layers:
+                    stack.add_layer(
+                        layer.input_layernorm.weight,
+                        layer.qkv_proj.native(kernels),
+                        layer.o_proj.native(kernels),
+                        layer.post_attention_layernorm.weight,
+                        layer.gate_up_proj.native(kernels),
+                        layer.down_proj.native(kernels),
+                    )
+                self._native_layers = stack
+        return self._native_layers
 
     @torch.inference_mode()
     def forward(
@@ -202,8 +263,12 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, H_kv, D]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]: rows of the batch whose next-token logits we need
+        native: bool = False,
     ) -> torch.Tensor:
-        """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab]."""
+        """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab].
+
+        ``native``: a batch of decodes only (``meta.num_decodes == meta.num_seqs``) runs
+        its layers through ``native_layers()`` where that exists, not op by op."""
         # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
         # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
         if self.packed_embedding is not None:
@@ -211,8 +276,20 @@ class LlamaModel(nn.Module):
         else:
             hidden = self.embed_tokens(input_ids).float()
         cos, sin = self.rope.lookup(positions)
-        for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
+        stack = self.native_layers() if native and meta.num_decodes == meta.num_seqs else None
+        if stack is not None:
+            hidden = stack.forward(
+                hidden.contiguous(),
+                cos.squeeze(1),
+                sin.squeeze(1),
+                meta.slot_mapping,
+                meta.seq_lens,
+                meta.block_tables,
+                kv_cache,
+            )
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
         hidden = self.norm(hidden.index_select(0, logits_indices))
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
@@ -289,6 +366,9 @@ class LlamaModel(nn.Module):
         leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
+
+
+_UNBUILT = object()
 
 
 def _dense(value: Weight) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""``quant_matmul``: ``x @ dequant(W).T`` on packed GGUF weights, fp32 in and out.
+"""``quant_matmul``: ``x @ dequant(W).T`` on packed GGUF weights, fp32 in and out; and
+the native extension that holds it.
 
-The C++ kernel (``csrc/gguf_mm.cpp``) is compiled on first use with
+The extension (``csrc/gguf_mm.cpp``, the packed matmul, and ``csrc/decode_layers.cpp``,
+every decoder layer of a decode step in one call) is compiled on first use with
 ``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
-(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the source, torch's version and the CPU
+(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and the CPU
 flags in /proc/cpuinfo: the kernel is built with ``-march=native``, so a machine with
 other flags builds its own. cpp_extension's file lock in that directory lets several
 processes start at once (one compiles, the others wait and load it).
@@ -35,8 +37,10 @@ from tessera.workers.quant.blocks import PackedWeight
 logger = logging.getLogger(__name__)
 
 Backend = Literal["auto", "native", "torch"]
-SOURCE = Path(__file__).parent / "csrc" / "gguf_mm.cpp"
-EXTENSION_NAME = "tessera_gguf_mm"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("gguf_mm.cpp", "decode_layers.cpp")
+)
+EXTENSION_NAME = "tessera_kernels"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 #: Rows dequantised at a time by the torch path (bounds its temporary to ~25 MB at 1536).
@@ -105,7 +109,7 @@ def native_kernels() -> ModuleType | None:
         _ninja_on_path()
         module = cpp_extension.load(
             name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
@@ -126,10 +130,11 @@ def native_kernels() -> ModuleType | None:
 
 
 def kernel_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/tessera/kernels/<hash of source, torch, CPU flags, flags>``."""
+    """``$XDG_CACHE_HOME/tessera/kernels/<hash of sources, torch, CPU flags, flags>``."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode()):
+    parts = [source.read_bytes() for source in SOURCES]
+    for part in (*parts, torch.__version__.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())

@@ -284,6 +284,12 @@ void mm_dispatch(const float* x, int64_t T, const Packed& w, float* y, int64_t o
 #endif
 }
 
+}  // namespace
+
+namespace tessera {
+
+void register_decode_layers(pybind11::module& m);  // decode_layers.cpp
+
 torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                       int64_t qtype) {
@@ -323,11 +329,12 @@ torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
   return y;
 }
 
-}  // namespace
+}  // namespace tessera
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_mm", &gguf_mm, "y = x @ dequant(W)^T for packed GGUF Q4_0/Q4_1/Q8_0 weights",
+  m.def("gguf_mm", &tessera::gguf_mm, "y = x @ dequant(W)^T for packed GGUF Q4_0/Q4_1/Q8_0 weights",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("qtype"),
         py::call_guard<py::gil_scoped_release>());
   m.attr("avx512") = static_cast<bool>(TESSERA_AVX512);
+  tessera::register_decode_layers(m);
 }

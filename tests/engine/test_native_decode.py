@@ -1,0 +1,125 @@
+"""The native decode stack (``csrc/decode_layers.cpp``: every layer of a step of
+decodes in one call) against the op-by-op torch layers it replaces.
+
+Greedy output of both paths against transformers is in ``test_exactness.py`` (which
+runs each path); here one step of both paths over the same cache, with rows of
+different lengths around block boundaries, grouped-query heads, never-written slots
+full of NaN, packed GGUF (float32 and the fast mode's int4) and dense weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.workers.attention.metadata import AttentionMetadata
+from tessera.workers.kv.kv_cache import allocate_kv_cache
+from tessera.workers.model.loader import load_model
+from tessera.workers.quant.kernels import native_kernels
+
+pytestmark = pytest.mark.skipif(
+    native_kernels() is None, reason="the native extension could not be built here"
+)
+
+BLOCK_SIZE = 16
+SEQ_LENS = [1, 15, 16, 17, 40, 33]
+
+
+def decode_batch(num_blocks: int) -> AttentionMetadata:
+    """Rows of SEQ_LENS tokens, each on its own scattered blocks (never block 0..1)."""
+    generator = torch.Generator().manual_seed(1)
+    free = (torch.randperm(num_blocks - 2, generator=generator) + 2).tolist()
+    width = max(-(-n // BLOCK_SIZE) for n in SEQ_LENS)
+    tables = []
+    for n in SEQ_LENS:
+        own = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+        tables.append(own + [0] * (width - len(own)))
+    block_tables = torch.tensor(tables)
+    slots = torch.tensor(
+        [
+            t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+            for t, n in zip(tables, SEQ_LENS, strict=True)
+        ]
+    )
+    return AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=torch.arange(len(SEQ_LENS) + 1),
+        seq_lens=torch.tensor(SEQ_LENS),
+        block_tables=block_tables,
+        num_decodes=len(SEQ_LENS),
+        query_start_loc_list=list(range(len(SEQ_LENS) + 1)),
+        seq_lens_list=list(SEQ_LENS),
+    )
+
+
+def one_step(loaded, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the cache after one decode step over a cache of random K/V (NaN in the
+    blocks no row reads)."""
+    model, config = loaded.model, loaded.config
+    num_blocks = 24
+    dtype = model.norm.weight.dtype
+    cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    # bf16-representable values: every dtype's cache holds the same numbers
+    cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16).to(dtype))
+    meta = decode_batch(num_blocks)
+    used = set(meta.block_tables.flatten().tolist())
+    for block in range(num_blocks):
+        if block not in used:
+            cache[:, :, block] = float("nan")
+    ids = torch.tensor([(17 * i + 5) % config.vocab_size for i in range(len(SEQ_LENS))])
+    positions = meta.seq_lens - 1
+    rows = torch.arange(len(SEQ_LENS))
+    logits = model(ids, positions, cache, meta, rows, native=native)
+    return logits, cache
+
+
+@pytest.fixture(scope="module")
+def smollm2_fast(smollm2_path):
+    return load_model(smollm2_path, "bfloat16")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama"])
+def test_native_float32_step_equals_the_op_by_op_step(request, which):
+    """Packed GGUF (SmolLM2) and dense (a tiny random Llama) float32 weights: the two
+    paths differ only in the order of float sums."""
+    loaded = request.getfixturevalue(which)
+    if which == "tiny_llama":
+        loaded = load_model(loaded[0], "float32")
+    assert loaded.model.native_layers() is not None
+    logits, cache = one_step(loaded, native=True)
+    expected, expected_cache = one_step(loaded, native=False)
+    # 30 layers over a random cache (peaky softmaxes) magnify the sums' rounding to ~2e-4
+    assert (logits - expected).abs().max() <= 1e-3 * expected.abs().max()
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    assert torch.equal(cache.isnan(), expected_cache.isnan())  # NaN blocks never read
+    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=1e-3, equal_nan=True)
+
+
+def test_native_fast_step_is_as_close_to_float32_as_the_op_by_op_one(smollm2, smollm2_fast):
+    """The fast mode (bf16, int4 weights) rounds where the op-by-op path rounds, except
+    inside attention; over a cache of random K/V (peaky softmaxes, which magnify any
+    rounding) it stays as close to the exact float32 step as the op-by-op fast step."""
+    exact, _ = one_step(smollm2, native=False)
+    native, cache = one_step(smollm2_fast, native=True)
+    eager, eager_cache = one_step(smollm2_fast, native=False)
+    native_error = (native - exact).abs().mean()
+    eager_error = (eager - exact).abs().mean()
+    assert native_error <= 1.25 * eager_error, (native_error, eager_error)
+    assert torch.equal(cache.isnan(), eager_cache.isnan())
+
+
+def test_native_step_refuses_a_block_outside_the_cache(smollm2):
+    model, config = smollm2.model, smollm2.config
+    cache = allocate_kv_cache(config, 4, BLOCK_SIZE, torch.float32, torch.device("cpu"))
+    hidden = torch.zeros(1, config.hidden_size)
+    cos = torch.ones(1, config.head_dim)
+    with pytest.raises(RuntimeError, match="DecodeLayers: block 9 of row 0 is outside the cache"):
+        model.native_layers().forward(
+            hidden, cos, cos, torch.tensor([3]), torch.tensor([20]), torch.tensor([[0, 9]]), cache
+        )
+    too_long = "DecodeLayers: seq_len 40 of row 0 does not fit 2 blocks"
+    with pytest.raises(RuntimeError, match=too_long):
+        model.native_layers().forward(
+            hidden, cos, cos, torch.tensor([3]), torch.tensor([40]), torch.tensor([[0, 1]]), cache
+        )

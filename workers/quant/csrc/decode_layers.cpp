@@ -1,0 +1,420 @@
+// Every decoder layer of a decode step in one call: B sequences, one new token each.
+//
+// The Python layer loop spends most of a small-batch decode step dispatching ~40 eager
+// ops per layer (norms, RoPE, the K/V scatter, the attention tiles, SwiGLU, residuals);
+// here those are plain loops, and only the four matmuls of a layer go through ATen
+// (or through gguf_mm, this extension's packed GGUF kernel).
+//
+// Numerics follow tessera/workers/model/llama.py step for step, in the model's dtype T
+// (float32, the exact mode; bfloat16, the fast mode), with the residual stream float32:
+//   RMSNorm   float32 x * 1/sqrt(mean(x^2) + eps), rounded to T, times the weight in T
+//   RoPE      x * cos + rotate_half(x) * sin, each product and the sum rounded to T
+//   SwiGLU    silu(gate) rounded to T, times up, rounded to T
+// Attention reads the paged cache in place (no gather): scores, max, exp and sums in
+// float32, the output rounded to T. Only the order of float sums differs from the
+// Python path (as between any two attention kernels); the exactness contract holds.
+// Built with -ffp-contract=off, so no product and sum are fused behind our back.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TESSERA_DECODE_AVX512 1
+#else
+#define TESSERA_DECODE_AVX512 0
+#endif
+
+namespace tessera {
+
+torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
+                      const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+                      int64_t qtype);
+
+namespace {
+
+constexpr int64_t kDense = 0;  // weight [in, out] in T
+constexpr int64_t kGguf = 1;   // packed GGUF blocks, float32 activations (gguf_mm)
+constexpr int64_t kInt4 = 2;   // torch's int4 layout up to int4_rows rows, else dense
+
+// One projection, as workers/model/llama.py's Linear holds it.
+struct Linear {
+  int64_t kind = kDense;
+  torch::Tensor weight;  // dense [in, out]; for kInt4 the weight above int4_rows rows
+  torch::Tensor qs, scales;
+  c10::optional<torch::Tensor> mins;
+  int64_t qtype = 0;
+  torch::Tensor int4, int4_scales_zeros;
+  int64_t int4_rows = 0;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kGguf) {
+      auto y = gguf_mm(x, qs, scales, mins, qtype);
+      return bias ? y.add_(*bias) : y;
+    }
+    if (kind == kInt4 && x.size(0) <= int4_rows) {
+      auto y = at::_weight_int4pack_mm_for_cpu(x, int4, 32, int4_scales_zeros);
+      return bias ? y.add_(*bias) : y;
+    }
+    return bias ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;  // [hidden] in T
+  Linear qkv, o, gate_up, down;
+};
+
+// ------------------------------------------------------------------ small helpers
+
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+inline T round_to(float v) {
+  return static_cast<T>(v);
+}
+
+#if TESSERA_DECODE_AVX512
+template <typename T>
+inline __m512 load16(const T* p);
+
+template <>
+inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// sum of squares of x[0..n), in float32 lanes
+inline float sum_squares(const float* x, int64_t n) {
+  float lanes[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += x[i + j] * x[i + j];
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += lanes[j];
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// y[r] = weight * to_T(x[r] / sqrt(mean(x[r]^2) + eps)), rows of `hidden` floats
+template <typename T>
+void rms_norm(const float* x, const T* weight, T* y, int64_t rows, int64_t hidden, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * hidden;
+    T* yr = y + r * hidden;
+    const float mean = sum_squares(xr, hidden) / static_cast<float>(hidden);
+    const float inv = 1.f / std::sqrt(mean + eps);
+    for (int64_t i = 0; i < hidden; ++i) {
+      const T normed = round_to<T>(xr[i] * inv);
+      yr[i] = round_to<T>(f32(weight[i]) * f32(normed));
+    }
+  }
+}
+
+// x [heads, D] rotated in place by cos/sin [D] (rotate-half layout)
+template <typename T>
+void rotate(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = f32(xh[i]), x2 = f32(xh[i + half]);
+      const T a1 = round_to<T>(x1 * f32(cos[i]));
+      const T b1 = round_to<T>(-x2 * f32(sin[i]));
+      const T a2 = round_to<T>(x2 * f32(cos[i + half]));
+      const T b2 = round_to<T>(x1 * f32(sin[i + half]));
+      xh[i] = round_to<T>(f32(a1) + f32(b1));
+      xh[i + half] = round_to<T>(f32(a2) + f32(b2));
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#if TESSERA_DECODE_AVX512
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if TESSERA_DECODE_AVX512
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16<T>(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = f32(src[i]);
+}
+
+// acc[0..n) += p * v[0..n)
+inline void axpy(float p, const float* v, float* acc, int64_t n) {
+  int64_t i = 0;
+#if TESSERA_DECODE_AVX512
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+#endif
+  for (; i < n; ++i) acc[i] += p * v[i];
+}
+
+// ------------------------------------------------------------------ the stack
+
+class DecodeLayers {
+ public:
+  DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+               double eps, double scale)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        intermediate_(intermediate),
+        eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "DecodeLayers: heads must group over KV heads");
+    TORCH_CHECK(head_dim % 2 == 0, "DecodeLayers: head_dim must be even");
+  }
+
+  void add_layer(const torch::Tensor& input_norm, const Linear& qkv, const Linear& o,
+                 const torch::Tensor& post_norm, const Linear& gate_up, const Linear& down) {
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned);
+  // cos/sin [B, D] in T; slots [B] (cache row each token's K/V goes to); seq_lens [B]
+  // (tokens each sequence attends to, its new one included); block_tables [B, W];
+  // kv_cache [layers, 2, blocks, block_size, H_kv, D] in T.
+  torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& slots, const torch::Tensor& seq_lens,
+                        const torch::Tensor& block_tables, const torch::Tensor& kv_cache) const {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 &&
+                    hidden.is_contiguous(),
+                "DecodeLayers: hidden must be a contiguous float32 [B, hidden] tensor");
+    const int64_t B = hidden.size(0);
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
+                    kv_cache.size(0) >= num_layers() && kv_cache.size(4) == num_kv_heads_ &&
+                    kv_cache.size(5) == head_dim_,
+                "DecodeLayers: kv_cache must be a contiguous [layers, 2, blocks, block_size, ",
+                num_kv_heads_, ", ", head_dim_, "] tensor");
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, head_dim_}) && cos.is_contiguous() &&
+                    sin.sizes() == cos.sizes() && sin.is_contiguous() &&
+                    cos.scalar_type() == kv_cache.scalar_type() &&
+                    sin.scalar_type() == kv_cache.scalar_type(),
+                "DecodeLayers: cos/sin must be contiguous [B, head_dim] in the cache's dtype");
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
+                    block_tables.scalar_type() == torch::kInt64 && slots.numel() == B &&
+                    seq_lens.numel() == B && block_tables.dim() == 2 &&
+                    block_tables.size(0) == B,
+                "DecodeLayers: slots, seq_lens [B] and block_tables [B, W] must be int64");
+    const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+    const auto st = slots.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
+    const int64_t* slot_p = st.data_ptr<int64_t>();
+    const int64_t* len_p = sl.data_ptr<int64_t>();
+    const int64_t* table_p = bt.data_ptr<int64_t>();
+    const int64_t width = bt.size(1);
+    for (int64_t b = 0; b < B; ++b) {  // every index the loops below follow, checked once
+      TORCH_CHECK(slot_p[b] >= 0 && slot_p[b] < num_blocks * block_size,
+                  "DecodeLayers: slot ", slot_p[b], " of row ", b, " is outside the cache");
+      TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= width * block_size,
+                  "DecodeLayers: seq_len ", len_p[b], " of row ", b, " does not fit ", width,
+                  " blocks");
+      for (int64_t j = 0; j < (len_p[b] + block_size - 1) / block_size; ++j)
+        TORCH_CHECK(table_p[b * width + j] >= 0 && table_p[b * width + j] < num_blocks,
+                    "DecodeLayers: block ", table_p[b * width + j], " of row ", b,
+                    " is outside the cache");
+    }
+    switch (kv_cache.scalar_type()) {
+      case at::kFloat: run<float>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache); break;
+      case at::kBFloat16:
+        run<c10::BFloat16>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache);
+        break;
+      case at::kHalf: run<c10::Half>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache); break;
+      default: TORCH_CHECK(false, "DecodeLayers: no kernel for ", kv_cache.scalar_type());
+    }
+    return hidden;
+  }
+
+ private:
+  template <typename T>
+  void run(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+           const int64_t* slots, const int64_t* seq_lens, const int64_t* tables, int64_t width,
+           const torch::Tensor& kv_cache) const {
+    const int64_t B = hidden.size(0), H = hidden.size(1), D = head_dim_;
+    const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
+    const int64_t block_size = kv_cache.size(3);
+    const auto options = hidden.options().dtype(kv_cache.scalar_type());
+    float* h = hidden.data_ptr<float>();
+    const T* cos_p = cos.data_ptr<T>();
+    const T* sin_p = sin.data_ptr<T>();
+    auto normed = torch::empty({B, H}, options);
+    auto attn = torch::empty({B, q_size}, options);
+    auto swiglu = torch::empty({B, intermediate_}, options);
+    const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
+    T* cache = kv_cache.data_ptr<T>();
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const Layer& layer = layers_[l];
+      T* k_cache = cache + l * layer_stride;
+      T* v_cache = k_cache + kv_stride;
+      rms_norm<T>(h, layer.input_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
+      const torch::Tensor qkv = layer.qkv(normed).contiguous();  // [B, q + 2 kv]
+      T* qkv_p = qkv.data_ptr<T>();
+      const int64_t row = qkv.size(1);
+      for (int64_t b = 0; b < B; ++b) {
+        T* r = qkv_p + b * row;
+        rotate<T>(r, num_heads_ + num_kv_heads_, D, cos_p + b * D, sin_p + b * D);
+        std::copy(r + q_size, r + q_size + kv_size, k_cache + slots[b] * kv_size);
+        std::copy(r + q_size + kv_size, r + q_size + 2 * kv_size, v_cache + slots[b] * kv_size);
+      }
+      attend<T>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, B,
+                attn.data_ptr<T>());
+      add_residual<T>(h, layer.o(attn), B * H);
+      rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
+      const torch::Tensor gate_up = layer.gate_up(normed).contiguous();  // [B, 2 I]
+      const T* gu = gate_up.data_ptr<T>();
+      T* s = swiglu.data_ptr<T>();
+      for (int64_t b = 0; b < B; ++b) {
+        const T* gate = gu + b * 2 * intermediate_;
+        const T* up = gate + intermediate_;
+        T* out = s + b * intermediate_;
+        for (int64_t i = 0; i < intermediate_; ++i) {
+          const float g = f32(gate[i]);
+          const T silu = round_to<T>(g / (1.f + std::exp(-g)));
+          out[i] = round_to<T>(f32(silu) * f32(up[i]));
+        }
+      }
+      add_residual<T>(h, layer.down(swiglu), B * H);
+    }
+  }
+
+  template <typename T>
+  static void add_residual(float* h, const torch::Tensor& y, int64_t n) {
+    const auto yc = y.contiguous();
+    const T* p = yc.data_ptr<T>();
+    for (int64_t i = 0; i < n; ++i) h[i] += f32(p[i]);
+  }
+
+  // out[b, head] = softmax(q . K^T * scale) V over the sequence's seq_len cached tokens,
+  // one (sequence, KV head) pair per task: its `group` query heads share each K/V row.
+  template <typename T>
+  void attend(const T* qkv, int64_t row, const T* k_cache, const T* v_cache,
+              const int64_t* seq_lens, const int64_t* tables, int64_t width, int64_t block_size,
+              int64_t B, T* out) const {
+    const int64_t D = head_dim_, group = num_heads_ / num_kv_heads_;
+    const int64_t kv_size = num_kv_heads_ * D;
+    at::parallel_for(0, B * num_kv_heads_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(group * D), kv(D), acc(group * D), scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / num_kv_heads_, kvh = task % num_kv_heads_;
+        const int64_t n = seq_lens[b];
+        const int64_t* table = tables + b * width;
+        to_float<T>(qkv + b * row + kvh * group * D, q.data(), group * D);
+        scores.resize(group * n);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          to_float<T>(k_cache + slot * kv_size + kvh * D, kv.data(), D);
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * n + t] = dot(q.data() + g * D, kv.data(), D) * scale_;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::vector<float> sums(group, 0.f);
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * n;
+          float mx = sg[0];
+          for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sg[t]);
+          for (int64_t t = 0; t < n; ++t) {
+            sg[t] = std::exp(sg[t] - mx);
+            sums[g] += sg[t];
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t slot = table[t / block_size] * block_size + t % block_size;
+          to_float<T>(v_cache + slot * kv_size + kvh * D, kv.data(), D);
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], kv.data(), acc.data() + g * D, D);
+        }
+        T* o = out + b * num_heads_ * D + kvh * group * D;
+        for (int64_t g = 0; g < group; ++g) {
+          const float inv = 1.f / sums[g];
+          for (int64_t i = 0; i < D; ++i) o[g * D + i] = round_to<T>(acc[g * D + i] * inv);
+        }
+      }
+    });
+  }
+
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_;
+  float eps_, scale_;
+  std::vector<Layer> layers_;
+};
+
+Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
+                   const c10::optional<torch::Tensor>& qs,
+                   const c10::optional<torch::Tensor>& scales,
+                   const c10::optional<torch::Tensor>& mins, int64_t qtype,
+                   const c10::optional<torch::Tensor>& int4,
+                   const c10::optional<torch::Tensor>& int4_scales_zeros, int64_t int4_rows,
+                   const c10::optional<torch::Tensor>& bias) {
+  Linear linear;
+  linear.kind = kind;
+  TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4, "make_linear: kind ", kind);
+  if (weight) linear.weight = *weight;
+  if (kind == kGguf) {
+    TORCH_CHECK(qs && scales, "make_linear: a GGUF weight needs qs and scales");
+    linear.qs = *qs;
+    linear.scales = *scales;
+    linear.mins = mins;
+    linear.qtype = qtype;
+  }
+  if (kind == kInt4) {
+    TORCH_CHECK(int4 && int4_scales_zeros, "make_linear: an int4 weight needs its tensors");
+    linear.int4 = *int4;
+    linear.int4_scales_zeros = *int4_scales_zeros;
+    linear.int4_rows = int4_rows;
+  }
+  TORCH_CHECK(kind == kGguf || weight || int4_rows > 0, "make_linear: no dense weight");
+  linear.bias = bias;
+  return linear;
+}
+
+}  // namespace
+
+void register_decode_layers(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<Linear>(m, "Linear");
+  m.def("make_linear", &make_linear, py::arg("kind"), py::arg("weight"), py::arg("qs"),
+        py::arg("scales"), py::arg("mins"), py::arg("qtype"), py::arg("int4"),
+        py::arg("int4_scales_zeros"), py::arg("int4_rows"), py::arg("bias"));
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
+           py::arg("eps"), py::arg("scale"))
+      .def("add_layer", &DecodeLayers::add_layer)
+      .def_property_readonly("num_layers", &DecodeLayers::num_layers)
+      .def("forward", &DecodeLayers::forward, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace tessera
