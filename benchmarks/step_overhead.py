@@ -11,6 +11,7 @@ and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
     python benchmarks/step_overhead.py --dtype bfloat16      # fast mode
     python benchmarks/step_overhead.py --device cuda         # on a GPU (CUDA graphs)
     python benchmarks/step_overhead.py --device cuda --no-cuda-graphs
+    python benchmarks/step_overhead.py --no-native-decode    # CPU decodes op by op (before)
 
 On CUDA the forward is timed up to a device synchronisation, so that host time is not
 hidden in (or counted as) queued kernels.
@@ -41,6 +42,7 @@ def measure(loaded, args: argparse.Namespace, running: int) -> dict:
         dtype=dtype,
         device=args.device,
         cuda_graphs=args.cuda_graphs,
+        native_decode=args.native_decode,
         num_kv_blocks=running * 24 + 16,
     )
     engine = Engine(config, loaded=loaded)
@@ -81,6 +83,12 @@ def main() -> None:
         default=True,
         help="on CUDA, replay decode steps from CUDA graphs (the engine's default)",
     )
+    parser.add_argument(
+        "--native-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on the CPU, run steps of decodes through the native layer stack (the default)",
+    )
     args = parser.parse_args()
     loaded = load_model(None, args.dtype, args.device)
     rows = [measure(loaded, args, n) for n in args.running]
@@ -102,13 +110,15 @@ def main() -> None:
     report(
         f"step_overhead_{args.dtype}"
         + ("" if args.device == "cpu" else f"_{args.device}")
-        + ("" if args.device == "cpu" or args.cuda_graphs else "_eager"),
+        + ("" if args.device == "cpu" or args.cuda_graphs else "_eager")
+        + ("" if args.device != "cpu" or args.native_decode else "_op_by_op"),
         rows,
         {
             "peer": "the same step's model forward (host / step is the ratio)",
             "dtype": args.dtype,
             "device": args.device,
             "cuda_graphs": args.device != "cpu" and args.cuda_graphs,
+            "native_decode": args.device == "cpu" and args.native_decode,
             "steps": args.steps,
             "target": f"host overhead <= {TARGET_HOST_MS_AT_64} ms at 64 running sequences",
             "target_met": None if at_64 is None else at_64 <= TARGET_HOST_MS_AT_64,

