@@ -176,9 +176,10 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
             warnings.simplefilter("always")
             assert_product(quant_matmul(x, packed), x, dense)
             assert_product(quant_matmul(x, packed), x, dense)
-        assert [str(w.message) for w in caught if "GGUF kernels" in str(w.message)] == [
-            "tessera: GGUF kernels could not be built (RuntimeError: no compiler here); "
-            "quantised matmuls fall back to dequantising in torch (slower)"
+        assert [str(w.message) for w in caught if "native kernels" in str(w.message)] == [
+            "tessera: native kernels could not be built (RuntimeError: no compiler here); "
+            "quantised matmuls fall back to dequantising in torch and decode steps run op "
+            "by op (slower)"
         ]
         with pytest.raises(RuntimeError, match="could not be built"):
             quant_matmul(x, packed, backend="native")

@@ -45,7 +45,7 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 #: Rows dequantised at a time by the torch path (bounds its temporary to ~25 MB at 1536).
 FALLBACK_CHUNK_ROWS = 4096
-COMPILE_SECONDS = 40  # what a first build takes on 2 cores; shown while compiling
+COMPILE_SECONDS = 60  # what a first build takes on 2 cores; shown while compiling
 
 
 def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto") -> torch.Tensor:
@@ -100,7 +100,7 @@ def native_kernels() -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         fresh = not any(build_dir.glob(f"{EXTENSION_NAME}*.so"))
         if fresh:
-            message = f"compiling tessera's GGUF kernels (once, ~{COMPILE_SECONDS} s) ..."
+            message = f"compiling tessera's native kernels (once, ~{COMPILE_SECONDS} s) ..."
             logger.info(message)
             print(message, file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -116,13 +116,16 @@ def native_kernels() -> ModuleType | None:
             verbose=False,
         )
         if fresh:
-            logger.info("GGUF kernels built in %.1f s (%s)", time.perf_counter() - start, build_dir)
+            logger.info(
+                "native kernels built in %.1f s (%s)", time.perf_counter() - start, build_dir
+            )
         return module
     except Exception as exc:  # no compiler, no ninja, a failed build: keep serving
         warnings.warn(
-            f"tessera: GGUF kernels could not be built ({type(exc).__name__}: "
+            f"tessera: native kernels could not be built ({type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
-            "quantised matmuls fall back to dequantising in torch (slower)",
+            "quantised matmuls fall back to dequantising in torch and decode steps run op "
+            "by op (slower)",
             RuntimeWarning,
             stacklevel=2,
         )
