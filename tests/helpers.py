@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.workers.api import Request, RequestOutput
+from tessera.workers.api import (
+    ParallelTokensParams,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    SpeculativeParams,
+)
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model_runner import ModelRunner
@@ -111,3 +117,32 @@ def prefill_logits(loaded, prompt: list[int], block_size: int = 16) -> torch.Ten
     logits = runner.execute([seq.chunk(len(prompt))])
     kv.check_integrity()
     return logits[0]
+
+
+#: A prompt that repeats itself, so that prompt-lookup drafts get accepted.
+REPEATING_PROMPT = "Repeat after me: the lighthouse keeper climbed the stairs. Again: the"
+
+
+def multi_row_requests(forks: bool = True) -> dict[str, SamplingParams]:
+    """One request per way a sequence puts several rows into a step: ngram and draft
+    speculation (the engine needs a ``draft_model``), parallel tokens and n > 1 forks."""
+    greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    requests = {
+        "ngram": SamplingParams(speculative=SpeculativeParams("ngram", 4), **greedy),
+        "draft": SamplingParams(speculative=SpeculativeParams("draft", 3), **greedy),
+        "parallel": SamplingParams(parallel_tokens=ParallelTokensParams(0.05, 3), **greedy),
+    }
+    if forks:
+        requests["forks"] = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=16)
+    return requests
+
+
+def run_multi_row(engine, requests: dict[str, SamplingParams]) -> tuple:
+    """Run ``requests`` on ``REPEATING_PROMPT``: each one's tokens, the parallel sets and
+    the forks' outputs, for comparing two engines."""
+    for rid, params in requests.items():
+        engine.add_request(rid, REPEATING_PROMPT, params)
+    out = run_engine(engine)
+    sets = [s.token_ids for d in out["parallel"] for s in d.parallel_sets]
+    forks = sorted((d.index, tuple(d.token_ids)) for d in out.get("forks", ()) if d.token_ids)
+    return {rid: tokens_of(out[rid]) for rid in requests}, sets, forks

@@ -142,7 +142,9 @@ class Engine:
         draft = None
         if config.draft_model is not None:
             drafter = load_draft(config.draft_model, self.loaded, config.dtype, config.device)
-            draft = DraftModel(drafter, num_blocks, config.block_size, dtype, device)
+            draft = DraftModel(
+                drafter, num_blocks, config.block_size, dtype, device, config.native_decode
+            )
         self.speculator = Speculator(
             self.sampler,
             self._sampling_row,

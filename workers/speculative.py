@@ -96,11 +96,19 @@ def load_draft(spec: str, target: LoadedModel, dtype: str, device: str) -> Loade
 class DraftModel:
     """A draft model with its own paged KV pool, in the target's worker."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype, device):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        dtype,
+        device,
+        native_decode: bool = False,
+    ):
         self.loaded = loaded
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         cache = allocate_kv_cache(loaded.config, num_blocks, block_size, dtype, device)
-        self.runner = ModelRunner(loaded.model, self.kv, cache)
+        self.runner = ModelRunner(loaded.model, self.kv, cache, native_decode=native_decode)
 
 
 class Speculator:

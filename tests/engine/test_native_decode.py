@@ -16,10 +16,14 @@ from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.model.loader import load_model
 from tessera.workers.quant.kernels import native_kernels
+from tests.helpers import multi_row_requests, run_multi_row
 
-pytestmark = pytest.mark.skipif(
-    native_kernels() is None, reason="the native extension could not be built here"
-)
+
+@pytest.fixture(autouse=True)
+def _native_extension():
+    if native_kernels() is None:
+        pytest.skip("the native extension could not be built here (warned at build)")
+
 
 BLOCK_SIZE = 16
 SEQ_LENS = [1, 15, 16, 17, 40, 33]
@@ -109,6 +113,18 @@ def test_native_fast_step_is_as_close_to_float32_as_the_op_by_op_one(smollm2, sm
     assert torch.equal(cache.isnan(), eager_cache.isnan())
 
 
+def test_native_decode_gives_the_op_by_op_tokens_for_every_kind_of_row(make_engine):
+    """Speculative verification (prompt lookup, and a self-speculative draft whose own
+    decode steps run through its own 8-layer stack), parallel tokens and n > 1 forks:
+    the same tokens, parallel sets and samples on both paths."""
+    requests = multi_row_requests()
+    native, op_by_op = (
+        make_engine(draft_model="target:8", native_decode=native) for native in (True, False)
+    )
+    assert native.runner.native_decode and native.speculator.draft.runner.native_decode
+    assert run_multi_row(native, requests) == run_multi_row(op_by_op, requests)
+
+
 def test_native_step_refuses_a_block_outside_the_cache(smollm2):
     model, config = smollm2.model, smollm2.config
     cache = allocate_kv_cache(config, 4, BLOCK_SIZE, torch.float32, torch.device("cpu"))
@@ -117,6 +133,17 @@ def test_native_step_refuses_a_block_outside_the_cache(smollm2):
     with pytest.raises(RuntimeError, match="DecodeLayers: block 9 of row 0 is outside the cache"):
         model.native_layers().forward(
             hidden, cos, cos, torch.tensor([3]), torch.tensor([20]), torch.tensor([[0, 9]]), cache
+        )
+    narrow = f"DecodeLayers: hidden has 7 features, the layers take {config.hidden_size}"
+    with pytest.raises(RuntimeError, match=narrow):
+        model.native_layers().forward(
+            torch.zeros(1, 7),
+            cos,
+            cos,
+            torch.tensor([3]),
+            torch.tensor([20]),
+            torch.tensor([[0, 1]]),
+            cache,
         )
     too_long = "DecodeLayers: seq_len 40 of row 0 does not fit 2 blocks"
     with pytest.raises(RuntimeError, match=too_long):

@@ -14,11 +14,17 @@ import math
 import pytest
 import torch
 
-from tessera.workers.api import ParallelTokensParams, SamplingParams, SpeculativeParams
+from tessera.workers.api import SamplingParams
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, reference_attention
 from tessera.workers.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, static_decode_tile
-from tests.helpers import assert_greedy_matches, run_engine, tokens_of
+from tests.helpers import (
+    assert_greedy_matches,
+    multi_row_requests,
+    run_engine,
+    run_multi_row,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -80,23 +86,12 @@ def test_static_decode_matches_transformers(make_engine, hf_reference):
 def test_static_decode_gives_the_dynamic_paths_tokens(make_engine):
     """n > 1 forks, speculative verification (ngram and a self-speculative draft) and
     parallel tokens: the same tokens and parallel sets on both paths."""
-    prompt = "Repeat after me: the lighthouse keeper climbed the stairs. Again: the"
-    greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    requests = {
-        "ngram": SamplingParams(speculative=SpeculativeParams("ngram", 4), **greedy),
-        "draft": SamplingParams(speculative=SpeculativeParams("draft", 3), **greedy),
-        "parallel": SamplingParams(parallel_tokens=ParallelTokensParams(0.05, 3), **greedy),
-        "forks": SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=16),
-    }
-    results = []
-    for engine in (
-        make_engine(draft_model="target:8"),
-        static_engine(make_engine, draft_model="target:8"),
-    ):
-        for rid, params in requests.items():
-            engine.add_request(rid, prompt, params)
-        out = run_engine(engine)
-        sets = [s.token_ids for d in out["parallel"] for s in d.parallel_sets]
-        forks = sorted((d.index, tuple(d.token_ids)) for d in out["forks"] if d.token_ids)
-        results.append(({rid: tokens_of(out[rid]) for rid in requests}, sets, forks))
+    requests = multi_row_requests()
+    results = [
+        run_multi_row(engine, requests)
+        for engine in (
+            make_engine(draft_model="target:8"),
+            static_engine(make_engine, draft_model="target:8"),
+        )
+    ]
     assert results[0] == results[1]

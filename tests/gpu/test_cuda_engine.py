@@ -7,7 +7,13 @@ import torch
 
 from tessera.workers.api import SamplingParams
 from tessera.workers.config import EngineConfig
-from tests.helpers import assert_greedy_matches, run_engine, tokens_of
+from tests.helpers import (
+    assert_greedy_matches,
+    multi_row_requests,
+    run_engine,
+    run_multi_row,
+    tokens_of,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,7 +68,6 @@ def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine)
 def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make_engine):
     """Speculative decoding (prompt lookup, a self-speculative draft) and parallel tokens
     on CUDA give the CPU engine's greedy tokens and sets."""
-    from tessera.workers.api import ParallelTokensParams, SpeculativeParams
     from tessera.workers.engine import Engine
     from tessera.workers.model.loader import load_model
 
@@ -70,20 +75,8 @@ def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make
     config = EngineConfig(device="cuda", num_kv_blocks=64, draft_model="target:8")
     cuda = Engine(config, loaded=loaded)
     cpu = make_engine(num_kv_blocks=64, draft_model="target:8")
-    prompt = "Repeat after me: the lighthouse keeper climbed the stairs. Again: the"
-    greedy = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    requests = {
-        "ngram": SamplingParams(speculative=SpeculativeParams("ngram", 4), **greedy),
-        "draft": SamplingParams(speculative=SpeculativeParams("draft", 3), **greedy),
-        "parallel": SamplingParams(parallel_tokens=ParallelTokensParams(0.05, 3), **greedy),
-    }
-    results = []
-    for engine in (cuda, cpu):
-        for rid, params in requests.items():
-            engine.add_request(rid, prompt, params)
-        out = run_engine(engine)
-        sets = [s.token_ids for d in out["parallel"] for s in d.parallel_sets]
-        results.append(({rid: tokens_of(out[rid]) for rid in requests}, sets))
+    requests = multi_row_requests(forks=False)
+    results = [run_multi_row(engine, requests) for engine in (cuda, cpu)]
     assert results[0] == results[1]
 
 

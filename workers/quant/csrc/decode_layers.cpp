@@ -11,8 +11,9 @@
 //   RoPE      x * cos + rotate_half(x) * sin, each product and the sum rounded to T
 //   SwiGLU    silu(gate) rounded to T, times up, rounded to T
 // Attention reads the paged cache in place (no gather): scores, max, exp and sums in
-// float32, the output rounded to T. Only the order of float sums differs from the
-// Python path (as between any two attention kernels); the exactness contract holds.
+// float32, the output rounded to T. Only the order of float sums and the last bits of
+// exp (a ~2 ulp polynomial, as torch's CPU kernels use vectorised approximations)
+// differ from the Python path; the exactness contract holds.
 // Built with -ffp-contract=off, so no product and sum are fused behind our back.
 
 #include <torch/extension.h>
@@ -301,6 +302,9 @@ class DecodeLayers {
 
   void add_layer(const torch::Tensor& input_norm, const Linear& qkv, const Linear& o,
                  const torch::Tensor& post_norm, const Linear& gate_up, const Linear& down) {
+    TORCH_CHECK(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes() &&
+                    (layers_.empty() || input_norm.numel() == layers_[0].input_norm.numel()),
+                "DecodeLayers: every layer's norms must be [hidden]");
     layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down});
   }
 
@@ -317,6 +321,9 @@ class DecodeLayers {
                     hidden.is_contiguous(),
                 "DecodeLayers: hidden must be a contiguous float32 [B, hidden] tensor");
     const int64_t B = hidden.size(0);
+    TORCH_CHECK(num_layers() > 0 && hidden.size(1) == layers_[0].input_norm.numel(),
+                "DecodeLayers: hidden has ", hidden.size(1), " features, the layers take ",
+                num_layers() > 0 ? layers_[0].input_norm.numel() : 0);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() &&
                     kv_cache.size(0) >= num_layers() && kv_cache.size(4) == num_kv_heads_ &&
                     kv_cache.size(5) == head_dim_,
@@ -383,6 +390,8 @@ class DecodeLayers {
       T* v_cache = k_cache + kv_stride;
       rms_norm<T>(h, layer.input_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
       const torch::Tensor qkv = layer.qkv(normed).contiguous();  // [B, q + 2 kv]
+      TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "DecodeLayers: layer ", l,
+                  "'s qkv projection gives ", qkv.size(1), " features, not ", q_size + 2 * kv_size);
       T* qkv_p = qkv.data_ptr<T>();
       const int64_t row = qkv.size(1);
       for (int64_t b = 0; b < B; ++b) {
@@ -396,6 +405,9 @@ class DecodeLayers {
       add_residual<T>(h, layer.o(attn), B * H);
       rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
       const torch::Tensor gate_up = layer.gate_up(normed).contiguous();  // [B, 2 I]
+      TORCH_CHECK(gate_up.size(1) == 2 * intermediate_, "DecodeLayers: layer ", l,
+                  "'s gate/up projection gives ", gate_up.size(1), " features, not ",
+                  2 * intermediate_);
       const T* gu = gate_up.data_ptr<T>();
       T* s = swiglu.data_ptr<T>();
       for (int64_t b = 0; b < B; ++b) {
@@ -408,6 +420,8 @@ class DecodeLayers {
 
   template <typename T>
   static void add_residual(float* h, const torch::Tensor& y, int64_t n) {
+    TORCH_CHECK(y.numel() == n, "DecodeLayers: a projection back to the residual gives ",
+                y.numel(), " values, not ", n);
     const auto yc = y.contiguous();
     const T* p = yc.data_ptr<T>();
     for (int64_t i = 0; i < n; ++i) h[i] += f32(p[i]);
