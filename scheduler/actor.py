@@ -225,12 +225,17 @@ class Scheduler:
             if worker.status is WorkerStatus.STARTING
             else self.config.health_timeout_s
         )
+        asked = worker.incarnation
         try:
             info, load = await asyncio.wait_for(worker.handle.report.remote(worker.resync), timeout)
         except ActorDiedError as error:
             self._on_dead(worker, error)
             return
         except (TimeoutError, RayActorError) as error:
+            if worker.incarnation != asked:
+                # Asked of an earlier incarnation: the restarted worker registered
+                # meanwhile (it does at start), and answers the next poll.
+                return
             if worker.status is WorkerStatus.HEALTHY:
                 self._event(f"worker {worker.worker_id} unhealthy: {type(error).__name__}")
                 worker.status = WorkerStatus.UNHEALTHY

@@ -242,7 +242,11 @@ async def test_killed_worker_fails_over_without_changing_the_text(cluster, make_
         assert [d.finished for d in deltas].count(True) == 1
     stats = await _wait_for(
         cluster,
-        lambda s: s.worker(victim).status is WorkerStatus.HEALTHY and s.worker(victim).restarts,
+        lambda s: (
+            s.worker(victim).status is WorkerStatus.HEALTHY
+            and s.worker(victim).restarts
+            and s.worker(victim).load.incarnation == s.worker(victim).incarnation
+        ),  # it reported
         "the killed worker to come back",
     )
     assert stats.failovers >= 8
@@ -253,7 +257,8 @@ async def test_killed_worker_fails_over_without_changing_the_text(cluster, make_
     before = await placed(cluster)
     await asyncio.gather(*(collect(cluster, f"back-{i}", "Hello", GREEDY) for i in range(2)))
     after = await placed(cluster)
-    assert after[victim] - before[victim] == 1
+    events = (await cluster.stats()).events
+    assert after[victim] - before[victim] == 1, events
 
     # Killed for good (no restart): the scheduler starts a replacement under the same id.
     incarnation = stats.worker(victim).incarnation

@@ -1,0 +1,67 @@
+"""The scheduler's health checks against a worker handle that never answers (Ray holds
+calls to an actor while it restarts): which timeouts mark a worker unhealthy."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tessera.cluster.config import ClusterConfig
+from tessera.cluster.launch import scheduler_config
+from tessera.scheduler.actor import Scheduler
+from tessera.scheduler.api import WorkerStatus
+from tessera.scheduler.registry import WorkerRecord
+from tessera.workers.protocol import WorkerInfo
+
+
+class _Silent:
+    """A worker actor handle whose reports never come back."""
+
+    class report:
+        @staticmethod
+        def remote(resync: bool) -> asyncio.Future:
+            return asyncio.get_running_loop().create_future()
+
+
+def _info(incarnation: str) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id="mixed-0",
+        role="mixed",
+        incarnation=incarnation,
+        hash_keys=("model", "float32"),
+        block_size=16,
+        total_blocks=64,
+        max_num_seqs=8,
+        max_model_len=512,
+        vocab_size=100,
+        node_id="node",
+        pid=1,
+    )
+
+
+def _events(scheduler: Scheduler) -> list[str]:
+    return [event.split(" ", 1)[1] for event in scheduler.events]  # without the time
+
+
+async def test_a_poll_of_the_previous_incarnation_does_not_fail_the_restarted_worker():
+    config = scheduler_config(ClusterConfig.create(health_timeout_s=0.2), "cpu", 0, 1)
+    scheduler = Scheduler(config)
+    worker = WorkerRecord("mixed-0", "mixed", _Silent())
+    scheduler.registry.add(worker)
+    scheduler.register(_info("first"))
+    assert worker.status is WorkerStatus.HEALTHY
+
+    # The poll asks the first incarnation; the restarted actor registers before it times out.
+    poll = asyncio.create_task(scheduler._poll(worker))
+    await asyncio.sleep(0.05)
+    scheduler.register(_info("second"))
+    await poll
+    assert worker.status is WorkerStatus.HEALTHY
+    assert worker.restarts == 1
+    assert "worker mixed-0 restarted as second" in _events(scheduler)
+    assert not any("unhealthy" in event for event in _events(scheduler))
+
+    # A poll of the current incarnation that times out does mark it unhealthy.
+    await scheduler._poll(worker)
+    assert worker.status is WorkerStatus.UNHEALTHY
+    assert worker.resync
+    assert _events(scheduler)[-1] == "worker mixed-0 unhealthy: TimeoutError"
