@@ -150,3 +150,57 @@ def test_native_step_refuses_a_block_outside_the_cache(smollm2):
         model.native_layers().forward(
             hidden, cos, cos, torch.tensor([3]), torch.tensor([40]), torch.tensor([[0, 1]]), cache
         )
+
+
+PROSE = (
+    "The old lighthouse stood on a rock at the edge of the bay. Every night its keeper "
+    "climbed the stairs, trimmed the wick and watched the ships pass in the dark, "
+    "counting them in a book that nobody ever read."
+)
+
+
+def _prompt_logprobs(loaded, native: bool, calls: list[bool]) -> torch.Tensor:
+    """PROSE's prompt logprobs, computed in a step that also decodes another request."""
+    from tessera.workers.api import SamplingParams
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine import Engine
+    from tests.helpers import run_engine
+
+    dtype = "float32" if loaded.model.norm.weight.dtype == torch.float32 else "bfloat16"
+    engine = Engine(
+        EngineConfig(dtype=dtype, num_kv_blocks=64, native_decode=native), loaded=loaded
+    )
+    model = engine.runner.model
+    forward = model.forward
+
+    def spy(*args, native: bool = False):
+        calls.append(native)
+        return forward(*args, native=native)
+
+    model.forward = spy
+    try:
+        engine.add_request("other", "Hello", SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.step()  # its prompt; from the next step on it decodes
+        engine.add_request("prose", PROSE, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        out = run_engine(engine)["prose"]
+    finally:
+        del model.forward
+    return torch.tensor([p.logprob for p in out[0].prompt_logprobs[1:]])
+
+
+def test_native_prompt_rows_are_as_close_to_float32_as_the_op_by_op_ones(smollm2, smollm2_fast):
+    """In bf16 a step with a short prompt chunk runs natively too, each prompt token a
+    decode row reading its context from the cache (float32 keeps torch's prompt path):
+    the prompt's logprobs stay as close to the float32 ones as the op-by-op step's."""
+    calls: list[bool] = []
+    exact = _prompt_logprobs(smollm2, native=False, calls=[])
+    native = _prompt_logprobs(smollm2_fast, native=True, calls=calls)
+    assert all(calls), "every step, prompt and decodes mixed, ran natively"
+    eager = _prompt_logprobs(smollm2_fast, native=False, calls=[])
+    native_error = (native - exact).abs().mean()
+    eager_error = (eager - exact).abs().mean()
+    assert 0 < native_error <= 1.25 * eager_error, (native_error, eager_error)
+
+    calls.clear()
+    _prompt_logprobs(smollm2, native=True, calls=calls)
+    assert False in calls  # float32: PROSE's prompt step op by op
