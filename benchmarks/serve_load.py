@@ -35,10 +35,22 @@ ours / peer for output tok/s, goodput (higher is better) and p50 TTFT (lower is 
 Without a peer only ours is measured, and the JSON says ``"peer": null``. Match the two
 servers' dtype (e.g. ``--serve-args --dtype bfloat16``).
 
+Closed loop: ``--concurrency 1 16 64`` instead of ``--rates`` keeps that many requests
+in flight (``--num-requests`` per level, default 4x the level, at least 16; all due at
+once, each sent when one ends), the load of vLLM's ``--max-concurrency``.
+
+The engine itself: ``--engine`` also runs each schedule through the in-process engine
+(``AsyncEngine``, no Ray, no HTTP) with the engine settings that ``--serve-args`` give
+``tessera serve`` and as many torch threads as its worker gets (``--engine-threads``,
+default all CPUs), before the server starts, so the two never share the cores. The
+report's ``http_vs_engine`` ratios are what the front door keeps of the engine's speed.
+
     python benchmarks/serve_load.py --start --rates 0.5 1 2
     python benchmarks/serve_load.py --rates 0.5 1 2 --peer-url http://127.0.0.1:8001 \\
         --peer-name vLLM-cpu
     python benchmarks/serve_load.py --dry-run --rates 0.5 1 2   # print the schedule only
+    python benchmarks/serve_load.py --start --engine --concurrency 1 16 64 \
+        --peer-url http://127.0.0.1:8001 --peer-name vLLM-cpu --serve-args --dtype bfloat16
 
 ``--start`` runs ``python -m tessera.cluster.cli serve --port <--url's port> <--serve-args>``,
 waits for its "ready" line, measures, then stops that process with SIGINT.
@@ -59,6 +71,8 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +105,10 @@ class Target:
     url: str
     model: str
     headers: dict[str, str]
+
+
+#: The in-process engine as a target (``--engine``): no URL, no model id.
+ENGINE = Target("engine", "engine (in-process)", "", "", {})
 
 
 @dataclass(slots=True)
@@ -143,6 +161,20 @@ def build_schedule(
     return requests
 
 
+def build_closed(
+    lengths: list[tuple[int, int]], index: int, seed: int, num_requests: int
+) -> list[Request]:
+    """``num_requests`` due at once (a closed loop sends each when a slot frees)."""
+    draws = random.Random(seed + 1)
+    ids = random.Random(f"{seed}-ids-closed-{index}")
+    requests = []
+    for _ in range(num_requests):
+        prompt_tokens, output_tokens = draws.choice(lengths)
+        prompt = [ids.randrange(*TOKEN_IDS) for _ in range(prompt_tokens)]
+        requests.append(Request(0.0, prompt, output_tokens))
+    return requests
+
+
 # ------------------------------------------------------------------ statistics
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None when empty."""
@@ -182,7 +214,7 @@ def spread_gaps(times: list[float], tokens: int) -> list[float]:
 
 
 def summarize(
-    target: Target, rate: float, outcomes: list[Outcome], wall_s: float, args
+    target: Target, level: float, outcomes: list[Outcome], wall_s: float, args
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     good = sum(
@@ -190,7 +222,7 @@ def summarize(
         for o in ok
     )
     row: dict[str, Any] = {
-        "rate": rate,
+        args.load_key: level,
         "server": target.name,
         "ok": len(ok),
         "failed": len(outcomes) - len(ok),
@@ -260,16 +292,56 @@ async def send(client: httpx.AsyncClient, target: Target, request: Request, args
     )
 
 
+async def send_engine(engine, request: Request, args) -> Outcome:
+    """``send``'s measures for the in-process engine: its deltas are the chunks."""
+    from tessera.workers.api import SamplingParams
+
+    sampling = SamplingParams(
+        max_tokens=request.output_tokens, temperature=float(args.temperature), ignore_eos=True
+    )
+    text_times: list[float] = []
+    tokens = 0
+    start = time.perf_counter()
+    try:
+        stream = await engine.add_request(uuid.uuid4().hex, request.prompt, sampling)
+        async for delta in stream:
+            if delta.token_ids:
+                text_times.append(time.perf_counter())
+                tokens += len(delta.token_ids)
+    except Exception as error:  # noqa: BLE001 - the report counts it as failed
+        return Outcome(error=f"{type(error).__name__}: {error}")
+    end = time.perf_counter()
+    if not text_times:
+        return Outcome(error="the stream carried no tokens")
+    return Outcome(
+        ttft_s=text_times[0] - start,
+        e2e_s=end - start,
+        completion_tokens=tokens,
+        itls_s=spread_gaps(text_times, tokens),
+    )
+
+
 async def run_schedule(
-    client: httpx.AsyncClient, target: Target, schedule: list[Request], rate: float, args
+    sender: Callable[[Request], Awaitable[Outcome]],
+    name: str,
+    schedule: list[Request],
+    level: float,
+    args,
 ) -> tuple[list[Outcome], float, float]:
-    """Send each request at its arrival time; (outcomes, wall seconds, worst send lag)."""
-    bar = tqdm(total=len(schedule), desc=f"{target.name} @ {rate:g} req/s", unit="req")
+    """Send each request at its arrival time (a closed loop: when one of ``level`` slots
+    frees); (outcomes, wall seconds, worst send lag)."""
+    unit = "req/s" if args.load_key == "rate" else "concurrent"
+    bar = tqdm(total=len(schedule), desc=f"{name} @ {level:g} {unit}", unit="req")
     failed = 0
+    slots = asyncio.Semaphore(int(level)) if args.load_key == "concurrency" else None
 
     async def fire(request: Request) -> Outcome:
         nonlocal failed
-        outcome = await send(client, target, request, args)
+        if slots is None:
+            outcome = await sender(request)
+        else:
+            async with slots:
+                outcome = await sender(request)
         failed += not outcome.ok
         bar.set_postfix(failed=failed, refresh=False)
         bar.update()
@@ -309,6 +381,50 @@ async def resolve(
     return Target(role, name, url, model, headers)
 
 
+def engine_settings(serve_args: list[str]):
+    """The ``EngineConfig`` that ``tessera serve <serve_args>`` gives its CPU workers."""
+    from tessera.cluster.cli import build_parser
+    from tessera.cluster.config import ServeConfig, config_from_args
+
+    parsed = build_parser().parse_args(["serve", *serve_args])
+    return config_from_args(parsed, ServeConfig).cluster_config().engine_config("cpu")
+
+
+def bench_engine(args, schedules: dict[float, list[Request]]) -> dict:
+    """Every schedule through the in-process engine, with the server's engine settings."""
+    import torch
+
+    from tessera.workers.async_engine import AsyncEngine
+    from tessera.workers.engine import Engine
+
+    torch.set_num_threads(args.engine_threads)
+    config = engine_settings(args.serve_args)
+    print(f"in-process engine: {config.dtype}, {args.engine_threads} threads", flush=True)
+
+    async def run() -> dict:
+        engine = AsyncEngine(Engine(config))
+        warm = random.Random(f"{args.seed}-warm-up")
+        try:
+            for _ in range(args.warmup):
+                prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
+                await send_engine(engine, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
+            runs = {}
+            for level, schedule in schedules.items():
+                runs[level] = await run_schedule(
+                    lambda request: send_engine(engine, request, args),
+                    ENGINE.name,
+                    schedule,
+                    level,
+                    args,
+                )
+                await asyncio.sleep(args.cooldown_s)
+            return runs
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
 async def bench(args, schedules: dict[float, list[Request]]) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
@@ -336,7 +452,13 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
             for target in targets if i % 2 == 0 else targets[::-1]:
                 if runs:
                     await asyncio.sleep(args.cooldown_s)  # let the last run's streams settle
-                runs[target.role, rate] = await run_schedule(client, target, schedule, rate, args)
+                runs[target.role, rate] = await run_schedule(
+                    lambda request, target=target: send(client, target, request, args),
+                    target.name,
+                    schedule,
+                    rate,
+                    args,
+                )
     return {"targets": targets, "runs": runs}
 
 
@@ -403,40 +525,55 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
     from benchmarks.common import report, side_panels
 
     targets: list[Target] = result["targets"]
-    rows, runs, ratios = [], [], []
-    for rate, schedule in schedules.items():
+    key = args.load_key
+    rows, runs, ratios, versus_engine = [], [], [], []
+    for level, schedule in schedules.items():
         by_role = {}
         for target in targets:
-            outcomes, wall, lag = result["runs"][target.role, rate]
-            row = by_role[target.role] = summarize(target, rate, outcomes, wall, args)
+            outcomes, wall, lag = result["runs"][target.role, level]
+            row = by_role[target.role] = summarize(target, level, outcomes, wall, args)
             rows.append(row)
-            runs.append(run_record(target, rate, schedule, outcomes, wall, lag))
+            runs.append(run_record(target, level, schedule, outcomes, wall, lag, key))
+        ours = by_role["ours"]
         if "peer" in by_role:
-            ours, peer = by_role["ours"], by_role["peer"]
+            peer = by_role["peer"]
             ratios.append(
-                {"rate": rate}
-                | {key: ratio(ours[key], peer[key]) for key in ("out_tok_s", "goodput")}
+                {key: level}
+                | {k: ratio(ours[k], peer[k]) for k in ("out_tok_s", "goodput")}
                 | {"ttft_p50": ratio(ours["ttft_p50_ms"], peer["ttft_p50_ms"])}
+            )
+        if ENGINE.role in by_role:
+            engine = by_role[ENGINE.role]
+            versus_engine.append(
+                {key: level}
+                | {k: ratio(ours[k], engine[k]) for k in ("out_tok_s", "goodput")}
+                | {
+                    "ttft_p50": ratio(ours["ttft_p50_ms"], engine["ttft_p50_ms"]),
+                    "tpot_p50": ratio(ours["tpot_p50_ms"], engine["tpot_p50_ms"]),
+                }
             )
     names = [t.name for t in targets]
 
     def plot(ax) -> None:
         ax.figure.set_size_inches(16, 4.5)
         panels = side_panels(ax, [1, 1, 1, 1])
-        for name, style in zip(names, ("-", "--"), strict=False):
+        for name, style in zip(names, ("-", "--", ":"), strict=False):
             mine = [r for r in rows if r["server"] == name]
-            rates = [r["rate"] for r in mine]
+            rates = [r[key] for r in mine]
             for panel, metric in zip(panels, ("ttft", "tpot"), strict=False):
                 for q, color in zip(PERCENTILES, ("C0", "C1", "C3"), strict=True):
                     values = [nan(r[f"{metric}_p{q}_ms"]) for r in mine]
                     panel.plot(rates, values, style, color=color, marker="o", label=f"{name} p{q}")
             panels[2].plot(rates, [r["out_tok_s"] for r in mine], style, marker="o", label=name)
             panels[3].plot(rates, [r["goodput"] for r in mine], style, marker="o", label=name)
-        offered = list(schedules)
-        panels[3].plot(offered, offered, ":", color="grey", label="offered load")
+        if key == "rate":
+            offered = list(schedules)
+            panels[3].plot(offered, offered, ":", color="grey", label="offered load")
         labels = ("TTFT (ms)", "TPOT (ms)", "output tokens / s", "goodput (requests / s)")
         for panel, label in zip(panels, labels, strict=True):
-            panel.set_xlabel("offered load (requests / s)")
+            panel.set_xlabel(
+                "offered load (requests / s)" if key == "rate" else "concurrent requests"
+            )
             panel.set_ylabel(label)
             panel.legend(fontsize=7)
         plain = FuncFormatter(lambda value, _: f"{value:g}")
@@ -444,15 +581,19 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             panel.set_yscale("log")
             panel.yaxis.set_major_formatter(plain)
             panel.yaxis.set_minor_formatter(plain)
+        words = ("solid", "dashed", "dotted")
+        styles = ", ".join(f"{n} {w}" for n, w in zip(names, words, strict=False))
         ax.figure.suptitle(
             (
-                f"{args.num_requests} requests per rate"
+                f"{args.num_requests} requests per {key}"
                 if args.num_requests
+                else "4x as many requests as concurrent (at least 16)"
+                if key == "concurrency"
                 else f"arrivals over {args.duration_s:g} s"
             )
             + f"; SLOs TTFT <= "
             f"{args.slo_ttft_s} s, TPOT <= {args.slo_tpot_s * 1e3:g} ms"
-            + (f"; {names[0]} solid, {names[1]} dashed" if len(names) > 1 else ""),
+            + (f"; {styles}" if len(names) > 1 else ""),
             fontsize=9,
         )
 
@@ -464,9 +605,14 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             "peer": None if peer is None else {"name": peer.name, "url": peer.url},
             "note": "ratios are ours / peer" if peer else "no peer given: ours only",
             "ratios": ratios,
-            "url": targets[0].url,
-            "models": {t.name: t.model for t in targets},
-            "rates": args.rates,
+            "http_vs_engine": versus_engine,
+            "engine": None
+            if ENGINE.role not in {t.role for t in targets}
+            else {"threads": args.engine_threads, "settings": args.engine_settings},
+            "url": next(t.url for t in targets if t.role == "ours"),
+            "models": {t.name: t.model for t in targets if t.model},
+            "load": key,
+            "levels": list(schedules),
             "num_requests": args.num_requests,
             "duration_s": args.duration_s,
             "seed": args.seed,
@@ -481,12 +627,17 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
     )
     for r in ratios:
         print(
-            f"rate {r['rate']:g}: ours / {peer.name}: output tok/s {fmt(r['out_tok_s'])}, "
+            f"{key} {r[key]:g}: ours / {peer.name}: output tok/s {fmt(r['out_tok_s'])}, "
             f"goodput {fmt(r['goodput'])}, p50 TTFT {fmt(r['ttft_p50'])} (lower is better)"
+        )
+    for r in versus_engine:
+        print(
+            f"{key} {r[key]:g}: HTTP / in-process engine: output tok/s {fmt(r['out_tok_s'])}, "
+            f"p50 TTFT {fmt(r['ttft_p50'])}, p50 TPOT {fmt(r['tpot_p50'])} (lower is better)"
         )
 
 
-def run_record(target, rate, schedule, outcomes, wall, lag) -> dict[str, Any]:
+def run_record(target, rate, schedule, outcomes, wall, lag, key="rate") -> dict[str, Any]:
     def r(x):
         return None if x is None else round(x, 5)
 
@@ -496,7 +647,7 @@ def run_record(target, rate, schedule, outcomes, wall, lag) -> dict[str, Any]:
     )
     return {
         "server": target.name,
-        "rate": rate,
+        key: rate,
         "wall_s": r(wall),
         "offered_req_s": r((len(schedule) - 1) / schedule[-1].arrival_s)
         if schedule[-1].arrival_s
@@ -532,11 +683,18 @@ def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
-def print_schedule(schedules: dict[float, list[Request]]) -> None:
+def print_schedule(schedules: dict[float, list[Request]], key: str) -> None:
     for rate, schedule in schedules.items():
         span = schedule[-1].arrival_s
         prompts = [len(q.prompt) for q in schedule]
         outputs = [q.output_tokens for q in schedule]
+        if key == "concurrency":
+            print(
+                f"concurrency {rate:g}: {len(schedule)} requests; prompt tokens mean "
+                f"{sum(prompts) / len(prompts):.0f} max {max(prompts)}, output tokens mean "
+                f"{sum(outputs) / len(outputs):.0f} max {max(outputs)}"
+            )
+            continue
         print(
             f"rate {rate:g} req/s: {len(schedule)} requests over {span:.1f} s "
             f"(realised {(len(schedule) - 1) / span if span else 0:.2f} req/s); prompt tokens "
@@ -562,9 +720,15 @@ def main() -> None:
     parser.add_argument("--peer-name", default="peer")
     parser.add_argument("--peer-model", help="the peer's model id (default: its first)")
     parser.add_argument("--peer-api-key", help="the peer's key (default: --api-key)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--rates", type=float, nargs="+", help="Poisson (default 0.5 1 2)")
+    load.add_argument("--concurrency", type=int, nargs="+", help="or: a closed loop")
     count = parser.add_mutually_exclusive_group()
-    count.add_argument("--num-requests", type=int, help="requests per rate (default 48)")
+    count.add_argument(
+        "--num-requests",
+        type=int,
+        help="requests per rate (default 48) or per concurrency (default 4x, at least 16)",
+    )
     count.add_argument("--duration-s", type=float, help="or: every arrival in this time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -577,27 +741,56 @@ def main() -> None:
     parser.add_argument("--start", action="store_true", help="start `tessera serve` first")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument(
+        "--engine", action="store_true", help="also run the in-process engine (first)"
+    )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=os.cpu_count(),
+        help="the in-process engine's torch threads (default: all CPUs, as serve's worker)",
+    )
+    parser.add_argument(
         "--serve-args", nargs=argparse.REMAINDER, default=[], help="(last) flags for serve"
     )
     args = parser.parse_args()
-    if args.num_requests is None and args.duration_s is None:
-        args.num_requests = 48
-    if min(args.rates) <= 0 or len(set(args.rates)) != len(args.rates):
-        parser.error("--rates must be positive and distinct")
     lengths = load_lengths()
-    schedules = {
-        rate: build_schedule(lengths, rate, i, args.seed, args.num_requests, args.duration_s)
-        for i, rate in enumerate(args.rates)
-    }
+    if args.concurrency:
+        args.load_key = "concurrency"
+        if args.duration_s is not None:
+            parser.error("--duration-s is for --rates; give --num-requests")
+        if min(args.concurrency) <= 0 or len(set(args.concurrency)) != len(args.concurrency):
+            parser.error("--concurrency must be positive and distinct")
+        schedules = {
+            c: build_closed(lengths, i, args.seed, args.num_requests or max(16, 4 * c))
+            for i, c in enumerate(args.concurrency)
+        }
+    else:
+        args.load_key = "rate"
+        args.rates = args.rates or [0.5, 1.0, 2.0]
+        if args.num_requests is None and args.duration_s is None:
+            args.num_requests = 48
+        if min(args.rates) <= 0 or len(set(args.rates)) != len(args.rates):
+            parser.error("--rates must be positive and distinct")
+        schedules = {
+            rate: build_schedule(lengths, rate, i, args.seed, args.num_requests, args.duration_s)
+            for i, rate in enumerate(args.rates)
+        }
     if args.dry_run:
-        print_schedule(schedules)
+        print_schedule(schedules, args.load_key)
         return
+    engine_runs = {}
+    if args.engine:  # first: the server is not up yet, so it has the cores to itself
+        args.engine_settings = repr(engine_settings(args.serve_args))
+        engine_runs = bench_engine(args, schedules)
     server = start_server(args) if args.start else None
     try:
         result = asyncio.run(bench(args, schedules))
     finally:
         if server is not None:
             stop_server(server)
+    if engine_runs:
+        result["targets"].append(ENGINE)
+        result["runs"] |= {(ENGINE.role, level): run for level, run in engine_runs.items()}
     write_report(args, schedules, result)
 
 
