@@ -238,6 +238,15 @@ class _Run:
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
         """The deltas of every live part, as they arrive."""
         live = [part for part in self.parts if not part.done]
+        if len(live) == 1:  # the usual case: read the one stream directly, no task per delta
+            (part,) = live
+            while True:
+                try:
+                    delta = await _next(part.stream)
+                except StopAsyncIteration:
+                    part.done = True
+                    return
+                yield part, delta
         pending = {asyncio.ensure_future(_next(part.stream)): part for part in live}
         try:
             while pending:

@@ -187,6 +187,15 @@ class _Job:
         return prompt * self.sampling.n + delta.index
 
 
+def _deadline_error(job: _Job) -> APIError:
+    return APIError(
+        408,
+        f"the request passed its deadline of {job.timeout:g} s and was aborted",
+        type="timeout_error",
+        code="timeout",
+    )
+
+
 # Everything the class uses is defined above it: ``serve.ingress`` serializes the class
 # when it is decorated, with the module's names as they are at that point.
 @serve.deployment(name="tessera")
@@ -625,6 +634,10 @@ class OpenAIServer(GenerationService):
 
     async def _events(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) from all of the job's streams, until the deadline."""
+        if len(job.streams) == 1:  # the usual case: no task per delta
+            async for delta in self._one_stream(job):
+                yield 0, delta
+            return
         pending = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(job.streams)}
         try:
             while pending:
@@ -633,12 +646,7 @@ class OpenAIServer(GenerationService):
                     pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED
                 )
                 if not done:
-                    raise APIError(
-                        408,
-                        f"the request passed its deadline of {job.timeout:g} s and was aborted",
-                        type="timeout_error",
-                        code="timeout",
-                    )
+                    raise _deadline_error(job)
                 for task in done:
                     k = pending.pop(task)
                     try:
@@ -651,6 +659,24 @@ class OpenAIServer(GenerationService):
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+            await _close(job.streams)
+
+    async def _one_stream(self, job: _Job) -> AsyncIterator[RequestOutput]:
+        (stream,) = job.streams
+        try:
+            while True:
+                deadline = asyncio.timeout(job.deadline - time.monotonic())
+                try:
+                    async with deadline:
+                        delta = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if deadline.expired():
+                        raise _deadline_error(job) from None
+                    raise
+                yield delta
+        finally:
             await _close(job.streams)
 
     def _record(self, job: _Job, k: int, delta: RequestOutput) -> _Choice:
