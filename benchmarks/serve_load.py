@@ -44,6 +44,9 @@ The engine itself: ``--engine`` also runs each schedule through the in-process e
 ``tessera serve`` and as many torch threads as its worker gets (``--engine-threads``,
 default all CPUs), before the server starts, so the two never share the cores. The
 report's ``http_vs_engine`` ratios are what the front door keeps of the engine's speed.
+With ``--start``, the JSON's ``server_cpu_s`` gives the CPU seconds each process of the
+server (worker, Serve replica, proxy, controller, scheduler, Ray's own) spent in each of
+our runs: on a 2-core machine, what the front door takes from the worker.
 
     python benchmarks/serve_load.py --start --rates 0.5 1 2
     python benchmarks/serve_load.py --rates 0.5 1 2 --peer-url http://127.0.0.1:8001 \\
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -425,6 +429,31 @@ def bench_engine(args, schedules: dict[float, list[Request]]) -> dict:
     return asyncio.run(run())
 
 
+def server_cpu(pid: int | None) -> collections.Counter:
+    """CPU seconds so far of the server that ``--start`` started and of every process
+    under it (Ray's GCS and raylet, the worker, scheduler, Serve replica, proxy and
+    controller), by process title (``ray::WorkerActor``) or name; empty without one."""
+    import psutil
+
+    seconds: collections.Counter = collections.Counter()
+    if pid is None:
+        return seconds
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return seconds
+    for process in processes:
+        try:
+            title = (process.cmdline() or [process.name()])[0]
+            name = title.split(".")[0] if title.startswith("ray::") else process.name()
+            times = process.cpu_times()
+            seconds[name] += times.user + times.system
+        except psutil.Error:  # gone meanwhile
+            continue
+    return seconds
+
+
 async def bench(args, schedules: dict[float, list[Request]]) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
@@ -447,11 +476,12 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 outcome = await send(client, target, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
                 if not outcome.ok:
                     raise SystemExit(f"warm-up request to {target.name} failed: {outcome.error}")
-        runs = {}
+        runs, cpu = {}, {}
         for i, (rate, schedule) in enumerate(schedules.items()):
             for target in targets if i % 2 == 0 else targets[::-1]:
                 if runs:
                     await asyncio.sleep(args.cooldown_s)  # let the last run's streams settle
+                before = server_cpu(args.server_pid if target.role == "ours" else None)
                 runs[target.role, rate] = await run_schedule(
                     lambda request, target=target: send(client, target, request, args),
                     target.name,
@@ -459,7 +489,11 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                     rate,
                     args,
                 )
-    return {"targets": targets, "runs": runs}
+                if target.role == "ours" and args.server_pid is not None:
+                    spent = server_cpu(args.server_pid)
+                    spent.subtract(before)
+                    cpu[rate] = {k: round(v, 2) for k, v in spent.most_common() if v >= 0.05}
+    return {"targets": targets, "runs": runs, "server_cpu_s": cpu}
 
 
 # ------------------------------------------------------------------ --start
@@ -621,6 +655,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             "lengths": str(LENGTHS.relative_to(ROOT)),
             "token_ids": list(TOKEN_IDS),
             "started_server": shlex.join(args.serve_args) if args.start else None,
+            "server_cpu_s": {str(level): spent for level, spent in result["server_cpu_s"].items()},
             "runs": runs,
         },
         plot,
@@ -635,6 +670,10 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             f"{key} {r[key]:g}: HTTP / in-process engine: output tok/s {fmt(r['out_tok_s'])}, "
             f"p50 TTFT {fmt(r['ttft_p50'])}, p50 TPOT {fmt(r['tpot_p50'])} (lower is better)"
         )
+    for level, spent in result["server_cpu_s"].items():
+        wall = result["runs"]["ours", level][1]
+        top = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(spent.items())[:6])
+        print(f"{key} {level:g}: CPU seconds of tessera serve's processes in {wall:.0f} s: {top}")
 
 
 def run_record(target, rate, schedule, outcomes, wall, lag, key="rate") -> dict[str, Any]:
@@ -783,6 +822,7 @@ def main() -> None:
         args.engine_settings = repr(engine_settings(args.serve_args))
         engine_runs = bench_engine(args, schedules)
     server = start_server(args) if args.start else None
+    args.server_pid = server.pid if server is not None else None
     try:
         result = asyncio.run(bench(args, schedules))
     finally:

@@ -635,8 +635,9 @@ class OpenAIServer(GenerationService):
     async def _events(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta) from all of the job's streams, until the deadline."""
         if len(job.streams) == 1:  # the usual case: no task per delta
-            async for delta in self._one_stream(job):
-                yield 0, delta
+            async with contextlib.aclosing(self._one_stream(job)) as deltas:
+                async for delta in deltas:  # closed (and its stream) when the caller leaves
+                    yield 0, delta
             return
         pending = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(job.streams)}
         try:

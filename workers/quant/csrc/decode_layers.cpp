@@ -1,4 +1,7 @@
-// Every decoder layer of a decode step in one call: B sequences, one new token each.
+// Every decoder layer of a decode step in one call: B rows of one token each (a
+// sequence's new token; in bf16 also a short prompt's tokens, each its own row: every
+// row's K/V is written before any row of the layer attends, so the rows of one prompt
+// see each other causally through the cache).
 //
 // The Python layer loop spends most of a small-batch decode step dispatching ~40 eager
 // ops per layer (norms, RoPE, the K/V scatter, the attention tiles, SwiGLU, residuals);
