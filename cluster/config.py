@@ -143,10 +143,11 @@ class ClusterConfig(EngineSettings):
         description="each worker asks Ray for one unit of the custom resource "
         "'tessera-<role>' too (on KubeRay, the role's worker group offers it)",
     )
-    kv_transfer_host: str = Field(
-        "127.0.0.1",
+    kv_transfer_host: str | None = Field(
+        None,
         description="address the prefill workers' KV-transfer gRPC servers listen on; decode "
-        "workers must reach it",
+        "workers must reach it (default: each worker's node IP, as Ray reports it; "
+        "0.0.0.0: every interface, advertised as the node IP)",
     )
     kv_transfer_port: int = Field(
         0, ge=0, le=65535, description="their port (0: a free port for each worker)"

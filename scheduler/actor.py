@@ -152,6 +152,7 @@ class Scheduler:
                 name=worker_actor_name(self.config.scheduler_name, worker_id),
                 namespace=self.config.namespace,
                 lifetime="detached",
+                scheduling_strategy="SPREAD",  # over the Ray nodes: a lost node costs least
                 num_cpus=self.config.worker_num_cpus,
                 num_gpus=self.config.worker_num_gpus,
                 resources={f"tessera-{role}": 1} if self.config.role_resources else None,

@@ -81,6 +81,7 @@ class WorkerState:
     restarts: int  # times it came back with a new incarnation
     cached_hashes: int  # block hashes in the scheduler's index for it
     load: WorkerLoad | None
+    node_id: str | None = None  # the Ray node it runs on (None until it registers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,6 +153,7 @@ class Registry:
                 restarts=r.restarts,
                 cached_hashes=self.index.size(r.worker_id),
                 load=r.load,
+                node_id=r.info.node_id if r.info else None,
             )
             for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
         )

@@ -127,8 +127,9 @@ class WorkerActor:
         """A prefill worker serves ``KVTransfer`` (started in the actor's event loop, at
         its first report; the address reaches the scheduler with that report)."""
         if self.role == PREFILL and self.kv_server is None:
+            host = self.kv_config.host or ray.util.get_node_ip_address()
             server = KVTransferServer(
-                self.prefill.handle, self.kv_config.host, self.kv_config.port, self.kv_config.tls
+                self.prefill.handle, host, self.kv_config.port, self.kv_config.tls
             )
             await server.start()
             self.kv_server = server

@@ -160,7 +160,7 @@ class PrefillOrchestrator:
 class KVTransferConfig:
     """A worker's KV-transfer server and client settings."""
 
-    host: str = "127.0.0.1"
+    host: str | None = None  # None: this worker's node IP, as Ray reports it
     port: int = 0  # 0: a free port
     timeout_s: float = 30.0  # deadline of one pull
     tls: TLSFiles | None = None  # mutual TLS between workers
