@@ -123,10 +123,34 @@ class ClusterConfig(EngineSettings):
         "(only those their own prefix cache lacks), then decode",
     )
     min_workers: int | None = Field(
-        None, ge=1, description="autoscaling floor (default: --workers)"
+        None, ge=1, description="autoscaling floor of the mixed workers (default: --workers)"
     )
     max_workers: int | None = Field(
-        None, ge=1, description="autoscaling ceiling (default: --workers, no autoscaling)"
+        None,
+        ge=1,
+        description="autoscaling ceiling of the mixed workers (default: --workers, no autoscaling)",
+    )
+    min_prefill_workers: int | None = Field(
+        None,
+        ge=1,
+        description="autoscaling floor of the prefill workers (default: --prefill-workers)",
+    )
+    max_prefill_workers: int | None = Field(
+        None,
+        ge=1,
+        description="autoscaling ceiling of the prefill workers (default: --prefill-workers, "
+        "no autoscaling)",
+    )
+    min_decode_workers: int | None = Field(
+        None,
+        ge=1,
+        description="autoscaling floor of the decode workers (default: --decode-workers)",
+    )
+    max_decode_workers: int | None = Field(
+        None,
+        ge=1,
+        description="autoscaling ceiling of the decode workers (default: --decode-workers, "
+        "no autoscaling)",
     )
     worker_num_cpus: float | None = Field(
         None,
@@ -205,13 +229,23 @@ class ClusterConfig(EngineSettings):
         60.0, ge=0, description="seconds a worker must be idle before it is drained"
     )
     target_kv_usage: float = Field(
-        0.8, gt=0, le=1, description="mean KV usage above which the pool scales up"
+        0.8,
+        gt=0,
+        le=1,
+        description="mean KV usage above which the mixed or decode pool scales up",
     )
     target_ongoing_requests: float | None = Field(
         None,
         gt=0,
-        description="mean ongoing requests per worker above which the pool scales up "
-        "(default: half of --max-ongoing-requests)",
+        description="mean ongoing requests per worker (decode workers: also running "
+        "sequences) above which the mixed or decode pool scales up (default: half of "
+        "--max-ongoing-requests)",
+    )
+    target_prefill_queue_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="mean prompt tokens queued per prefill worker (not computed yet) above "
+        "which the prefill pool scales up (default: twice --max-num-batched-tokens)",
     )
 
     # -- Ray
@@ -254,13 +288,27 @@ class ClusterConfig(EngineSettings):
                     "enable_prefix_caching: disaggregation moves blocks through the prefix "
                     "cache; it cannot be off with prefill/decode workers"
                 )
-            if self.min_workers is not None or self.max_workers is not None:
-                raise ValueError(
-                    "min_workers: autoscaling covers mixed workers only, not prefill/decode"
-                )
+            for name in ("min_workers", "max_workers"):
+                if getattr(self, name) is not None:
+                    bound = name.removesuffix("_workers")
+                    raise ValueError(
+                        f"{name}: bounds the mixed workers, and a disaggregated cluster has "
+                        f"none (set {bound}_prefill_workers and {bound}_decode_workers), got "
+                        f"{getattr(self, name)}"
+                    )
+            self._check_pool("prefill_workers")
+            self._check_pool("decode_workers")
             return self._check_common()
+        for name in DISAGGREGATED_BOUNDS:
+            if getattr(self, name) is not None:
+                role = name.split("_")[1]
+                raise ValueError(
+                    f"{name}: bounds the {role} workers, and the cluster has none (set "
+                    f"prefill_workers and decode_workers), got {getattr(self, name)}"
+                )
         if not self.workers:
             raise ValueError("workers: the cluster needs at least one worker, got 0")
+        self._check_pool("workers")
         return self._check_common()
 
     @property
@@ -301,21 +349,19 @@ class ClusterConfig(EngineSettings):
             raise ValueError(
                 f"placement: must be one of {sorted(POLICIES)}, got {self.placement!r}"
             )
-        if (
-            self.min_workers is not None
-            and self.max_workers is not None
-            and self.min_workers > self.max_workers
-        ):
-            raise ValueError(
-                f"min_workers: {self.min_workers} is above max_workers ({self.max_workers})"
-            )
         self.engine_config("cpu")  # the engine's own checks (speculative settings)
-        low, high = self.pool_bounds
-        if self.workers > high:
-            raise ValueError(f"workers: {self.workers} is above max_workers ({high})")
-        if self.workers < low:
-            raise ValueError(f"workers: {self.workers} is below min_workers ({low})")
         return self
+
+    def _check_pool(self, name: str) -> None:
+        """A pool's start size (``name``) within its bounds (``min_<name>``, ``max_<name>``)."""
+        given_low, given_high = getattr(self, f"min_{name}"), getattr(self, f"max_{name}")
+        if given_low is not None and given_high is not None and given_low > given_high:
+            raise ValueError(f"min_{name}: {given_low} is above max_{name} ({given_high})")
+        start, low, high = self._pool(name)
+        if start > high:
+            raise ValueError(f"{name}: {start} is above max_{name} ({high})")
+        if start < low:
+            raise ValueError(f"{name}: {start} is below min_{name} ({low})")
 
     @classmethod
     def create(cls, **fields) -> typing.Self:
@@ -333,19 +379,22 @@ class ClusterConfig(EngineSettings):
 
     @property
     def pool_bounds(self) -> tuple[int, int]:
-        low = self.min_workers if self.min_workers is not None else self.workers
-        high = self.max_workers if self.max_workers is not None else max(self.workers, low)
-        return low, high
+        """The mixed workers' (min, max)."""
+        return self._pool("workers")[1:]
 
     @property
     def pools(self) -> dict[str, tuple[int, int, int]]:
-        """Per role: (workers at start, min, max)."""
+        """Per role: (workers at start, min, max); min <= start <= max."""
         if self.disaggregated:
-            return {
-                PREFILL: (self.prefill_workers,) * 3,
-                DECODE: (self.decode_workers,) * 3,
-            }
-        return {MIXED: (self.workers, *self.pool_bounds)}
+            return {PREFILL: self._pool("prefill_workers"), DECODE: self._pool("decode_workers")}
+        return {MIXED: self._pool("workers")}
+
+    def _pool(self, name: str) -> tuple[int, int, int]:
+        """(start, min, max) of the pool sized by ``name``, bounded by ``min_<name>`` and
+        ``max_<name>``: each bound defaults to the start size (max at least min)."""
+        start, low, high = (getattr(self, f) for f in (name, f"min_{name}", f"max_{name}"))
+        low = low if low is not None else start
+        return start, low, high if high is not None else max(start, low)
 
     def kv_transfer_config(self) -> KVTransferConfig:
         from tessera.workers.disaggregation import KVTransferConfig
@@ -367,6 +416,12 @@ class ClusterConfig(EngineSettings):
     @property
     def ongoing_target(self) -> float:
         return self.target_ongoing_requests or self.capacity / 2
+
+    @property
+    def prefill_queue_target(self) -> int:
+        """Mean prompt tokens queued per prefill worker above which the pool grows: by
+        default two engine steps' worth (``max_num_batched_tokens`` each)."""
+        return self.target_prefill_queue_tokens or 2 * self.max_num_batched_tokens
 
     def engine_config(self, device: str) -> EngineConfig:
         """Each worker's engine: the engine settings as given, on ``device``."""
@@ -478,6 +533,15 @@ class ServeConfig(ClusterConfig):
         path = resolve_model_path(self.model)
         name = path.name.removesuffix(".gguf")
         return name.split(".")[0] if self.model is None else name  # built-in: drop ".Q4_1"
+
+
+#: The autoscaling bounds of the prefill and decode pools (a disaggregated cluster's).
+DISAGGREGATED_BOUNDS = (
+    "min_prefill_workers",
+    "max_prefill_workers",
+    "min_decode_workers",
+    "max_decode_workers",
+)
 
 
 def load_config_file(path: str) -> dict[str, typing.Any]:

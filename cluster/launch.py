@@ -67,13 +67,15 @@ def scheduler_config(
             WorkerPool(
                 role,
                 workers,
-                PoolPolicy(
+                PoolPolicy.for_role(
+                    role,
                     min_workers=low,
                     max_workers=high,
                     upscale_delay_s=config.upscale_delay_s,
                     downscale_delay_s=config.downscale_delay_s,
                     target_kv_usage=config.target_kv_usage,
                     target_ongoing_requests=config.ongoing_target,
+                    target_prefill_queue_tokens=config.prefill_queue_target,
                 ),
             )
             for role, (workers, low, high) in config.pools.items()

@@ -84,6 +84,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._monitor: asyncio.Task | None = None
         self._placed = self._refused = self._failovers = 0
+        # request id -> its prefill source's worker id, while the request is placed
+        self._paired: dict[str, str] = {}
         if self.restarted:  # nobody calls start() on a restarted actor: resume at once
             self._resuming = asyncio.get_running_loop().create_task(self.start())
 
@@ -272,20 +274,14 @@ class Scheduler:
 
     def _autoscale(self) -> None:
         now = time.monotonic()
+        paired = self._paired_counts()
         for role, autoscaler in self.autoscalers.items():
             pool = [w for w in self.registry if w.role == role]
-            members = [
-                PoolMember(
-                    worker_id=w.worker_id,
-                    starting=w.status is WorkerStatus.STARTING,
-                    draining=w.status is WorkerStatus.DRAINING,
-                    ongoing=w.in_flight,
-                    waiting=w.load.engine.waiting if w.load else 0,
-                    kv_usage=w.load.engine.kv_usage if w.load else 0.0,
-                    idle_since=w.idle_since if not w.in_flight else None,
-                )
-                for w in pool
-            ]
+            members = [self._member(w, now, paired) for w in pool]
+            for member in members:  # drained: nothing needs it any more
+                if member.stoppable:
+                    self._remove(self.registry.workers[member.worker_id], kill=True)
+                    self._event(f"stopped drained worker {member.worker_id}")
             if len(self.start_errors) >= MAX_START_FAILURES:
                 continue  # do not spin up workers that cannot start
             decision = autoscaler.decide(now, members, self.queue.waiting(role))
@@ -295,10 +291,40 @@ class Scheduler:
             for worker_id in decision.drain:
                 self.registry.workers[worker_id].status = WorkerStatus.DRAINING
                 self._event(f"draining idle worker {worker_id}")
-        for worker in self.registry:
-            if worker.status is WorkerStatus.DRAINING and not worker.in_flight:
-                self._remove(worker, kill=True)
-                self._event(f"stopped drained worker {worker.worker_id}")
+
+    def _member(self, worker: WorkerRecord, now: float, paired: dict[str, int]) -> PoolMember:
+        """The autoscaler's view of a worker. A prefill worker is never placed on: its
+        ongoing requests are those placed with it as their prefill source, and its
+        idleness is what it reports (``WorkerLoad.idle_s``)."""
+        load = worker.load
+        engine = load.engine if load is not None else None
+        if worker.role == PREFILL:
+            ongoing = paired.get(worker.worker_id, 0)
+            idle = load is not None and load.idle_s is not None
+            idle_since = now - load.idle_s if idle else None
+        else:
+            ongoing = worker.in_flight
+            idle_since = worker.idle_since if not worker.in_flight else None
+        return PoolMember(
+            worker_id=worker.worker_id,
+            starting=worker.status is WorkerStatus.STARTING,
+            draining=worker.status is WorkerStatus.DRAINING,
+            ongoing=ongoing,
+            waiting=engine.waiting if engine else 0,
+            kv_usage=engine.kv_usage if engine else 0.0,
+            idle_since=idle_since,
+            running=engine.running if engine else 0,
+            queued_prompt_tokens=engine.queued_prompt_tokens if engine else 0,
+        )
+
+    def _paired_counts(self) -> dict[str, int]:
+        """Per prefill worker, the placed requests it is the prefill source of (their
+        decode workers may still pull from it); pairs of requests no longer placed (their
+        decode worker died, or they were released) are forgotten here."""
+        placements = self.registry.placements
+        for request_id in [r for r in self._paired if r not in placements]:
+            del self._paired[request_id]
+        return collections.Counter(self._paired.values())
 
     def set_placement(self, name: str) -> None:
         """Switch the placement policy of a running cluster (to compare policies)."""
@@ -383,6 +409,7 @@ class Scheduler:
         """The request's stream ended (or moved), or its caller left while it waited:
         free its place on its worker, or in the queue."""
         self.queue.cancel(request_id, Refusal(OverloadedError, "withdrawn from the queue"))
+        self._paired.pop(request_id, None)
         if self.registry.release(request_id) is not None:
             self._dispatch()
 
@@ -427,19 +454,24 @@ class Scheduler:
         worker = self.registry.workers[chosen.worker_id]
         self.registry.place(worker, request_id, worker_request_ids, hashes)
         self._placed += 1
+        prefill = self._prefill_source(hashes) if role == DECODE else None
+        if prefill is not None:  # a draining prefill worker stops only once it is unpaired
+            self._paired[request_id] = prefill.worker_id
         return Placement(
             request_id=request_id,
             worker_id=worker.worker_id,
             incarnation=worker.incarnation,
             worker=worker.handle,
             matched_blocks=chosen.matched_blocks,
-            prefill=self._prefill_source(hashes) if role == DECODE else None,
+            prefill=prefill,
         )
 
     def _prefill_source(self, hashes: list[bytes]) -> PrefillSource | None:
         """The prefill worker a decode worker pulls from: the one holding most of the
-        prompt's leading blocks (it computes less), then the least busy. None when no
-        prefill worker is up: the decode worker then prefills itself."""
+        prompt's leading blocks (it computes less; after a failover, the one that
+        prefilled it), then the least busy. Only a ``HEALTHY`` one: never a draining
+        one (it is to stop) or one that is not answering. None when none is up: the
+        decode worker then prefills itself."""
         ready = [
             w
             for w in self.registry

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -74,6 +75,7 @@ class WorkerActor:
         engine.kv.pool.record_events()
         self.engine = AsyncEngine(engine)
         self._live: set[str] = set()  # ids of the requests streaming from here
+        self._last_active = time.monotonic()  # when a stream last ended, or a report saw work
         self.kv_config = kv_transfer or KVTransferConfig()
         self.transfers = TransferCounters()
         self.phases = PhaseManager(worker_id)
@@ -188,6 +190,7 @@ class WorkerActor:
                 yield delta
         finally:
             self._live.discard(request_id)
+            self._last_active = time.monotonic()
             self._aborted_pulls.discard(request_id)
             if disaggregated and request_id in self.phases.phases:
                 self.phases.enter(request_id, "finished")
@@ -219,13 +222,23 @@ class WorkerActor:
             incarnation=self.incarnation,
             requests=len(self._live),
             request_ids=tuple(sorted(self._live)),
-            engine=engine_load(stats),
+            engine=engine_load(stats, uncomputed_prompt_tokens(engine)),
             transfers=self.transfers.snapshot(),
             phases=tuple(sorted(self.phases.counts().items())),
+            idle_s=self._idle_s(stats),
             events=events,
             snapshot=snapshot,
         )
         return self.info(), load
+
+    def _idle_s(self, stats: EngineStats) -> float | None:
+        """Seconds since this worker last had work (streams, engine sequences, pulls it
+        serves); None while it has some."""
+        now = time.monotonic()
+        if self._live or stats.running or stats.waiting or self.prefill.active:
+            self._last_active = now
+            return None
+        return now - max(self._last_active, self.prefill.last_active)
 
     async def health(self) -> str:
         return self.incarnation
@@ -252,8 +265,16 @@ class WorkerActor:
         await self.engine.close()
 
 
-def engine_load(stats: EngineStats) -> EngineLoad:
-    """The part of the engine's stats a load report carries."""
+def uncomputed_prompt_tokens(engine: Engine) -> int:
+    """Prompt tokens of the engine's sequences not computed yet: per sequence, not per
+    token (``list`` copies under the GIL, as ``Engine.stats`` reads while a step runs)."""
+    seqs = (seq for group in list(engine.groups.values()) for seq in list(group.seqs))
+    return sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in seqs)
+
+
+def engine_load(stats: EngineStats, queued_prompt_tokens: int = 0) -> EngineLoad:
+    """The part of the engine's stats a load report carries, with its prompt tokens not
+    computed yet (``queued_prompt_tokens``)."""
     return EngineLoad(
         running=stats.running,
         waiting=stats.waiting,
@@ -267,6 +288,7 @@ def engine_load(stats: EngineStats) -> EngineLoad:
         speculation=SpeculativeStats(
             stats.spec_proposed, stats.spec_accepted, stats.spec_steps, stats.spec_tokens
         ),
+        queued_prompt_tokens=queued_prompt_tokens,
     )
 
 

@@ -115,10 +115,22 @@ class PrefillOrchestrator:
         self.engine = engine
         self.counters = counters
         self._ids = 0
+        self.active = 0  # pulls being served now
+        self.last_active = time.monotonic()  # when the last one ended (or this started)
 
     async def handle(
         self, request: kv_transfer_pb2.PullBlocksRequest, time_remaining: float | None
     ) -> PrefillResult:
+        # Counted for the worker's idleness: a short prefill may start and end between
+        # two load reports, and the prefill pool scales down by idleness.
+        self.active += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self.active -= 1
+            self.last_active = time.monotonic()
+
+    async def _handle(self, request: kv_transfer_pb2.PullBlocksRequest) -> PrefillResult:
         engine = self.engine.engine
         if request.block_size != engine.config.block_size:
             raise ValueError(

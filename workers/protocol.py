@@ -59,6 +59,9 @@ class EngineLoad:
     generated_tokens: int
     prefix_cache: PrefixCacheStats  # prompt tokens looked up and found, cached blocks
     speculation: SpeculativeStats  # draft tokens proposed and accepted, verification steps
+    # prompt tokens of its sequences not computed yet (waiting or partly prefilled): a
+    # prefill worker's queue, which its pool scales by
+    queued_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -90,6 +93,10 @@ class WorkerLoad:
     request_ids: tuple[str, ...] = ()
     transfers: TransferCounters = field(default_factory=TransferCounters)
     phases: tuple[tuple[str, int], ...] = ()  # disaggregated requests per phase, now
+    # seconds since the worker last had work of its own (a stream, a sequence in its
+    # engine, a prefill it served); None while it has some. A prefill worker is never
+    # placed on, so this is how the scheduler knows it is idle.
+    idle_s: float | None = None
     # (stored?, block hash) in order; ``snapshot`` replaces the index instead.
     events: tuple[tuple[bool, bytes], ...] = ()
     snapshot: tuple[bytes, ...] | None = None

@@ -2,9 +2,15 @@
 (queue, engine waiting, mean ongoing requests, mean KV usage), none while a worker
 starts, one at a time, within max_workers counting starting workers; replacement up to
 min_workers; draining the longest-idle worker, never under pressure and never below
-min_workers, with draining members not counted as active."""
+min_workers, with draining members not counted as active. Per role (PoolPolicy.for_role):
+prefill pools by queued prompt tokens only, decode pools by running sequences, ongoing
+requests and KV usage; a draining member stops only once nothing needs it and it is idle."""
 
 from __future__ import annotations
+
+import math
+
+import pytest
 
 from tessera.scheduler.autoscaler import Autoscaler, Decision, PoolMember, PoolPolicy
 
@@ -27,6 +33,8 @@ def member(
     waiting=0,
     kv_usage=0.0,
     idle_since=None,
+    running=0,
+    queued_prompt_tokens=0,
 ):
     return PoolMember(
         worker_id=worker_id,
@@ -36,6 +44,21 @@ def member(
         waiting=waiting,
         kv_usage=kv_usage,
         idle_since=idle_since,
+        running=running,
+        queued_prompt_tokens=queued_prompt_tokens,
+    )
+
+
+def role_policy(role, min_workers=1, max_workers=3, up=0.0, down=60.0):
+    return PoolPolicy.for_role(
+        role,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        upscale_delay_s=up,
+        downscale_delay_s=down,
+        target_kv_usage=0.8,
+        target_ongoing_requests=4,
+        target_prefill_queue_tokens=1000,
     )
 
 
@@ -273,3 +296,93 @@ def test_drains_once_pressure_is_gone():
     members = [member("a", idle_since=0.0), busy("b")]
     assert scaler.decide(1000.0, members, queued=1) == NOTHING
     assert scaler.decide(1001.0, members, queued=0) == Decision(drain=("a",))
+
+
+# ------------------------------------------------------------------ per role
+def test_each_role_watches_its_own_signals():
+    inf = math.inf
+    prefill, decode, mixed = (role_policy(r) for r in ("prefill", "decode", "mixed"))
+    assert (
+        prefill.target_queued_prompt_tokens,
+        prefill.target_kv_usage,
+        prefill.target_ongoing_requests,
+        prefill.target_running_sequences,
+    ) == (1000, inf, inf, inf)
+    assert (
+        decode.target_queued_prompt_tokens,
+        decode.target_kv_usage,
+        decode.target_ongoing_requests,
+        decode.target_running_sequences,
+    ) == (inf, 0.8, 4, 4)
+    assert (
+        mixed.target_queued_prompt_tokens,
+        mixed.target_kv_usage,
+        mixed.target_ongoing_requests,
+        mixed.target_running_sequences,
+    ) == (inf, 0.8, 4, inf)
+    with pytest.raises(ValueError, match="role: must be one of"):
+        role_policy("both")
+
+
+def test_prefill_pool_scales_up_on_mean_queued_prompt_tokens_above_target():
+    scaler = Autoscaler(role_policy("prefill", up=1.0))
+    under = [member("p0", queued_prompt_tokens=1500), member("p1", queued_prompt_tokens=500)]
+    assert scaler.decide(0.0, under, queued=0) == NOTHING  # mean 1000: not above
+    over = [member("p0", queued_prompt_tokens=1500), member("p1", queued_prompt_tokens=600)]
+    assert scaler.decide(1.0, over, queued=0) == NOTHING  # pressure starts here
+    assert scaler.decide(2.0, over, queued=0) == ADD_ONE  # and lasted upscale_delay_s
+
+
+def test_prefill_pool_ignores_kv_usage_ongoing_and_running():
+    scaler = Autoscaler(role_policy("prefill"))
+    # its blocks stay cached for the next turn, and its paired requests decode elsewhere
+    members = [member("p0", kv_usage=1.0, ongoing=50, running=30, queued_prompt_tokens=999)]
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+
+
+def test_decode_pool_scales_up_on_running_sequences_above_target():
+    scaler = Autoscaler(role_policy("decode"))
+    # two requests of n=4 each: 8 running sequences, 2 ongoing requests (target 4)
+    members = [member("d0", ongoing=2, running=8), member("d1", ongoing=0, running=0)]
+    assert scaler.decide(0.0, members, queued=0) == NOTHING  # mean running 4: not above
+    members = [member("d0", ongoing=2, running=8), member("d1", ongoing=1, running=2)]
+    assert scaler.decide(1.0, members, queued=0) == ADD_ONE  # mean running 5
+
+
+def test_decode_pool_scales_up_on_kv_usage_and_queue_but_not_on_prompt_tokens():
+    scaler = Autoscaler(role_policy("decode"))
+    assert scaler.decide(0.0, [member("d0", queued_prompt_tokens=10**6)], queued=0) == NOTHING
+    assert scaler.decide(1.0, [busy("d0", kv_usage=0.9)], queued=0) == ADD_ONE
+    assert scaler.decide(2.0, [busy("d0")], queued=1) == ADD_ONE
+
+
+def test_mixed_pool_ignores_running_sequences_and_prompt_tokens():
+    scaler = Autoscaler(role_policy("mixed"))
+    members = [member("m0", ongoing=1, running=40, queued_prompt_tokens=10**6)]
+    assert scaler.decide(0.0, members, queued=0) == NOTHING
+
+
+def test_an_idle_prefill_worker_is_drained_while_requests_it_prefilled_still_decode():
+    scaler = Autoscaler(role_policy("prefill", down=60.0))
+    # p1's own work ended at 0 (it reports idle); 3 requests it prefilled still decode
+    members = [member("p0", idle_since=None, running=1), member("p1", ongoing=3, idle_since=0.0)]
+    assert scaler.decide(60.0, members, queued=0) == Decision(drain=("p1",))
+
+
+# ------------------------------------------------------------------ stopping
+def test_a_draining_member_stops_once_nothing_needs_it_and_it_is_idle():
+    assert member("a", draining=True, idle_since=5.0).stoppable
+    assert not member("a", draining=False, idle_since=5.0).stoppable  # active
+    # a prefill worker paired with a placed request: its decode worker may still pull
+    assert not member("p", draining=True, ongoing=1, idle_since=5.0).stoppable
+    # a prefill worker whose own report says it has work (a pull it serves)
+    assert not member("p", draining=True, ongoing=0, idle_since=None).stoppable
+
+
+def test_pool_policy_checks_its_bounds():
+    with pytest.raises(
+        ValueError, match=r"min_workers: must be between 0 and max_workers \(2\), got 3"
+    ):
+        PoolPolicy(3, 2, 0.0, 0.0)
+    with pytest.raises(ValueError, match="downscale_delay_s: must be >= 0, got -1"):
+        PoolPolicy(1, 2, 0.0, -1)

@@ -75,11 +75,90 @@ def test_disaggregation_settings():
     assert create_error(prefill_workers=1, decode_workers=1, workers=1).startswith(
         "workers: mixed workers do not join a disaggregated cluster; got 1"
     )
-    assert create_error(prefill_workers=1, decode_workers=1, max_workers=3).startswith(
-        "min_workers: autoscaling covers mixed workers only"
+    assert create_error(prefill_workers=1, decode_workers=1, max_workers=3) == (
+        "max_workers: bounds the mixed workers, and a disaggregated cluster has none (set "
+        "max_prefill_workers and max_decode_workers), got 3"
+    )
+    assert create_error(prefill_workers=1, decode_workers=1, min_workers=1) == (
+        "min_workers: bounds the mixed workers, and a disaggregated cluster has none (set "
+        "min_prefill_workers and min_decode_workers), got 1"
     )
     assert create_error(kv_transfer_tls_cert="c.pem") == (
         "kv_transfer_tls_cert: mutual TLS needs the certificate, key and CA together"
+    )
+
+
+def test_prefill_and_decode_pools_autoscale_within_their_own_bounds():
+    config = ClusterConfig.create(
+        prefill_workers=1,
+        decode_workers=2,
+        max_prefill_workers=3,
+        min_decode_workers=1,
+        max_decode_workers=4,
+    )
+    assert config.pools == {"prefill": (1, 1, 3), "decode": (2, 1, 4)}
+    # a floor alone raises the ceiling to it; a ceiling alone keeps the start as the floor
+    config = ClusterConfig.create(prefill_workers=2, decode_workers=2, min_prefill_workers=2)
+    assert config.pools == {"prefill": (2, 2, 2), "decode": (2, 2, 2)}
+    config = ClusterConfig.create(prefill_workers=2, decode_workers=1, max_decode_workers=2)
+    assert config.pools == {"prefill": (2, 2, 2), "decode": (1, 1, 2)}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"min_prefill_workers": 3, "max_prefill_workers": 2},
+            "min_prefill_workers: 3 is above max_prefill_workers (2)",
+        ),
+        (
+            {"prefill_workers": 5, "max_prefill_workers": 4},
+            "prefill_workers: 5 is above max_prefill_workers (4)",
+        ),
+        ({"min_prefill_workers": 2}, "prefill_workers: 1 is below min_prefill_workers (2)"),
+        (
+            {"min_decode_workers": 3, "max_decode_workers": 2},
+            "min_decode_workers: 3 is above max_decode_workers (2)",
+        ),
+        (
+            {"decode_workers": 3, "max_decode_workers": 2},
+            "decode_workers: 3 is above max_decode_workers (2)",
+        ),
+        (
+            {"min_decode_workers": 2, "max_decode_workers": 4},
+            "decode_workers: 1 is below min_decode_workers (2)",
+        ),
+        (
+            {"max_decode_workers": 0},
+            "max_decode_workers: Input should be greater than or equal to 1, got 0",
+        ),
+        (
+            {"min_prefill_workers": 0},
+            "min_prefill_workers: Input should be greater than or equal to 1, got 0",
+        ),
+    ],
+)
+def test_prefill_and_decode_bounds_errors_name_the_field_the_limit_and_the_value(fields, message):
+    assert create_error(**{"prefill_workers": 1, "decode_workers": 1, **fields}) == message
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers"],
+)
+def test_prefill_and_decode_bounds_need_prefill_and_decode_workers(name):
+    role = name.split("_")[1]
+    assert create_error(workers=2, **{name: 2}) == (
+        f"{name}: bounds the {role} workers, and the cluster has none (set prefill_workers "
+        "and decode_workers), got 2"
+    )
+
+
+def test_prefill_queue_target_defaults_to_two_steps_of_tokens():
+    assert ClusterConfig.create(max_num_batched_tokens=512).prefill_queue_target == 1024
+    assert ClusterConfig.create(target_prefill_queue_tokens=300).prefill_queue_target == 300
+    assert create_error(target_prefill_queue_tokens=0) == (
+        "target_prefill_queue_tokens: Input should be greater than or equal to 1, got 0"
     )
 
 

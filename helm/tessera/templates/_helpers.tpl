@@ -57,8 +57,8 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- $tessera := .Values.tessera }}
 {{- $needed := dict
   "mixed" (max (int $tessera.workers) (int ($tessera.max_workers | default 0)))
-  "prefill" (int ($tessera.prefill_workers | default 0))
-  "decode" (int ($tessera.decode_workers | default 0)) }}
+  "prefill" (max (int ($tessera.prefill_workers | default 0)) (int ($tessera.max_prefill_workers | default 0)))
+  "decode" (max (int ($tessera.decode_workers | default 0)) (int ($tessera.max_decode_workers | default 0))) }}
 {{- $fields := dict "mixed" "workers" "prefill" "prefill_workers" "decode" "decode_workers" }}
 {{- range $role := splitList " " (include "tessera.roles" .) }}
 {{- $group := index $.Values.workerGroups $role }}
