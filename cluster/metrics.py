@@ -1,14 +1,22 @@
 """Prometheus metrics of the HTTP front end and of the cluster behind it.
 
-Each front-end replica keeps its own registry: request counts by endpoint and status,
-and latency histograms (time to first token, time per output token, end to end),
-measured where the user feels them. The cluster's state (per worker: sequences running
-and waiting, KV usage, prefix-cache hits, preemptions, generated tokens; the global
-queue, refusals, failovers) comes from the scheduler's stats, read at scrape time, so
-every replica reports the same cluster-wide values.
+Each front-end replica keeps its own request families: request counts by endpoint and
+status, and latency histograms (time to first token, time per output token, end to
+end), measured where the user feels them. Replicas publish them to each other through
+Ray's GCS key-value store (``ReplicaBoard``), so that one scrape of ``/metrics``, which
+Serve's proxy hands to any replica, shows every live replica's request series, each
+labelled ``replica``: sum over that label for the whole front end. The cluster's state
+(per worker: sequences running and waiting, KV usage, prefix-cache hits, preemptions,
+generated tokens; the global queue, refusals, failovers) comes from the scheduler's
+stats, read at scrape time, once per scrape and without a ``replica`` label, so it is
+never counted twice.
 """
 
 from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,6 +27,8 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from tessera.scheduler.api import ClusterStats, WorkerStatus
@@ -185,12 +195,34 @@ class _ClusterCollector(Collector):
             yield CounterMetricFamily(f"tessera_{name}", help_, value=value)
 
 
-class Metrics:
-    """One front-end replica's metrics; ``render(stats)`` is the /metrics body."""
+class _ReplicasCollector(Collector):
+    """Every replica's request families from their snapshots (set before each scrape),
+    each sample labelled with its replica."""
 
     def __init__(self) -> None:
+        self.snapshots: Mapping[str, bytes] = {}
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for replica, text in sorted(self.snapshots.items()):
+            for family in text_string_to_metric_families(text.decode()):
+                out = merged.get(family.name)
+                if out is None:
+                    out = Metric(family.name, family.documentation, family.type)
+                    merged[family.name] = out
+                for sample in family.samples:
+                    out.add_sample(sample.name, {**sample.labels, "replica": replica}, sample.value)
+        yield from merged.values()
+
+
+class Metrics:
+    """One front-end replica's metrics; ``render(stats, snapshots)`` is the /metrics
+    body. ``replica`` names this replica in the ``replica`` label."""
+
+    def __init__(self, replica: str = "local") -> None:
         disable_created_metrics()  # no *_created series: they only add noise here
-        self.registry = CollectorRegistry()
+        self.replica = replica
+        self.registry = CollectorRegistry()  # this replica's request families
         self.requests = Counter(
             "tessera_requests",
             "HTTP requests by endpoint and status code (499: the client went away)",
@@ -228,8 +260,11 @@ class Metrics:
             "tokens generated for finished requests",
             registry=self.registry,
         )
+        self._replicas = _ReplicasCollector()
         self._cluster = _ClusterCollector()
-        self.registry.register(self._cluster)
+        self._exposed = CollectorRegistry()
+        self._exposed.register(self._replicas)
+        self._exposed.register(self._cluster)
 
     def finished(
         self,
@@ -254,6 +289,57 @@ class Metrics:
             if longest_output > 1:
                 self.tpot.observe((end - first_token) / (longest_output - 1))
 
-    def render(self, stats: ClusterStats | None) -> bytes:
-        self._cluster.stats = stats
+    def snapshot(self) -> bytes:
+        """This replica's request families, as it publishes them to the others."""
         return generate_latest(self.registry)
+
+    def render(
+        self, stats: ClusterStats | None, snapshots: Mapping[str, bytes] | None = None
+    ) -> bytes:
+        """The /metrics body: the request series of this replica and of the others
+        (``snapshots``: replica -> its ``snapshot()``), and the cluster's from ``stats``."""
+        self._replicas.snapshots = {**(snapshots or {}), self.replica: self.snapshot()}
+        self._cluster.stats = stats
+        return generate_latest(self._exposed)
+
+
+class ReplicaBoard:
+    """Front-end replicas' request metrics, shared through Ray's GCS key-value store:
+    one key per replica under ``prefix``, its value the time it was written and the
+    replica's ``Metrics.snapshot()``. A snapshot older than ``stale_s`` (its replica is
+    gone without withdrawing it) is left out and deleted. The calls block on the GCS:
+    run them off the event loop."""
+
+    def __init__(self, prefix: str, replica: str, stale_s: float = 30.0) -> None:
+        self.prefix = prefix
+        self.key = f"{prefix}{replica}"
+        self.stale_s = stale_s
+
+    def publish(self, snapshot: bytes) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.key, struct.pack("<d", time.time()) + snapshot)
+
+    def read(self) -> dict[str, bytes]:
+        """Every fresh snapshot but this replica's own: replica -> snapshot."""
+        from ray.experimental import internal_kv
+
+        now, out = time.time(), {}
+        for key in internal_kv._internal_kv_list(self.prefix):
+            name = key.decode()
+            if name == self.key:
+                continue
+            value = internal_kv._internal_kv_get(key)
+            if value is None:  # withdrawn meanwhile
+                continue
+            (written,) = struct.unpack_from("<d", value)
+            if now - written > self.stale_s:
+                internal_kv._internal_kv_del(key)
+                continue
+            out[name[len(self.prefix) :]] = value[8:]
+        return out
+
+    def withdraw(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self.key)

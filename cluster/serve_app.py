@@ -48,7 +48,7 @@ from tessera.cluster.auth import expected_authorization, key_matches
 from tessera.cluster.config import ServeConfig
 from tessera.cluster.grpc_api import GenerationService
 from tessera.cluster.launch import Cluster
-from tessera.cluster.metrics import CONTENT_TYPE, Metrics
+from tessera.cluster.metrics import CONTENT_TYPE, Metrics, ReplicaBoard
 from tessera.cluster.openai_protocol import (
     RETRY_AFTER_S,
     APIError,
@@ -79,8 +79,45 @@ COMPLETIONS_MAX_TOKENS = 16
 TOOL_ARGUMENT_PIECE = 16
 #: A request body not complete this long after its headers is a slow one (see ``_read``).
 BODY_GRACE_S = 0.5
+#: Seconds between a replica's publications of its request metrics (``ReplicaBoard``).
+METRICS_PUBLISH_S = 2.0
+#: The response header that names the front-end replica that served the request.
+REPLICA_HEADER = "x-tessera-replica"
+
+
+def replica_name() -> str:
+    """This Serve replica's id within its deployment ("local" outside a replica)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # not in a replica (RayServeException)
+        return "local"
+
+
+class _ReplicaHeader:
+    """ASGI middleware: every HTTP response names the replica that served it, so a
+    client (an operator, a test) knows which replica held its stream."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.header: tuple[bytes, bytes] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.header is None:
+            self.header = (REPLICA_HEADER.encode(), replica_name().encode())
+
+        async def send_named(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
 
 api = FastAPI(title="Tessera", summary="An OpenAI-compatible LLM server", docs_url="/docs")
+api.add_middleware(_ReplicaHeader)
 
 
 @api.exception_handler(APIError)
@@ -215,7 +252,11 @@ class OpenAIServer(GenerationService):
         self.pool_tokens = info.total_blocks * info.block_size  # one worker's KV pool
         self.model_name = config.model_name
         self.logprobs = LogprobFormatter(self.tokenizer)
-        self.metrics = Metrics()
+        replica = replica_name()
+        self.metrics = Metrics(replica)
+        self._board = ReplicaBoard(
+            f"tessera/{config.namespace}/{config.scheduler_name}/front-end-metrics/", replica
+        )
         self.created = int(time.time())
         self._api_key = expected_authorization(config.api_key)
         # Tokenizing (and chat templates) run here, off the event loop, so that one
@@ -225,6 +266,7 @@ class OpenAIServer(GenerationService):
         self.tool_format = tool_calls.tool_format(self.tokenizer.chat_template)
         self.template_takes_tools = tool_calls.template_takes_tools(self.tokenizer.chat_template)
         self._slow_bodies = 0
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
 
     # ------------------------------------------------------------------ routes
     @api.get("/health")
@@ -237,7 +279,31 @@ class OpenAIServer(GenerationService):
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(self.metrics.render(await self._stats()), media_type=CONTENT_TYPE)
+        others = await asyncio.get_running_loop().run_in_executor(self._cpu, self._board.read)
+        body = self.metrics.render(await self._stats(), others)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    async def _publish_metrics(self) -> None:
+        """Publish this replica's request metrics for the others' /metrics whenever
+        they changed, every ``METRICS_PUBLISH_S``."""
+        loop, last = asyncio.get_running_loop(), b""
+        while True:
+            snapshot = self.metrics.snapshot()
+            if snapshot != last:
+                try:
+                    await loop.run_in_executor(self._cpu, self._board.publish, snapshot)
+                    last = snapshot
+                except Exception as error:  # the GCS is briefly away: try again later
+                    logger.warning("could not publish the request metrics: %s", error)
+            await asyncio.sleep(METRICS_PUBLISH_S)
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown of this replica: its metrics leave the board."""
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.cancel()
+            with contextlib.suppress(Exception):  # Ray may be going down with it
+                self._board.withdraw()
 
     async def _stats(self):
         """The cluster's stats; None when the scheduler does not answer."""

@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 #: Workers that die before registering, in a row, before the scheduler stops replacing them.
 MAX_START_FAILURES = 3
+#: A request placed this long ago and not running on its worker (by the worker's
+#: report) is released: the front end that streamed it is gone.
+ORPHAN_GRACE_S = 10.0
 
 
 class Scheduler:
@@ -228,7 +231,7 @@ class Scheduler:
             if worker.status is WorkerStatus.STARTING
             else self.config.health_timeout_s
         )
-        asked = worker.incarnation
+        asked, asked_at = worker.incarnation, time.monotonic()
         try:
             info, load = await asyncio.wait_for(worker.handle.report.remote(worker.resync), timeout)
         except ActorDiedError as error:
@@ -250,6 +253,12 @@ class Scheduler:
         if worker.recovered is not None and not worker.recovered and worker.load is None:
             worker.recovered.update(load.request_ids)  # its first report since the restart
         worker.recount(load.request_ids)
+        orphans = self.registry.orphans(worker, load.request_ids, asked_at - ORPHAN_GRACE_S)
+        for request_id in orphans:
+            self.registry.release(request_id)
+        if orphans:
+            self._event(f"released {len(orphans)} request(s) gone from {worker.worker_id}")
+            self._dispatch()
         if load.snapshot is not None:
             self.registry.index.reset(worker.worker_id, load.snapshot)
         else:

@@ -62,6 +62,7 @@ class Registry:
         self.workers: dict[str, WorkerRecord] = {}
         # request id -> (worker id, the ids its parts run under on that worker)
         self.placements: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self.placed_at: dict[str, float] = {}  # request id -> when (monotonic)
         self.index = PrefixIndex()
 
     def __iter__(self) -> Iterator[WorkerRecord]:
@@ -93,6 +94,7 @@ class Registry:
     def drop_placements(self, record: WorkerRecord) -> None:
         for request_id in record.ongoing:
             self.placements.pop(request_id, None)
+            self.placed_at.pop(request_id, None)
         record.ongoing.clear()
 
     def place(
@@ -106,6 +108,7 @@ class Registry:
         record.placed += 1
         record.idle_since = None
         self.placements[request_id] = (record.worker_id, worker_request_ids)
+        self.placed_at[request_id] = time.monotonic()
         self.index.expect(record.worker_id, hashes)
 
     def release(self, request_id: str) -> WorkerRecord | None:
@@ -113,6 +116,7 @@ class Registry:
         request placed before a scheduler restart is found by the ids it runs under
         (the request id, or ``<id>:<suffix>`` for its parts)."""
         worker_id, _ = self.placements.pop(request_id, (None, ()))
+        self.placed_at.pop(request_id, None)
         if worker_id is None:
             found = self.recovered_on(request_id)
             if found is not None:
@@ -126,6 +130,18 @@ class Registry:
             if not record.in_flight:
                 record.idle_since = time.monotonic()
         return record
+
+    def orphans(self, record: WorkerRecord, running: tuple[str, ...], before: float) -> list[str]:
+        """Requests placed on ``record`` before ``before`` (monotonic) of which no id
+        runs there (``running``: a report's ids): their front end is gone (a replica
+        died with its streams) or never released them. The caller releases them."""
+        live = set(running)
+        return [
+            request_id
+            for request_id in record.ongoing
+            if self.placed_at.get(request_id, before) < before
+            and live.isdisjoint(self.placements.get(request_id, ("", (request_id,)))[1])
+        ]
 
     def recovered_on(self, request_id: str) -> tuple[WorkerRecord, tuple[str, ...]] | None:
         """The worker and ids of a request placed before a scheduler restart."""

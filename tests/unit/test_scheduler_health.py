@@ -65,3 +65,26 @@ async def test_a_poll_of_the_previous_incarnation_does_not_fail_the_restarted_wo
     assert worker.status is WorkerStatus.UNHEALTHY
     assert worker.resync
     assert _events(scheduler)[-1] == "worker mixed-0 unhealthy: TimeoutError"
+
+
+def test_a_placement_no_longer_running_on_its_worker_is_released_after_the_grace():
+    """A front end that died with its streams never releases them: the worker's reports
+    show them gone, and past the grace the scheduler frees their places."""
+    from tessera.scheduler.registry import Registry
+
+    registry = Registry()
+    worker = WorkerRecord("mixed-0", "mixed", handle=None)
+    registry.add(worker)
+    registry.place(worker, "lost", ("lost",), [])
+    registry.place(worker, "parts", ("parts:0", "parts:1"), [])
+    registry.place(worker, "running", ("running",), [])
+    placed = registry.placed_at["lost"]
+
+    # within the grace nothing is an orphan, running or not
+    assert registry.orphans(worker, ("running",), before=placed) == []
+    # past it: those of which no id runs ("parts" runs while one of its parts does)
+    later = placed + 1
+    assert registry.orphans(worker, ("running", "parts:1"), before=later) == ["lost"]
+    assert sorted(registry.orphans(worker, ("running",), before=later)) == ["lost", "parts"]
+    registry.release("lost")
+    assert worker.ongoing == {"parts", "running"} and "lost" not in registry.placed_at

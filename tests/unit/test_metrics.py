@@ -1,0 +1,58 @@
+"""/metrics with several front-end replicas: each replica's request series carry its
+name in the ``replica`` label, the cluster-wide ones come once."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tessera.cluster.metrics import Metrics
+from tessera.scheduler.api import ClusterStats
+
+
+def _samples(body: bytes) -> list[tuple[str, dict[str, str], float]]:
+    return [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    ]
+
+
+def test_every_replicas_request_series_are_labelled_and_the_cluster_ones_come_once():
+    a, b = Metrics("a"), Metrics("b")
+    a.finished("completions", 200, 0.0, 0.5, 2.0, 7, 4, 4)
+    b.finished("completions", 200, 0.0, 0.25, 1.0, 3, 2, 2)
+    b.finished("chat", 429, 0.0, None, 0.0, 0, 0, 0)
+    b.in_flight.inc()
+    stats = ClusterStats(workers=(), queued=3, placed=9, refused=1, failovers=2, policy="x")
+
+    samples = _samples(a.render(stats, {"b": b.snapshot()}))
+
+    def values(name: str, **labels: str) -> dict[str | None, float]:
+        return {
+            s_labels.get("replica"): value
+            for s_name, s_labels, value in samples
+            if s_name == name and {k: v for k, v in s_labels.items() if k != "replica"} == labels
+        }
+
+    assert values("tessera_requests_total", endpoint="completions", status="200") == {
+        "a": 1.0,
+        "b": 1.0,
+    }
+    assert values("tessera_requests_total", endpoint="chat", status="429") == {"b": 1.0}
+    assert values("tessera_generation_tokens_total") == {"a": 4.0, "b": 2.0}
+    assert values("tessera_prompt_tokens_total") == {"a": 7.0, "b": 3.0}
+    assert values("tessera_requests_in_flight") == {"a": 0.0, "b": 1.0}
+    assert values("tessera_time_to_first_token_seconds_count") == {"a": 1.0, "b": 1.0}
+    assert values("tessera_time_to_first_token_seconds_bucket", le="0.25") == {"a": 0.0, "b": 1.0}
+    # cluster-wide: exactly one sample each, without a replica label
+    assert values("tessera_queued_requests") == {None: 3.0}
+    assert values("tessera_failovers_total") == {None: 2.0}
+    assert values("tessera_placed_requests_total") == {None: 9.0}
+
+
+def test_a_replica_alone_shows_its_own_series():
+    metrics = Metrics("solo")
+    metrics.finished("completions", 200, 0.0, 0.1, 0.2, 1, 1, 1)
+    names = {(name, labels.get("replica")) for name, labels, _ in _samples(metrics.render(None))}
+    assert ("tessera_requests_total", "solo") in names
+    assert not any(name.startswith("tessera_queued") for name, _ in names)  # no stats: none
