@@ -149,23 +149,25 @@ class WorkerActor:
     ) -> AsyncIterator[Accepted | RequestOutput]:
         """Yield ``Accepted``, then the request's deltas until all its outputs finish.
         ``InvalidRequestError`` raises before ``Accepted``. With ``prefill`` (a decode
-        worker), the prompt's blocks are pulled from that prefill worker first."""
+        worker), the prompt's blocks are pulled from that prefill worker first, also
+        for a request resumed after a failover (``resume``): it then recomputes only
+        what the pulled blocks do not cover (the prompt's tail and the tokens it had
+        generated), and its output is the same."""
         self._live.add(request_id)
         stream = None
-        # A resumed request recomputes here; so do a structured one (its first token is
-        # masked here) and one that asks for prompt logprobs (they come from the prefill).
+        # A structured request prefills here (its first token is masked here), and so
+        # does one that asks for prompt logprobs (they come from the prefill).
         disaggregated = (
-            prefill is not None
-            and resume is None
-            and sampling.structured is None
-            and sampling.prompt_logprobs is None
+            prefill is not None and sampling.structured is None and sampling.prompt_logprobs is None
         )
         try:
             if disaggregated:
                 token_ids = self.engine.engine.validate(prompt, sampling, resume)
                 self.phases.enter(request_id, "waiting")
                 pull = asyncio.ensure_future(
-                    self.decode.pull(request_id, token_ids, sampling, cache_salt, prefill)
+                    self.decode.pull(
+                        request_id, token_ids, sampling, cache_salt, prefill, resume is not None
+                    )
                 )
                 self._pulls[request_id] = pull
                 try:

@@ -11,7 +11,9 @@
   tail (the last, partly filled block), then decodes in the continuous batch. Any
   failure (bad checksum, short stream, deadline, lost prefill worker, no room) discards
   what arrived and the request prefills here instead: the output is the same, and
-  ``fallbacks`` counts it by reason.
+  ``fallbacks`` counts it by reason. A request resumed after a failover pulls its
+  prompt's blocks the same way (``resumed_pulls``) and recomputes only the tokens it
+  had generated: the prompt is not prefilled again.
 - ``PhaseManager`` tracks each disaggregated request: waiting -> prefilling (where) ->
   transferring -> decoding -> finished, in the worker's stats and its log.
 
@@ -202,9 +204,12 @@ class DecodeOrchestrator:
         sampling: SamplingParams,
         cache_salt: str | None,
         source: PrefillSource,
+        resumed: bool = False,
     ) -> None:
         """Bring the prompt's blocks here; on any failure, leave nothing behind (the
-        request then prefills here). Never raises for a transfer problem."""
+        request then prefills here). Never raises for a transfer problem. ``resumed``:
+        the request resumes after a failover (counted in ``resumed_pulls``; only its
+        prompt's blocks move, the tokens generated before are recomputed here)."""
         engine = self.engine.engine
         handoff = engine.handoff
         bs = engine.config.block_size
@@ -261,6 +266,7 @@ class DecodeOrchestrator:
             return
         await asyncio.to_thread(handoff.commit, reservation)
         self.counters.pulls += 1
+        self.counters.resumed_pulls += resumed
         self.counters.blocks_received += result.blocks
         self.counters.bytes_received += result.bytes
         self.counters.seconds += time.perf_counter() - started

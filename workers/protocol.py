@@ -70,6 +70,7 @@ class TransferCounters:
     served). The worker counts into one instance; a report carries a ``snapshot``."""
 
     pulls: int = 0  # transfers completed into this worker
+    resumed_pulls: int = 0  # of them, for requests resumed after a failover
     blocks_received: int = 0
     bytes_received: int = 0
     seconds: float = 0.0  # total time of completed pulls
