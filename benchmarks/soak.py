@@ -34,6 +34,7 @@ import json
 import os
 import random
 import signal
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ from typing import Any
 import httpx
 import psutil
 import ray
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: `benchmarks` is then importable
+    sys.path.insert(0, str(ROOT))
 
 REPLICA_HEADER = "x-tessera-replica"  # tessera.cluster.serve_app.REPLICA_HEADER
 RETRIABLE_STATUS = (408, 429, 503)
