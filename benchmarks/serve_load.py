@@ -46,7 +46,10 @@ default all CPUs), before the server starts, so the two never share the cores. T
 report's ``http_vs_engine`` ratios are what the front door keeps of the engine's speed.
 With ``--start``, the JSON's ``server_cpu_s`` gives the CPU seconds each process of the
 server (worker, Serve replica, proxy, controller, scheduler, Ray's own) spent in each of
-our runs: on a 2-core machine, what the front door takes from the worker.
+our runs: on a 2-core machine, what the front door takes from the worker. ``phase_ms``
+gives, per run, the mean milliseconds per request of each phase before its first token,
+from our server's ``/metrics`` (``tessera_request_phase_seconds``): validate, placement,
+start and relay are the front end's, engine_first_token the worker's.
 
     python benchmarks/serve_load.py --start --rates 0.5 1 2
     python benchmarks/serve_load.py --rates 0.5 1 2 --peer-url http://127.0.0.1:8001 \\
@@ -454,6 +457,22 @@ def server_cpu(pid: int | None) -> collections.Counter:
     return seconds
 
 
+async def phase_totals(client: httpx.AsyncClient, target: Target) -> dict[str, list[float]]:
+    """phase -> [seconds, requests] so far, from our server's
+    ``tessera_request_phase_seconds`` (summed over its front-end replicas)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    response = await client.get(f"{target.url}/metrics")
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == "tessera_request_phase_seconds_sum":
+                totals[sample.labels["phase"]][0] += sample.value
+            elif sample.name == "tessera_request_phase_seconds_count":
+                totals[sample.labels["phase"]][1] += sample.value
+    return totals
+
+
 async def bench(args, schedules: dict[float, list[Request]]) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout_s, connect=10.0)
@@ -476,12 +495,14 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 outcome = await send(client, target, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
                 if not outcome.ok:
                     raise SystemExit(f"warm-up request to {target.name} failed: {outcome.error}")
-        runs, cpu = {}, {}
+        runs, cpu, phases = {}, {}, {}
         for i, (rate, schedule) in enumerate(schedules.items()):
             for target in targets if i % 2 == 0 else targets[::-1]:
                 if runs:
                     await asyncio.sleep(args.cooldown_s)  # let the last run's streams settle
                 before = server_cpu(args.server_pid if target.role == "ours" else None)
+                if target.role == "ours":
+                    phases_before = await phase_totals(client, target)
                 runs[target.role, rate] = await run_schedule(
                     lambda request, target=target: send(client, target, request, args),
                     target.name,
@@ -489,11 +510,19 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                     rate,
                     args,
                 )
+                if target.role == "ours":
+                    await asyncio.sleep(2.5)  # every replica has published its counts
+                    after = await phase_totals(client, target)
+                    phases[rate] = {
+                        phase: round((total - phases_before[phase][0]) / done * 1000, 2)
+                        for phase, (total, count) in after.items()
+                        if (done := count - phases_before[phase][1]) > 0
+                    }
                 if target.role == "ours" and args.server_pid is not None:
                     spent = server_cpu(args.server_pid)
                     spent.subtract(before)
                     cpu[rate] = {k: round(v, 2) for k, v in spent.most_common() if v >= 0.05}
-    return {"targets": targets, "runs": runs, "server_cpu_s": cpu}
+    return {"targets": targets, "runs": runs, "server_cpu_s": cpu, "phase_ms": phases}
 
 
 # ------------------------------------------------------------------ --start
@@ -656,6 +685,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             "token_ids": list(TOKEN_IDS),
             "started_server": shlex.join(args.serve_args) if args.start else None,
             "server_cpu_s": {str(level): spent for level, spent in result["server_cpu_s"].items()},
+            "phase_ms": {str(level): ms for level, ms in result["phase_ms"].items()},
             "runs": runs,
         },
         plot,
@@ -670,6 +700,9 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             f"{key} {r[key]:g}: HTTP / in-process engine: output tok/s {fmt(r['out_tok_s'])}, "
             f"p50 TTFT {fmt(r['ttft_p50'])}, p50 TPOT {fmt(r['tpot_p50'])} (lower is better)"
         )
+    for level, ms in result["phase_ms"].items():
+        parts = ", ".join(f"{phase} {value:.1f}" for phase, value in ms.items())
+        print(f"{key} {level:g}: mean ms per request before its first token: {parts}")
     for level, spent in result["server_cpu_s"].items():
         wall = result["runs"]["ours", level][1]
         top = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(spent.items())[:6])

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,17 @@ MAX_FAILOVERS = 8
 SCHEDULER_WAIT_S = 60.0
 #: How long closing a stream waits for the scheduler to note its release.
 RELEASE_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class Timings:
+    """Where one request's time went before its first token, as its front end saw it
+    (``time.monotonic``; the first attempt's: a failover does not move them)."""
+
+    submitted: float
+    placed: float | None = None  # the scheduler gave it a worker (after any queueing)
+    accepted: float | None = None  # the worker took it (its engine has the request)
+    first_token: float | None = None  # the first delta with tokens reached this client
 
 
 @dataclass
@@ -95,6 +107,7 @@ class _Run:
         self._deltas: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._closed = False
+        self.timings = Timings(time.monotonic())
 
     # -- attempts
     def _plan(self) -> list[_Part]:
@@ -159,6 +172,8 @@ class _Run:
         if isinstance(placement, Refusal):
             raise placement.error(placement.message)
         self.placement, self.parts = placement, parts
+        if self.timings.placed is None:
+            self.timings.placed = time.monotonic()
         for part in parts:
             part.stream = placement.worker.generate.remote(
                 part.worker_request_id,
@@ -172,6 +187,8 @@ class _Run:
         for part in parts:
             accepted = await _next(part.stream)
             assert isinstance(accepted, Accepted), accepted
+        if self.timings.accepted is None:
+            self.timings.accepted = time.monotonic()
 
     def _lost(self, error: BaseException) -> None:
         """The worker went away: tell the scheduler, and count the attempt."""
@@ -271,6 +288,8 @@ class _Run:
         out = self.outputs[index]
         if out.finished:
             return None
+        if delta.token_ids and self.timings.first_token is None:
+            self.timings.first_token = time.monotonic()
         out.token_ids += delta.token_ids
         out.seed = delta.seed if delta.seed is not None else out.seed
         if delta.cumulative_logprob is not None:
@@ -341,6 +360,11 @@ class RequestStream:
 
     def __aiter__(self) -> RequestStream:
         return self
+
+    @property
+    def timings(self) -> Timings:
+        """When it was submitted, placed, accepted and its first token came."""
+        return self._run.timings
 
     async def __anext__(self) -> RequestOutput:
         return await self._deltas.__anext__()

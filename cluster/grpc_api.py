@@ -211,7 +211,7 @@ class GenerationService:
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.monotonic()
         status, first_token, prompt, completion, longest = 200, None, [], 0, 0
-        stream = None
+        stream, started = None, None
         try:
             self._grpc_authorize(grpc_context)
             _check_message(request)
@@ -224,6 +224,7 @@ class GenerationService:
                 timeout = min(timeout, request.timeout_s)
             deadline = arrival + timeout
             request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            started = time.monotonic()
             stream = await self.client.submit(
                 request_id,
                 prompt,
@@ -273,6 +274,8 @@ class GenerationService:
                 len(prompt),
                 completion,
                 longest,
+                started,
+                stream.timings if stream is not None else None,
             )
 
     async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:  # noqa: N802

@@ -31,11 +31,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from tessera.cluster.client import Timings
 from tessera.scheduler.api import ClusterStats, WorkerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
@@ -260,6 +262,17 @@ class Metrics:
             "tokens generated for finished requests",
             registry=self.registry,
         )
+        self.phases = Histogram(
+            "tessera_request_phase_seconds",
+            "where a request's time to first token went, per phase: validate (parse, "
+            "tokenize), placement (the scheduler's queue and answer), start (the worker "
+            "takes it), engine_first_token (the worker's prefill until its first token "
+            "reaches the front end), relay (the front end hands that token on); all but "
+            "engine_first_token are the front end's",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=self.registry,
+        )
         self._replicas = _ReplicasCollector()
         self._cluster = _ClusterCollector()
         self._exposed = CollectorRegistry()
@@ -276,11 +289,26 @@ class Metrics:
         prompt_tokens: int,
         completion_tokens: int,
         longest_output: int,
+        started: float | None = None,
+        timings: Timings | None = None,
     ) -> None:
-        """Record one request (times from ``time.monotonic``)."""
+        """Record one request (times from ``time.monotonic``). ``started``: when the
+        front end had validated it and began to submit it; ``timings``: its (first)
+        stream's, for the phases of its time to first token."""
         self.requests.labels(endpoint, str(status)).inc()
         if status != 200:
             return
+        if started is not None and timings is not None:
+            marks = (
+                ("validate", arrival, started),
+                ("placement", timings.submitted, timings.placed),
+                ("start", timings.placed, timings.accepted),
+                ("engine_first_token", timings.accepted, timings.first_token),
+                ("relay", timings.first_token, first_token),
+            )
+            for phase, begin, end in marks:
+                if begin is not None and end is not None:
+                    self.phases.labels(phase).observe(max(end - begin, 0.0))
         self.e2e.observe(end - arrival)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

@@ -208,6 +208,7 @@ class _Job:
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     choices: dict[int, _Choice] = field(default_factory=dict)
     first_token: float | None = None
+    started: float | None = None  # validated: its first prompt is being submitted
     tool_names: frozenset[str] = frozenset()  # chat with tools offered: parse calls
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # by prompt
     created: int = field(default_factory=lambda: int(time.time()))
@@ -678,6 +679,7 @@ class OpenAIServer(GenerationService):
     # ------------------------------------------------------------------ generation
     async def _start(self, job: _Job, body: Any) -> None:
         """Submit every prompt; on any refusal, abort the ones already started."""
+        job.started = time.monotonic()
         try:
             for k, prompt in enumerate(job.prompts):
                 remaining = job.deadline - time.monotonic()
@@ -795,6 +797,8 @@ class OpenAIServer(GenerationService):
             job.prompt_tokens,
             job.completion_tokens,
             longest,
+            job.started,
+            job.streams[0].timings if job.streams else None,
         )
 
     # ------------------------------------------------------------------ streaming

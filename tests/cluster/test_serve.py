@@ -1025,6 +1025,8 @@ def test_metrics_parse_and_move(server):
     assert moved("tessera_time_to_first_token_seconds_count") == 1
     assert moved("tessera_e2e_request_latency_seconds_count") == 1
     assert moved("tessera_time_per_output_token_seconds_count") == 1
+    for phase in ("validate", "placement", "start", "engine_first_token", "relay"):
+        assert moved("tessera_request_phase_seconds_count", phase=phase) == 1, phase
     deadline = time.monotonic() + 10  # the worker's counters arrive with its next report
     while moved("tessera_worker_generated_tokens_total", worker="mixed-0") < 5:
         assert time.monotonic() < deadline, "the worker's generated tokens did not move"

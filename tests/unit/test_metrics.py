@@ -56,3 +56,29 @@ def test_a_replica_alone_shows_its_own_series():
     names = {(name, labels.get("replica")) for name, labels, _ in _samples(metrics.render(None))}
     assert ("tessera_requests_total", "solo") in names
     assert not any(name.startswith("tessera_queued") for name, _ in names)  # no stats: none
+
+
+def test_the_time_to_first_token_is_split_into_phases():
+    from tessera.cluster.client import Timings
+
+    metrics = Metrics("a")
+    timings = Timings(submitted=10.5, placed=10.75, accepted=11.0, first_token=12.0)
+    # arrival 10, validated at 10.25, the app handed the first token on at 12.125
+    metrics.finished("completions", 200, 10.0, 12.125, 13.0, 5, 3, 3, 10.25, timings)
+    metrics.finished("completions", 429, 10.0, None, 10.1, 0, 0, 0, 10.05, None)  # refused
+    sums = {
+        s.labels["phase"]: s.value
+        for name, s in (
+            (s.name, s)
+            for family in text_string_to_metric_families(metrics.render(None).decode())
+            for s in family.samples
+        )
+        if name == "tessera_request_phase_seconds_sum"
+    }
+    assert sums == {
+        "validate": 0.25,
+        "placement": 0.25,
+        "start": 0.25,
+        "engine_first_token": 1.0,
+        "relay": 0.125,
+    }
