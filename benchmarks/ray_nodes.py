@@ -1,8 +1,10 @@
-"""More Ray nodes on this machine, joined to the session's cluster (``ray_session``).
+"""More Ray nodes on this machine, joined to the Ray cluster this process is connected
+to (the test session's, or a benchmark's): tests/cluster/test_multi_node.py and
+benchmarks/multi_node.py.
 
 Each added node is a real raylet with its own object store, CPUs and custom resources,
 started the way ``ray.cluster_utils.Cluster.add_node`` starts its non-head nodes (that
-class would start a second head; the session already has one). ``remove`` kills exactly
+class would start a second head; the cluster already has one). ``remove`` kills exactly
 that node's processes, at once and without draining, like a machine that is lost: the
 workers on it exit when they lose their raylet, and Ray declares the node dead once
 its health checks fail.
@@ -76,5 +78,5 @@ def added_nodes(*resources: dict[str, float]) -> Iterator[RayNodes]:
 
 
 def head_node_id() -> str:
-    """The session's own node (the driver's)."""
+    """The node this process (the driver) runs on."""
     return ray.get_runtime_context().get_node_id()

@@ -1,5 +1,5 @@
 """A Tessera cluster over three Ray nodes on this machine: the session's head node and
-two nodes each test adds (``tests/cluster/nodes.py``) and removes afterwards.
+two nodes each test adds (``benchmarks/ray_nodes.py``) and removes afterwards.
 
 Workers spread over the nodes; a prefill and a decode worker on different nodes move KV
 over gRPC at the address of the prefill worker's node; a node lost mid-load fails its
@@ -15,10 +15,10 @@ import dataclasses
 import pytest
 import ray
 
+from benchmarks.ray_nodes import added_nodes, head_node_id
 from tessera.workers.api import SamplingParams
 from tessera.workers.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster
-from tests.cluster.nodes import added_nodes, head_node_id
 from tests.helpers import run_engine, text_of, tokens_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
