@@ -47,6 +47,7 @@ from tessera.workers.api import (
     SamplingParams,
     fork_seed,
 )
+from tessera.workers.kv.prefix_cache import extend_block_hashes
 from tessera.workers.protocol import MIXED, Accepted
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ MAX_FAILOVERS = 8
 SCHEDULER_WAIT_S = 60.0
 #: How long closing a stream waits for the scheduler to note its release.
 RELEASE_WAIT_S = 5.0
+_UNKNOWN = object()
 
 
 @dataclass(slots=True)
@@ -108,6 +110,7 @@ class _Run:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.timings = Timings(time.monotonic())
+        self.hashes: list[bytes] | None = None  # the prompt's block hashes, for placement
 
     # -- attempts
     def _plan(self) -> list[_Part]:
@@ -146,6 +149,8 @@ class _Run:
     async def _attempt(self, failover: bool) -> None:
         request = self.request
         parts = self._plan()
+        if self.hashes is None:  # once per request, failovers included
+            self.hashes = await self.client.block_hashes(request)
         # A restarting scheduler takes the call when it is back: wait for it within
         # the request's queue deadline (place answers by then itself once it runs).
         wait_s = (self.timeout_s or SCHEDULER_WAIT_S) + 5.0
@@ -153,8 +158,7 @@ class _Run:
             placement = await asyncio.wait_for(
                 self.client.scheduler.place.remote(
                     request.request_id,
-                    list(request.prompt_token_ids),
-                    request.cache_salt,
+                    self.hashes,
                     MIXED,
                     self.timeout_s,
                     failover,
@@ -381,6 +385,9 @@ class ClusterClient:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self._runs: dict[str, _Run] = {}
+        # the scheduler's block_hashing(): unknown until asked, then kept once the
+        # hash keys are known (or prefix caching is off)
+        self._hashing: tuple[int, tuple[str, ...] | None] | None | object = _UNKNOWN
 
     @classmethod
     def connect(
@@ -431,6 +438,21 @@ class ClusterClient:
             raise
         run.pump()
         return RequestStream(run)
+
+    async def block_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the prompt's full blocks, as the workers' prefix caches compute
+        them: computed here, once per request (the scheduler places by them and does
+        not rehash); empty when prefix caching is off or no worker has registered yet."""
+        hashing = self._hashing
+        if hashing is _UNKNOWN or (hashing is not None and hashing[1] is None):
+            hashing = self._hashing = await self.scheduler.block_hashing.remote()
+        if hashing is None or hashing[1] is None:
+            return []
+        block_size, keys = hashing
+        hashes: list[bytes] = []
+        salt = request.cache_salt or ""
+        extend_block_hashes(hashes, request.prompt_token_ids, block_size, (*keys, salt))
+        return hashes
 
     def _token_ids(self, prompt: str | Sequence[int] | None) -> tuple[int, ...]:
         if isinstance(prompt, str):

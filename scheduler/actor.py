@@ -56,7 +56,6 @@ from tessera.scheduler.config import SchedulerConfig
 from tessera.scheduler.placement import Candidate, make_policy
 from tessera.scheduler.registry import Registry, WorkerRecord
 from tessera.workers.actor import worker_actor_class
-from tessera.workers.kv.prefix_cache import extend_block_hashes
 from tessera.workers.protocol import DECODE, MIXED, PREFILL, PrefillSource, WorkerInfo
 
 logger = logging.getLogger(__name__)
@@ -371,8 +370,7 @@ class Scheduler:
     async def place(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
-        cache_salt: str | None = None,
+        block_hashes: list[bytes],
         role: str = "mixed",
         timeout_s: float | None = None,
         failover: bool = False,
@@ -380,12 +378,14 @@ class Scheduler:
     ) -> Placement | Refusal:
         """A worker for the request, now or once one frees up; a ``Refusal`` when the
         queue is full, the deadline passes or no worker of ``role`` is left.
+        ``block_hashes``: its prompt's full blocks, hashed by the front end as
+        ``block_hashing`` says (empty: placement ignores the prefix caches).
         ``worker_request_ids``: the ids the front end will run it under on the worker
         (for ``abort``). Placing a request that is already placed (``failover``) moves it."""
         self.release(request_id)
         if failover:
             self._failovers += 1
-        hashes = self._prompt_hashes(prompt_token_ids, cache_salt)
+        hashes = list(block_hashes)
         ids = worker_request_ids or (request_id,)
         if self.config.disaggregated and role == MIXED:  # the front end asks for "a worker"
             role = DECODE
@@ -434,13 +434,15 @@ class Scheduler:
             worker.handle.abort.remote(worker_request_id)
         return True
 
-    def _prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
-        hashes: list[bytes] = []
+    def block_hashing(self) -> tuple[int, tuple[str, ...] | None] | None:
+        """How a front end hashes a prompt's blocks as the workers' prefix caches do,
+        once per request (the scheduler never rehashes): the block size and the
+        model's extra hash keys (None until a worker has registered), followed by the
+        request's cache salt. None when prefix caching is off."""
         engine = self.config.engine
-        if engine.enable_prefix_caching and self.hash_keys is not None:
-            keys = (*self.hash_keys, cache_salt or "")
-            extend_block_hashes(hashes, token_ids, engine.block_size, keys)
-        return hashes
+        if not engine.enable_prefix_caching:
+            return None
+        return engine.block_size, self.hash_keys
 
     def _try_place(
         self, request_id: str, role: str, hashes: list[bytes], worker_request_ids: tuple[str, ...]

@@ -13,7 +13,7 @@ from tessera.scheduler.actor import Scheduler
 from tessera.scheduler.api import WorkerStatus
 from tessera.scheduler.registry import WorkerRecord
 from tessera.workers.api import SpeculativeStats
-from tessera.workers.kv.prefix_cache import PrefixCacheStats
+from tessera.workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
 from tessera.workers.protocol import EngineLoad, WorkerInfo, WorkerLoad
 
 
@@ -106,7 +106,8 @@ def test_a_prefill_worker_is_measured_by_its_own_report():
 def test_a_draining_prefill_worker_is_no_requests_prefill_source():
     scheduler = _scheduler()
     prompt = list(range(17))  # 4 full blocks of 4
-    hashes = scheduler._prompt_hashes(prompt, None)
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, 4, (*scheduler.hash_keys, ""))
     scheduler.registry.index.apply("prefill-1", [(True, h) for h in hashes])  # holds it all
     assert scheduler._prefill_source(hashes).worker_id == "prefill-1"
     scheduler.drain("prefill-1")
