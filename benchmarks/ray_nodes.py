@@ -24,6 +24,7 @@ from ray._private.parameter import RayParams
 class RayNodes:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
+        self.removed: list[str] = []  # ids of the nodes removed
 
     @property
     def ids(self) -> list[str]:
@@ -53,15 +54,25 @@ class RayNodes:
             time.sleep(0.1)
         return node.node_id
 
-    def remove(self, node_id: str) -> None:
-        """Kill the node's processes (raylet, object store, agents) at once."""
+    def remove(self, node_id: str, graceful: bool = False) -> None:
+        """Kill the node's processes (raylet, object store, agents): at once, like a
+        lost machine (Ray declares it dead only when its health checks have failed,
+        ~15 s), or ``graceful``: the raylet deregisters as it stops."""
         (node,) = [n for n in self.nodes if n.node_id == node_id]
         self.nodes.remove(node)
-        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        self.removed.append(node_id)
+        node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
 
-    def remove_all(self) -> None:
+    def remove_all(self, timeout_s: float = 90.0) -> None:
+        """Remove what is left (gracefully), then wait until Ray lists every node
+        removed as dead: until then it would still place actors on a lost one."""
         for node in list(self.nodes):
-            self.remove(node.node_id)
+            self.remove(node.node_id, graceful=True)
+        deadline = time.monotonic() + timeout_s
+        while any(n["NodeID"] in self.removed and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray still lists a removed node alive after {timeout_s} s")
+            time.sleep(0.2)
 
 
 @contextlib.contextmanager

@@ -96,17 +96,17 @@ class Scheduler:
         """Start the configured workers and the monitor loop (once)."""
         if self._monitor is not None:
             return
-        if self.restarted:
-            self._recover()
-        else:
+        # A restarted scheduler that finds no worker (its last incarnation died before
+        # it started any, or every one is gone) starts the pools as a new one does.
+        if not (self.restarted and self._recover()):
             for pool in self.config.pools:
                 for _ in range(pool.workers):
                     self._add_worker(pool.role)
         self._monitor = asyncio.get_running_loop().create_task(self._monitor_loop())
 
-    def _recover(self) -> None:
+    def _recover(self) -> int:
         """After a restart: take back the live workers (their first report, a full one,
-        makes them healthy and says which requests still run on them)."""
+        makes them healthy and says which requests still run on them); how many."""
         found = worker_actors(self.config.scheduler_name, self.config.namespace)
         numbers = [-1]
         for worker_id, handle in found:
@@ -116,6 +116,7 @@ class Scheduler:
             self.registry.add(record)
         self._ids = itertools.count(max(numbers) + 1)
         self._event(f"scheduler restarted: took back {len(found)} live workers")
+        return len(found)
 
     async def wait_ready(
         self, timeout_s: float = STARTUP_TIMEOUT_S, any_healthy: bool = False

@@ -88,3 +88,38 @@ def test_a_placement_no_longer_running_on_its_worker_is_released_after_the_grace
     assert sorted(registry.orphans(worker, ("running",), before=later)) == ["lost", "parts"]
     registry.release("lost")
     assert worker.ongoing == {"parts", "running"} and "lost" not in registry.placed_at
+
+
+async def test_a_scheduler_restarted_before_it_started_any_worker_starts_the_pools(monkeypatch):
+    """Its last incarnation died during start-up (on a node that went away): there is
+    nothing to take back, so it starts every pool's workers, as a new one does, or the
+    front end waiting for them would wait for ever."""
+    import tessera.scheduler.actor as actor
+
+    class _Recording(Scheduler):
+        def _add_worker(self, role: str, worker_id: str | None = None) -> None:
+            self.added.append(role)  # as a started worker, without Ray
+            worker_id = worker_id or f"{role}-{next(self._ids)}"
+            self.registry.add(WorkerRecord(worker_id, role, _Silent()))
+
+    def restarted_scheduler(found):
+        monkeypatch.setattr(actor, "worker_actors", lambda name, namespace: found)
+        monkeypatch.setattr(actor, "_reconstructed", lambda: True)
+        config = ClusterConfig.create(prefill_workers=2, decode_workers=1, min_prefill_workers=1)
+        scheduler = _Recording.__new__(_Recording)
+        scheduler.added = []
+        Scheduler.__init__(scheduler, scheduler_config(config, "cpu", 0, 1))
+        return scheduler
+
+    scheduler = restarted_scheduler([])
+    await scheduler._resuming
+    assert sorted(scheduler.added) == ["decode", "prefill", "prefill"]
+    assert scheduler.events[-1].endswith("scheduler restarted: took back 0 live workers")
+    scheduler._monitor.cancel()
+
+    # one of each is left (the pools' minimum): take them back, start none
+    scheduler = restarted_scheduler([("prefill-0", _Silent()), ("decode-2", _Silent())])
+    await scheduler._resuming
+    assert scheduler.added == []
+    assert list(scheduler.registry.workers) == ["prefill-0", "decode-2"]
+    scheduler._monitor.cancel()
