@@ -6,10 +6,11 @@ streaming completion whose text is known from the in-process engine (the referen
 
 - a request that finishes must have exactly that text (else it is *altered*);
 - a failed attempt must be a clean, retriable error: HTTP 408/429/503, an SSE error
-  event of type timeout/overloaded/unavailable, or a connection the server cut (a
-  killed front-end replica); the client retries it. Anything else (a 500, a stream
-  that ends without ``[DONE]`` or an error, a stream silent for ``--stall-s``) is
-  *unclean*; a request that never finishes in ``--attempts`` tries is *lost*;
+  event of type timeout/overloaded/unavailable, a connection the server cut (a killed
+  front-end replica), or Serve's proxy's plain HTTP 500 for a request that reached a
+  replica as it died (counted apart in ``failures``); the client retries it. Anything
+  else (our own 500, a stream that ends without ``[DONE]`` or an error, a stream silent
+  for ``--stall-s``) is *unclean*; a request that never finishes in ``--attempts`` tries is *lost*;
 - afterwards no KV block may stay in use and no placement may stay open (*leaked*);
 - the resident memory of every long-lived process (Serve replicas, proxy and
   controller, the scheduler, the workers, ``tessera serve``) that lived through the
@@ -193,7 +194,12 @@ class Soak:
                 if REPLICA_HEADER in response.headers:
                     self.replicas.add(response.headers[REPLICA_HEADER])
                 if response.status_code != 200:
-                    await response.aread()
+                    body = await response.aread()
+                    if response.status_code == 500 and not body.startswith(b"{"):
+                        # Serve's proxy: the replica died after the request reached it
+                        # and before it answered (Ray Serve sends no body of its own for
+                        # that, so uvicorn's plain 500 goes out); nothing had started
+                        return "HTTP 500 from Serve's proxy (its replica died)", "retriable"
                     kind = "retriable" if response.status_code in RETRIABLE_STATUS else "unclean"
                     return f"HTTP {response.status_code}", kind
                 text = ""
