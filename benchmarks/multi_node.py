@@ -40,23 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script: `benchmarks` is then importabl
 
 from benchmarks.common import report  # noqa: E402
 from benchmarks.ray_nodes import RayNodes, head_node_id  # noqa: E402
-from benchmarks.soak import PROMPTS  # noqa: E402
-
-
-def references(prompts: list[str], max_tokens: int) -> dict[str, list[int]]:
-    from tessera.workers.api import SamplingParams
-    from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
-
-    engine = Engine(EngineConfig(num_kv_blocks=512))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for delta in engine.step():
-            out[delta.request_id].extend(delta.token_ids)
-    return out
+from benchmarks.soak import PROMPTS, references  # noqa: E402
 
 
 async def run_load(
@@ -139,7 +123,12 @@ async def measure(name: str, fields: dict[str, Any], args, expected, nodes, lose
 async def bench(args) -> list[dict[str, Any]]:
     print("references from the in-process engine ...", flush=True)
     prompts = [PROMPTS[i % len(PROMPTS)] + f" ({i})" for i in range(args.requests)]
-    expected = references(prompts, args.max_tokens)
+    expected = {
+        str(i): tokens
+        for i, (_, tokens) in enumerate(
+            references(prompts, args.max_tokens, ignore_eos=True).values()
+        )
+    }
     nodes = RayNodes()
     pd = {"prefill_workers": 1, "decode_workers": 1, "role_resources": True}
     # (run, the added nodes' custom resources, cluster fields, lose a node)

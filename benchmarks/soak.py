@@ -47,11 +47,12 @@ import httpx
 import psutil
 import ray
 
+from tessera.cluster.serve_app import REPLICA_HEADER
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: `benchmarks` is then importable
     sys.path.insert(0, str(ROOT))
 
-REPLICA_HEADER = "x-tessera-replica"  # tessera.cluster.serve_app.REPLICA_HEADER
 RETRIABLE_STATUS = (408, 429, 503)
 RETRIABLE_TYPES = ("timeout_error", "overloaded_error", "unavailable_error")
 FAULT_KINDS = ("worker", "scheduler", "replica")
@@ -103,24 +104,26 @@ class Tally:
         }
 
 
-def references(prompts: list[str], max_tokens: int, engine=None) -> dict[str, tuple[str, int]]:
-    """Each prompt's greedy text and token count from the in-process engine (float32,
-    the built-in model unless ``engine`` is given)."""
+def references(
+    prompts: list[str], max_tokens: int, engine=None, ignore_eos: bool = False
+) -> dict[str, tuple[str, list[int]]]:
+    """Each prompt's greedy text and token ids from the in-process engine (float32, the
+    built-in model unless ``engine`` is given): the reference the outputs must equal."""
     from tessera.workers.api import SamplingParams
     from tessera.workers.config import EngineConfig
     from tessera.workers.engine import Engine
 
-    engine = engine or Engine(EngineConfig(num_kv_blocks=256))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    engine = engine or Engine(EngineConfig(num_kv_blocks=512))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    texts = collections.defaultdict(str)
-    counts = collections.Counter()
+    texts: dict[str, str] = collections.defaultdict(str)
+    tokens: dict[str, list[int]] = collections.defaultdict(list)
     while engine.has_work():
         for output in engine.step():
             texts[output.request_id] += output.text
-            counts[output.request_id] += len(output.token_ids)
-    return {prompt: (texts[str(i)], counts[str(i)]) for i, prompt in enumerate(prompts)}
+            tokens[output.request_id].extend(output.token_ids)
+    return {prompt: (texts[str(i)], tokens[str(i)]) for i, prompt in enumerate(prompts)}
 
 
 def long_lived(root_pid: int) -> dict[int, tuple[str, int]]:
@@ -153,7 +156,7 @@ class Soak:
         model: str,
         scheduler_name: str,
         namespace: str,
-        expected: dict[str, tuple[str, int]],
+        expected: dict[str, tuple[str, list[int]]],
         max_tokens: int,
         concurrency: int = 8,
         stall_s: float = 60.0,
@@ -230,7 +233,7 @@ class Soak:
                     text, tokens = self.expected[prompt]
                     if detail == text:
                         tally.ok += 1
-                        tally.tokens += tokens
+                        tally.tokens += len(tokens)
                         tally.finished_at.append(time.monotonic() - start)
                     else:
                         tally.altered += 1
