@@ -989,8 +989,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
         lines = response.iter_lines()
         for _ in range(5):
             next(lines)
-        busy = ray.get(server.scheduler().stats.remote()).workers[0].load
-        assert busy.engine.running == 1
+        # The scheduler sees the worker's load as of its last report (polled).
+        _wait_until(server, lambda stats: stats.workers[0].load.engine.running == 1, 10)
     # 4000 tokens would take minutes: it ends at once only because it was aborted.
     _wait_idle(server, timeout_s=15)
     after = ray.get(server.scheduler().stats.remote()).workers[0].load.engine
