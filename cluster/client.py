@@ -6,6 +6,11 @@ come straight from the worker. It returns once the worker has accepted the reque
 so a bad request, a full queue (``OverloadedError``) or an empty cluster
 (``NoWorkerError``) raise from ``submit`` itself.
 
+**Channels.** The client keeps one delta channel per worker it uses (``_Channel``,
+opened at its first request there): every engine step's deltas of all this client's
+requests on that worker arrive as one Ray item, and are routed here to their
+requests. A channel that fails (the worker died) fails over every request on it.
+
 **Failover.** If the worker dies mid-stream, the stream asks the scheduler for a new
 worker and goes on there from the tokens already delivered: a request with one
 output resumes (``Resume``: the new worker recomputes prompt + delivered tokens and
@@ -16,8 +21,8 @@ again. The caller sees no duplicated and no missing text. After a failover a
 resumed ``n > 1`` output reports no ``cumulative_logprob``.
 
 **Abort.** Leaving the stream (``aclose``, cancellation, or ``break`` once the
-generator is closed) cancels the worker's stream, which aborts the request there and
-frees its blocks at once; ``abort(request_id)`` ends it with ``finish_reason`` abort.
+generator is closed) aborts the request on its worker, which frees its blocks at
+once; ``abort(request_id)`` ends it with ``finish_reason`` abort.
 
 The worker's stream is read in the background from ``submit`` on, so a request's
 place in the cluster is released as soon as the worker has finished it, however late
@@ -31,6 +36,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +54,13 @@ from tessera.workers.api import (
     fork_seed,
 )
 from tessera.workers.kv.prefix_cache import extend_block_hashes
-from tessera.workers.protocol import MIXED, Accepted
+from tessera.workers.protocol import (
+    CHANNEL_KEEPALIVE_S,
+    END,
+    MIXED,
+    Accepted,
+    StreamFailure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +103,71 @@ class _Part:
     sampling: SamplingParams
     resume: Resume | None
     index: int | None  # the caller's output index, when the part is one resumed output
-    stream: Any = None  # ray.ObjectRefGenerator
+    channel: _Channel | None = None  # where its deltas come from, once started
     done: bool = False
+
+
+class _Gone:
+    """A channel's last word to its requests: its worker is gone (``error``)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Channel:
+    """This client's delta channel to one worker incarnation (``WorkerActor.deltas``):
+    reads its batches and routes each item to its request's run."""
+
+    def __init__(self, client: ClusterClient, placement: Placement) -> None:
+        self.client = client
+        self.key = (placement.worker_id, placement.incarnation)
+        self.worker = placement.worker
+        self.id = f"{client.id}:{uuid.uuid4().hex[:8]}"
+        self.routes: dict[str, tuple[_Run, _Part]] = {}  # worker request id ->
+        self.stream = placement.worker.deltas.remote(self.id, CHANNEL_KEEPALIVE_S)
+        self.opened = asyncio.get_running_loop().create_future()
+        self.opened.add_done_callback(lambda opened: opened.cancelled() or opened.exception())
+        self._task = asyncio.get_running_loop().create_task(self._read())
+        self._keepalive: asyncio.Task | None = None
+
+    async def _read(self) -> None:
+        error: Exception = RayActorError()  # cancelled: as if the worker had gone
+        try:
+            await _next(self.stream)  # the worker's empty first batch: it is open
+            self.opened.set_result(None)
+            self._keepalive = asyncio.get_running_loop().create_task(self._touch())
+            while True:
+                for request_id, item in await _next(self.stream):
+                    route = self.routes.get(request_id)
+                    if route is not None:
+                        run, part = route
+                        run._incoming.put_nowait((part, item))
+        except StopAsyncIteration:  # the worker ended it (it is shutting down)
+            pass
+        except Exception as failure:  # RayActorError: the worker is gone
+            error = failure
+        finally:
+            if not self.opened.done():
+                self.opened.set_exception(error)
+            self.close(error)
+
+    async def _touch(self) -> None:
+        """Tell the worker this client is alive (else it closes the channel)."""
+        with contextlib.suppress(Exception):  # the worker is gone: _read hears it
+            while await self.worker.touch.remote(self.id):
+                await asyncio.sleep(CHANNEL_KEEPALIVE_S / 3)
+
+    def close(self, error: Exception) -> None:
+        """Forget the channel; its requests hear ``error`` (their worker is gone)."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self.client._channels.get(self.key) is self:
+            del self.client._channels[self.key]
+        for run, part in self.routes.values():
+            run._incoming.put_nowait((part, _Gone(error)))
+        self.routes.clear()
+        with contextlib.suppress(Exception):  # a channel that failed but still runs
+            ray.cancel(self.stream)
 
 
 class _Run:
@@ -107,6 +182,7 @@ class _Run:
         self.placement: Placement | None = None
         self.parts: list[_Part] = []
         self._deltas: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
+        self._incoming: asyncio.Queue[tuple[_Part, Any]] = asyncio.Queue()  # from channels
         self._task: asyncio.Task | None = None
         self._closed = False
         self.timings = Timings(time.monotonic())
@@ -178,18 +254,25 @@ class _Run:
         self.placement, self.parts = placement, parts
         if self.timings.placed is None:
             self.timings.placed = time.monotonic()
+        channel = await self.client._channel(placement)
+        starts = []
         for part in parts:
-            part.stream = placement.worker.generate.remote(
-                part.worker_request_id,
-                list(request.prompt_token_ids),
-                part.sampling,
-                request.priority,
-                request.cache_salt,
-                part.resume,
-                placement.prefill,  # disaggregated: pull the prompt's blocks from there
+            part.channel = channel
+            channel.routes[part.worker_request_id] = (self, part)
+            starts.append(
+                placement.worker.start.remote(
+                    channel.id,
+                    part.worker_request_id,
+                    list(request.prompt_token_ids),
+                    part.sampling,
+                    request.priority,
+                    request.cache_salt,
+                    part.resume,
+                    placement.prefill,  # disaggregated: pull the prompt's blocks from there
+                )
             )
-        for part in parts:
-            accepted = await _next(part.stream)
+        for start in starts:
+            accepted = await _result(start)
             assert isinstance(accepted, Accepted), accepted
         if self.timings.accepted is None:
             self.timings.accepted = time.monotonic()
@@ -257,33 +340,21 @@ class _Run:
         await self.close()
 
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
-        """The deltas of every live part, as they arrive."""
-        live = [part for part in self.parts if not part.done]
-        if len(live) == 1:  # the usual case: read the one stream directly, no task per delta
-            (part,) = live
-            while True:
-                try:
-                    delta = await _next(part.stream)
-                except StopAsyncIteration:
-                    part.done = True
-                    return
-                yield part, delta
-        pending = {asyncio.ensure_future(_next(part.stream)): part for part in live}
-        try:
-            while pending:
-                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in finished:
-                    part = pending.pop(task)
-                    try:
-                        delta = task.result()
-                    except StopAsyncIteration:
-                        part.done = True
-                        continue
-                    pending[asyncio.ensure_future(_next(part.stream))] = part
-                    yield part, delta
-        finally:
-            for task in pending:
-                task.cancel()
+        """The deltas of every live part, as their channels deliver them."""
+        while any(not part.done for part in self.parts):
+            part, item = await self._incoming.get()
+            if part.done:  # ended, or a part of an earlier attempt
+                continue
+            if item is END:
+                part.done = True
+                self._unroute(part)
+            elif isinstance(item, RequestOutput):
+                yield part, item
+            elif isinstance(item, _Gone):
+                raise item.error
+            else:
+                assert isinstance(item, StreamFailure), item
+                raise RuntimeError(item.message)
 
     def _record(self, part: _Part, delta: RequestOutput) -> RequestOutput | None:
         """Note what the caller gets; give the delta the caller's id and index. A
@@ -302,11 +373,15 @@ class _Run:
         return dataclasses.replace(delta, request_id=self.request.request_id, index=index)
 
     def _cancel_parts(self) -> None:
+        """Stop listening to the parts still live (an abort by name stops them)."""
         for part in self.parts:
-            if not part.done and part.stream is not None:
+            if not part.done:
                 part.done = True
-                with contextlib.suppress(Exception):
-                    ray.cancel(part.stream)  # the worker aborts the request
+                self._unroute(part)
+
+    def _unroute(self, part: _Part) -> None:
+        if part.channel is not None:
+            part.channel.routes.pop(part.worker_request_id, None)
 
     async def abort(self) -> None:
         placement = self.placement
@@ -321,9 +396,9 @@ class _Run:
             return
         self._closed = True
         placement = self.placement
-        live = [part for part in self.parts if not part.done and part.stream is not None]
+        live = [part for part in self.parts if not part.done and part.channel is not None]
         self._cancel_parts()
-        if placement is not None:  # by name too: Ray may drop a cancel of a stream
+        if placement is not None:
             for part in live:  # sent now, not awaited: nothing may hold up the release
                 placement.worker.abort.remote(part.worker_request_id)
         self.client._runs.pop(self.request.request_id, None)
@@ -343,8 +418,12 @@ def _sampling(sampling: SamplingParams | None) -> SamplingParams:
 
 
 async def _next(stream) -> Any:
-    """The next item of a worker's stream; a bad request raises its own error."""
-    ref = await stream.__anext__()
+    """The next item of a worker's stream."""
+    return await _result(await stream.__anext__())
+
+
+async def _result(ref) -> Any:
+    """A worker call's result; a bad request raises its own error."""
     try:
         return await ref
     except RayTaskError as error:
@@ -385,6 +464,8 @@ class ClusterClient:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self._runs: dict[str, _Run] = {}
+        self.id = uuid.uuid4().hex[:12]  # names this client's channels on the workers
+        self._channels: dict[tuple[str, str], _Channel] = {}  # by (worker id, incarnation)
         # the scheduler's block_hashing(): unknown until asked, then kept once the
         # hash keys are known (or prefix caching is off)
         self._hashing: tuple[int, tuple[str, ...] | None] | None | object = _UNKNOWN
@@ -453,6 +534,15 @@ class ClusterClient:
         salt = request.cache_salt or ""
         extend_block_hashes(hashes, request.prompt_token_ids, block_size, (*keys, salt))
         return hashes
+
+    async def _channel(self, placement: Placement) -> _Channel:
+        """The open channel to the placement's worker (opened now if need be)."""
+        key = (placement.worker_id, placement.incarnation)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = _Channel(self, placement)
+        await asyncio.shield(channel.opened)
+        return channel
 
     def _token_ids(self, prompt: str | Sequence[int] | None) -> tuple[int, ...]:
         if isinstance(prompt, str):

@@ -2,11 +2,18 @@
 
 The actor is asynchronous: ``AsyncEngine`` runs the step loop in the background (each
 step in a thread), while the actor's event loop takes new requests, aborts, load
-reports and health checks. Callers stream a request's deltas straight from here (a
-Ray streaming generator); the scheduler only decides where requests go.
+reports and health checks. The scheduler only decides where requests go; deltas go
+straight from here to the front end that started the request.
 
-Cancelling the caller's generator (``ray.cancel``) cancels the ``generate`` task here,
-which closes the engine stream and aborts the request: its blocks go back at once.
+**Channels.** A front end opens one channel to each worker it uses (``deltas``, a Ray
+streaming generator) and starts requests on it (``start``). Every item of the channel
+is a batch: the ``(request id, item)`` pairs that came since the last one, so each
+engine step reaches the front end as one Ray item whatever the number of requests
+(one Ray stream item costs about half a millisecond of CPU on each side; one per
+token per request was most of the front end's cost). A channel that ends (its caller
+cancelled it, or stopped touching it: Ray does not end a stream whose caller died)
+aborts every request it still carries: their blocks go back at once. ``abort`` ends
+one request.
 
 The actor is created with ``max_restarts``: after a crash Ray starts it again with the
 same arguments, and it registers with the scheduler under a new incarnation (its
@@ -16,6 +23,7 @@ engine, cache and requests are new; callers of the old one fail over).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -38,10 +46,13 @@ from tessera.workers.engine import Engine, EngineStats
 from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer
 from tessera.workers.outputs import aborted_outputs
 from tessera.workers.protocol import (
+    CHANNEL_KEEPALIVE_S,
+    END,
     PREFILL,
     Accepted,
     EngineLoad,
     PrefillSource,
+    StreamFailure,
     TransferCounters,
     WorkerInfo,
     WorkerLoad,
@@ -51,6 +62,31 @@ logger = logging.getLogger(__name__)
 
 #: Unreported prefix-cache events kept before the worker sends a snapshot instead.
 MAX_PENDING_EVENTS = 100_000
+
+
+class ChannelClosedError(RuntimeError):
+    """``start`` named a channel this worker does not have open (it ended, or its
+    caller has not opened it yet): the caller opens a new one and starts again."""
+
+
+class _Channel:
+    """One caller's open channel: the items not yet sent, and the requests on it."""
+
+    def __init__(self, keepalive_s: float) -> None:
+        self.pending: list[tuple[str, RequestOutput | StreamFailure | None]] = []
+        self.ready = asyncio.Event()
+        self.forwards: dict[str, asyncio.Task] = {}  # request id -> its forwarding task
+        self.keepalive_s = keepalive_s
+        self.touched = time.monotonic()
+
+    def put(self, request_id: str, item: RequestOutput | StreamFailure | None) -> None:
+        self.pending.append((request_id, item))
+        self.ready.set()
+
+    def take(self) -> list[tuple[str, RequestOutput | StreamFailure | None]]:
+        batch, self.pending = self.pending, []
+        self.ready.clear()
+        return batch
 
 
 class WorkerActor:
@@ -75,6 +111,7 @@ class WorkerActor:
         engine.kv.pool.record_events()
         self.engine = AsyncEngine(engine)
         self._live: set[str] = set()  # ids of the requests streaming from here
+        self._channels: dict[str, _Channel] = {}  # open channels by the caller's id
         self._last_active = time.monotonic()  # when a stream last ended, or a report saw work
         self.kv_config = kv_transfer or KVTransferConfig()
         self.transfers = TransferCounters()
@@ -137,7 +174,90 @@ class WorkerActor:
             self.kv_server = server
             logger.info("worker %s serves KV transfers on %s", self.worker_id, self._kv_address())
 
-    async def generate(
+    async def deltas(
+        self, channel_id: str, keepalive_s: float = CHANNEL_KEEPALIVE_S
+    ) -> AsyncIterator[list]:
+        """Open channel ``channel_id``: yield an empty batch at once (it is open), then
+        every batch of ``(request id, item)`` its requests produce, until the caller
+        closes it, or stops calling ``touch`` for ``keepalive_s``; that aborts the
+        requests still on it."""
+        if channel_id in self._channels:
+            raise ValueError(f"channel {channel_id!r} is already open")
+        channel = self._channels[channel_id] = _Channel(keepalive_s)
+        try:
+            yield []
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(channel.ready.wait(), keepalive_s)
+                if time.monotonic() - channel.touched > keepalive_s:
+                    logger.warning(
+                        "channel %s was not touched for %g s: its caller is gone; aborting "
+                        "its %d requests",
+                        channel_id,
+                        keepalive_s,
+                        len(channel.forwards),
+                    )
+                    return
+                if channel.pending:
+                    yield channel.take()
+        finally:
+            del self._channels[channel_id]
+            for forward in list(channel.forwards.values()):
+                forward.cancel()  # closes the request's stream, which aborts it
+
+    async def touch(self, channel_id: str) -> bool:
+        """The caller of channel ``channel_id`` is alive; False if it is not open."""
+        channel = self._channels.get(channel_id)
+        if channel is not None:
+            channel.touched = time.monotonic()
+        return channel is not None
+
+    async def start(
+        self,
+        channel_id: str,
+        request_id: str,
+        prompt: list[int] | str,
+        sampling: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        resume: Resume | None = None,
+        prefill: PrefillSource | None = None,
+    ) -> Accepted:
+        """Start a request whose deltas go out on channel ``channel_id`` (then ``END``);
+        return once the engine has it. ``InvalidRequestError`` raises instead, and
+        ``ChannelClosedError`` if the channel is not open."""
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            raise ChannelClosedError(f"channel {channel_id!r} is not open on this worker")
+        stream = self._generate(request_id, prompt, sampling, priority, cache_salt, resume, prefill)
+        try:
+            accepted = await anext(stream)
+        except BaseException:
+            await stream.aclose()
+            raise
+        if self._channels.get(channel_id) is not channel:  # it ended meanwhile
+            await stream.aclose()
+            raise ChannelClosedError(f"channel {channel_id!r} closed")
+        channel.forwards[request_id] = asyncio.get_running_loop().create_task(
+            self._forward(stream, channel, request_id)
+        )
+        return accepted
+
+    @staticmethod
+    async def _forward(
+        stream: AsyncIterator[RequestOutput], channel: _Channel, request_id: str
+    ) -> None:
+        try:
+            async for delta in stream:
+                channel.put(request_id, delta)
+            channel.put(request_id, END)
+        except Exception as error:  # an engine step failed: the caller's stream raises
+            channel.put(request_id, StreamFailure(f"{type(error).__name__}: {error}"))
+        finally:
+            await stream.aclose()  # aborts the request if it is not over (cancelled)
+            channel.forwards.pop(request_id, None)
+
+    async def _generate(
         self,
         request_id: str,
         prompt: list[int] | str,

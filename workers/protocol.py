@@ -3,8 +3,11 @@
 A worker tells the scheduler who it is (``WorkerInfo``, again after every restart) and
 how loaded it is (``WorkerLoad``, pulled by the scheduler's monitor loop, with the
 prefix-cache hashes stored and evicted since the last report). A decode worker is told
-where to pull a request's prompt blocks from (``PrefillSource``); a caller streaming
-from a worker first gets ``Accepted``.
+where to pull a request's prompt blocks from (``PrefillSource``). A front end opens
+one delta channel per worker (``WorkerActor.deltas``) and starts requests on it
+(``WorkerActor.start`` answers ``Accepted``); the channel carries each engine step's
+deltas of all its requests as one batch of ``(request id, item)``: a
+``RequestOutput``, a ``StreamFailure``, or ``END``.
 
 Everything here crosses a process boundary (Ray pickles it), so it is plain data, and
 this module imports nothing heavy (no torch, no Ray): the front end and the scheduler
@@ -105,11 +108,27 @@ class WorkerLoad:
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """The first item of every ``generate`` stream: the engine took the request (a
-    bad request raises before it), so the caller knows where errors come from."""
+    """What ``start`` returns: the engine took the request (a bad request raises
+    instead), so the caller knows where errors come from."""
 
     request_id: str
     incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFailure:
+    """A request's stream failed on its worker after it started (an engine step
+    raised): the last item of that request on its channel."""
+
+    message: str
+
+
+#: The item that ends one request's deltas on a channel (all its outputs finished).
+END = None
+#: A worker closes a channel its caller has not touched for this long (Ray does not end
+#: a stream whose caller died), which aborts the requests on it; callers touch their
+#: channels three times as often.
+CHANNEL_KEEPALIVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import ray
 
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
+from tessera.workers.protocol import END
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
 
@@ -169,6 +170,65 @@ async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
     assert rest[-1].finish_reason is FinishReason.ABORT
     assert len(tokens_of([first, *rest])) < 300
     assert await _freed_within(worker, "stopped", 1.0) <= 1.0
+
+
+async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster, make_engine):
+    await settle(cluster)
+    worker_id = (await cluster.stats()).workers[0].worker_id
+    worker = await cluster.scheduler.worker_handle.remote(worker_id)
+    tokenize = cluster.client.tokenizer
+    requests = [
+        (f"ch-{i}", tokenize(f"Write one sentence about {topic}.").input_ids, GREEDY)
+        for i, topic in enumerate(["owls", "glass", "snow"])
+    ]
+    with pytest.raises(ray.exceptions.RayTaskError, match="channel 'nowhere' is not open"):
+        await worker.start.remote("nowhere", *requests[0])
+
+    channel = worker.deltas.remote("test-channel")
+    assert await (await anext(channel)) == []  # open
+    for request_id, prompt, params in requests:
+        accepted = await worker.start.remote("test-channel", request_id, prompt, params)
+        assert accepted.request_id == request_id
+    deltas: dict[str, list] = {request_id: [] for request_id, _, _ in requests}
+    ended, batches = set(), []
+    while len(ended) < len(requests):
+        batch = await (await anext(channel))
+        batches.append(batch)
+        for request_id, item in batch:
+            assert request_id not in ended
+            if item is END:
+                ended.add(request_id)
+            else:
+                deltas[request_id].append(item)
+    # a step of three running requests travels as one item, not one per token
+    assert max(len({request_id for request_id, _ in batch}) for batch in batches) == 3
+    assert len(batches) < sum(map(len, deltas.values()))
+    expected = engine_outputs(make_engine, requests)
+    for request_id, _, _ in requests:
+        assert tokens_of(deltas[request_id]) == tokens_of(expected[request_id]), request_id
+        assert text_of(deltas[request_id]) == text_of(expected[request_id]), request_id
+
+    # Closing a channel aborts what it still carries: the blocks go back at once.
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    await worker.start.remote("test-channel", "ch-long", requests[0][1], long)
+    await (await anext(channel))
+    ray.cancel(channel)
+    assert await _freed_within(worker, "ch-long", 2.0) <= 2.0
+    with pytest.raises(ray.exceptions.RayTaskError, match="channel 'test-channel' is not open"):
+        await worker.start.remote("test-channel", *requests[0])
+
+    # A caller that stops touching its channel is gone (Ray would stream on to a dead
+    # caller): the channel ends and aborts its requests.
+    channel = worker.deltas.remote("untouched", 1.0)
+    assert await (await anext(channel)) == []
+    assert await worker.touch.remote("untouched")
+    await worker.start.remote("untouched", "ch-orphan", requests[0][1], long)
+    assert await _freed_within(worker, "ch-orphan", 5.0) >= 0.5
+    assert not await worker.touch.remote("untouched")
+    with pytest.raises(StopAsyncIteration):
+        while True:
+            await (await anext(channel))
+    await worker.check_integrity.remote()
 
 
 async def _wait_for(cluster, predicate, what: str, seconds: float = 90.0):
