@@ -3,8 +3,9 @@
 Both ride on Ray Serve's gRPC ingress (``grpc_options``): Serve's gRPC proxy routes
 ``/tessera.v1.Generation/Generate`` to the method ``Generate`` of the application's
 ingress deployment, so ``GenerationService`` is mixed into the HTTP app's deployment
-(``tessera.cluster.serve_app.OpenAIServer``) and uses its client, tokenizer and checks. One
-deployment, one scheduler connection, two wire formats. Serve's proxy also serves
+(``tessera.cluster.serve_app.OpenAIServer``); both doors are thin adapters around the
+replica's ``tessera.cluster.front_end.FrontEnd``: one deployment, one scheduler
+connection, one request path, two wire formats. Serve's proxy also serves
 gRPC server reflection for the registered services.
 
 Errors end the call with a status code and a message that names the field:
@@ -35,7 +36,7 @@ from tessera.cluster.grpc_client import API_VERSION
 from tessera.cluster.openai_protocol import TokenizeChatRequest, api_error, invalid, validate_body
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
-from tessera.scheduler.api import DeadlineError, WorkerStatus
+from tessera.scheduler.api import WorkerStatus
 from tessera.workers import sampling_fields, structured
 from tessera.workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
 
@@ -202,58 +203,42 @@ def _check_message(request: object) -> None:
 
 
 class GenerationService:
-    """The gRPC methods of the front-end deployment (a mixin of ``OpenAIServer``,
-    whose ``client``, ``tokenizer``, ``config``, ``metrics`` and request checks it
-    uses). Each method takes the request message and Serve's ``grpc_context``."""
+    """The gRPC door: the methods of the front-end deployment that Serve's gRPC proxy
+    calls (a mixin of ``OpenAIServer``: Serve routes gRPC to methods of the ingress
+    deployment), each a thin adapter around the replica's ``FrontEnd`` (``self.front``)
+    that parses messages and writes answers. Each method takes the request message and
+    Serve's ``grpc_context``."""
 
     async def Generate(  # noqa: N802 (the RPC's name)
         self, request: pb.GenerateRequest, grpc_context
     ) -> AsyncIterator[pb.GenerateResponse]:
+        front = self.front
         arrival = time.monotonic()
-        status, first_token, prompt, completion, longest = 200, None, [], 0, 0
-        stream, started = None, None
+        status, job = 200, None
         try:
             self._grpc_authorize(grpc_context)
             _check_message(request)
-            self._check_model(request.model or None)
+            front.check_model(request.model or None)
             prompt, sampling = await self._grpc_prompt(request)
-            timeout = self.config.request_timeout_s
+            timeout = None
             if request.HasField("timeout_s"):
                 if not (request.timeout_s > 0 and math.isfinite(request.timeout_s)):
                     raise invalid("timeout_s", f"must be a number > 0, got {request.timeout_s}")
-                timeout = min(timeout, request.timeout_s)
-            deadline = arrival + timeout
+                timeout = request.timeout_s
             request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-            started = time.monotonic()
-            stream = await self.client.submit(
-                request_id,
-                prompt,
-                sampling,
-                priority=request.priority,
-                cache_salt=request.cache_salt or None,
-                timeout_s=min(timeout, self.config.queue_timeout_s),
-            )
+            job = front.job("generate", request_id, [prompt], sampling, arrival, timeout)
+            await front.start(job, request.priority, request.cache_salt or None)
             finished = 0
-            while finished < sampling.n:
-                remaining = deadline - time.monotonic()
-                try:
-                    delta = await asyncio.wait_for(anext(stream), max(remaining, 0))
-                except TimeoutError:
-                    raise DeadlineError(
-                        f"the request passed its deadline of {timeout:g} s and was aborted"
-                    ) from None
-                message = response(request_id, delta)
-                if delta.token_ids and first_token is None:
-                    first_token = time.monotonic()
-                if delta.finished:
-                    finished += 1
-                    completion += delta.completion_tokens
-                    longest = max(longest, delta.completion_tokens)
+            async with contextlib.aclosing(front.events(job)) as events:
+                async for k, delta in events:
+                    front.record(job, k, delta)
+                    message = response(request_id, delta)
+                    finished += delta.finished
                     if finished == sampling.n:
-                        message.usage.prompt_tokens = len(prompt)
-                        message.usage.completion_tokens = completion
-                        message.usage.total_tokens = len(prompt) + completion
-                yield message
+                        message.usage.prompt_tokens = job.prompt_tokens
+                        message.usage.completion_tokens = job.completion_tokens
+                        message.usage.total_tokens = job.prompt_tokens + job.completion_tokens
+                    yield message
         except (Exception, asyncio.CancelledError) as error:
             if isinstance(error, asyncio.CancelledError):  # the client left: abort
                 status = 499
@@ -262,21 +247,10 @@ class GenerationService:
             status = _http_status(failure.code)
             raise self._grpc_fail(grpc_context, failure) from None
         finally:
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    await stream.aclose()  # aborts the request if it still runs
-            self.metrics.finished(
-                "grpc_generate",
-                status,
-                arrival,
-                first_token,
-                time.monotonic(),
-                len(prompt),
-                completion,
-                longest,
-                started,
-                stream.timings if stream is not None else None,
-            )
+            if job is not None:
+                front.finished(job, "grpc_generate", status)
+            else:
+                front.refused("grpc_generate", status)
 
     async def Abort(self, request: pb.AbortRequest, grpc_context) -> pb.AbortResponse:  # noqa: N802
         try:
@@ -284,7 +258,7 @@ class GenerationService:
             _check_message(request)
             if not request.request_id:
                 raise invalid("request_id", "must not be empty")
-            aborted = await self.client.abort(request.request_id)
+            aborted = await self.front.client.abort(request.request_id)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
         return pb.AbortResponse(version=API_VERSION, aborted=aborted)
@@ -297,8 +271,9 @@ class GenerationService:
             _check_message(request)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
+        front = self.front
         model = pb.Model(
-            id=self.model_name, max_model_len=self.max_model_len, vocab_size=self.vocab_size
+            id=front.model_name, max_model_len=front.max_model_len, vocab_size=front.vocab_size
         )
         return pb.ListModelsResponse(version=API_VERSION, models=[model])
 
@@ -310,24 +285,25 @@ class GenerationService:
         try:
             self._grpc_authorize(grpc_context)
             _check_message(request)
-            self._check_model(request.model or None)
+            self.front.check_model(request.model or None)
             if request.messages:
                 messages = [{"role": m.role, "content": m.content} for m in request.messages]
                 given = {"messages": messages}
                 if request.HasField("add_generation_prompt"):
                     given["add_generation_prompt"] = request.add_generation_prompt
                 conversation = validate_body(given, TokenizeChatRequest)
-                ids = await self._chat_prompt(conversation, request.add_special_tokens)
+                ids = await self.front.chat_prompt(conversation, request.add_special_tokens)
             else:
-                ids = await self._tokenize(request.text, "text", request.add_special_tokens)
+                ids = await self.front.tokenize(request.text, "text", request.add_special_tokens)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else ()
+        tokenizer = self.front.tokenizer
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else ()
         return pb.TokenizeResponse(
             version=API_VERSION,
             token_ids=ids,
             count=len(ids),
-            max_model_len=self.max_model_len,
+            max_model_len=self.front.max_model_len,
             token_strs=strs,
         )
 
@@ -357,7 +333,7 @@ class GenerationService:
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _serving(self) -> int:
-        stats = await self._stats()
+        stats = await self.front.stats()
         workers = stats.workers if stats is not None else ()
         if any(w.status is WorkerStatus.HEALTHY for w in workers):
             return health_pb2.HealthCheckResponse.SERVING
@@ -384,19 +360,19 @@ class GenerationService:
         if kind == "text":
             if not request.text:
                 raise invalid("text", "must not be empty")
-            prompt = await self._token_ids(request.text, "text")
+            prompt = await self.front.token_ids(request.text, "text")
         else:
             if not request.token_ids.ids:
                 raise invalid("token_ids", "must not be empty")
-            prompt = await self._token_ids(list(request.token_ids.ids), "prompt")
+            prompt = await self.front.token_ids(list(request.token_ids.ids), "prompt")
         sampling = sampling_params(request.sampling)
-        self._check_token_ids(sampling, "sampling.")
+        self.front.check_token_ids(sampling, "sampling.")
         if sampling.structured is not None:
             try:
                 structured.check(sampling.structured)
             except InvalidRequestError as error:
                 raise invalid(f"sampling.{error.field}", error.message) from None
-        self._check_length(prompt, sampling.max_tokens, "sampling.max_tokens")
+        self.front.check_length(prompt, sampling.max_tokens, "sampling.max_tokens")
         return prompt, sampling
 
     @staticmethod

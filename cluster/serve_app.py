@@ -1,5 +1,10 @@
 """The OpenAI-compatible HTTP front end: a Ray Serve deployment with a FastAPI ingress.
 
+This module is the HTTP door: it parses OpenAI's bodies and writes their answers and
+server-sent events. What both doors share (the checks, submitting a request, merging
+its streams under its deadline, the metrics) is the replica's
+``tessera.cluster.front_end.FrontEnd``; the gRPC door is ``tessera.cluster.grpc_api``.
+
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
@@ -26,18 +31,14 @@ the worker, which frees its blocks at once.
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
-import math
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -46,9 +47,9 @@ from starlette.exceptions import HTTPException
 from tessera.cluster import tools as tool_calls
 from tessera.cluster.auth import expected_authorization, key_matches
 from tessera.cluster.config import ServeConfig
+from tessera.cluster.front_end import Choice, FrontEnd, Job
 from tessera.cluster.grpc_api import GenerationService
-from tessera.cluster.launch import Cluster
-from tessera.cluster.metrics import CONTENT_TYPE, Metrics, ReplicaBoard
+from tessera.cluster.metrics import CONTENT_TYPE
 from tessera.cluster.openai_protocol import (
     RETRY_AFTER_S,
     APIError,
@@ -59,17 +60,15 @@ from tessera.cluster.openai_protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     api_error,
-    finish_reason,
     internal_error,
     invalid,
-    max_prompt_chars,
     parallel_sets,
     parse_body,
     speculative_stats,
     usage,
 )
-from tessera.scheduler.api import DeadlineError, WorkerStatus
-from tessera.workers.api import RequestOutput, SamplingParams, SpeculativeStats
+from tessera.scheduler.api import WorkerStatus
+from tessera.workers.api import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +78,6 @@ COMPLETIONS_MAX_TOKENS = 16
 TOOL_ARGUMENT_PIECE = 16
 #: A request body not complete this long after its headers is a slow one (see ``_read``).
 BODY_GRACE_S = 0.5
-#: Seconds between a replica's publications of its request metrics (``ReplicaBoard``).
-METRICS_PUBLISH_S = 2.0
 #: The response header that names the front-end replica that served the request.
 REPLICA_HEADER = "x-tessera-replica"
 
@@ -160,78 +157,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _close(streams: list[AsyncIterator[RequestOutput]]) -> None:
-    """Close the streams: each aborts its request on its worker, freeing its blocks."""
-    for stream in streams:
-        with contextlib.suppress(Exception):
-            await stream.aclose()
-
-
-@dataclass
-class _Choice:
-    """What one output (index) has produced so far."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    started: bool = False  # a streamed chat choice has sent its role
-    offset: int = 0  # completions logprobs: text offset of the next token
-    parallel_sets: list | None = None  # parallel_tokens requests: the sets so far
-    speculative: SpeculativeStats | None = None  # the latest counters of a speculating one
-
-    def extras(self, delta: RequestOutput | None = None) -> dict:
-        """The choice's ``parallel_tokens`` and ``speculative`` fields, only where the
-        request asked for them: a streamed ``delta``'s own sets, or (None) all of them."""
-        out: dict = {}
-        sets = self.parallel_sets if delta is None else delta.parallel_sets
-        if sets is not None:
-            out["parallel_tokens"] = parallel_sets(sets)
-        if self.speculative is not None and (delta is None or delta.finished):
-            out["speculative"] = speculative_stats(self.speculative)
-        return out
-
-
-@dataclass
-class _Job:
-    """One HTTP request's generation: its prompts, their streams, and timings."""
-
-    kind: str  # "completion" or "chat"
-    request_id: str
-    model: str
-    prompts: list[list[int]]
-    sampling: SamplingParams
-    timeout: float  # seconds from arrival to the deadline
-    deadline: float  # time.monotonic() when the request is aborted
-    arrival: float
-    include_usage: bool  # streaming: every chunk has "usage", the last one its value
-    streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
-    choices: dict[int, _Choice] = field(default_factory=dict)
-    first_token: float | None = None
-    started: float | None = None  # validated: its first prompt is being submitted
-    tool_names: frozenset[str] = frozenset()  # chat with tools offered: parse calls
-    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # by prompt
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.choices.values())
-
-    def choice_index(self, prompt: int, delta: RequestOutput) -> int:
-        return prompt * self.sampling.n + delta.index
-
-
-def _deadline_error(job: _Job) -> APIError:
-    return APIError(
-        408,
-        f"the request passed its deadline of {job.timeout:g} s and was aborted",
-        type="timeout_error",
-        code="timeout",
-    )
+def _extras(choice: Choice, delta: RequestOutput | None = None) -> dict:
+    """A choice's ``parallel_tokens`` and ``speculative`` fields, only where the
+    request asked for them: a streamed ``delta``'s own sets, or (None) all of them."""
+    out: dict = {}
+    sets = choice.parallel_sets if delta is None else delta.parallel_sets
+    if sets is not None:
+        out["parallel_tokens"] = parallel_sets(sets)
+    if choice.speculative is not None and (delta is None or delta.finished):
+        out["speculative"] = speculative_stats(choice.speculative)
+    return out
 
 
 # Everything the class uses is defined above it: ``serve.ingress`` serializes the class
@@ -244,35 +179,16 @@ class OpenAIServer(GenerationService):
 
     async def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.cluster = await Cluster.start(config.cluster_config(), detached=True)
-        self.client = self.cluster.client
-        self.tokenizer = self.client.tokenizer
-        info = await self.cluster.scheduler.model_info.remote()
-        self.max_model_len = info.max_model_len
-        self.vocab_size = info.vocab_size
-        self.pool_tokens = info.total_blocks * info.block_size  # one worker's KV pool
-        self.model_name = config.model_name
-        self.logprobs = LogprobFormatter(self.tokenizer)
-        replica = replica_name()
-        self.metrics = Metrics(replica)
-        self._board = ReplicaBoard(
-            f"tessera/{config.namespace}/{config.scheduler_name}/front-end-metrics/", replica
-        )
-        self.created = int(time.time())
+        self.front = await FrontEnd.connect(config, replica_name())
+        self.logprobs = LogprobFormatter(self.front.tokenizer)
         self._api_key = expected_authorization(config.api_key)
-        # Tokenizing (and chat templates) run here, off the event loop, so that one
-        # large prompt does not stall every other stream and /health.
-        self._cpu = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tessera-cpu")
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
-        self.tool_format = tool_calls.tool_format(self.tokenizer.chat_template)
-        self.template_takes_tools = tool_calls.template_takes_tools(self.tokenizer.chat_template)
         self._slow_bodies = 0
-        self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+        self.created = int(time.time())
 
     # ------------------------------------------------------------------ routes
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        stats = await self._stats()
+        stats = await self.front.stats()
         workers = stats.workers if stats is not None else ()
         healthy = sum(w.status is WorkerStatus.HEALTHY for w in workers)
         body = {"status": "ok" if healthy else "unavailable", "healthy_workers": healthy}
@@ -280,49 +196,23 @@ class OpenAIServer(GenerationService):
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        others = await asyncio.get_running_loop().run_in_executor(self._cpu, self._board.read)
-        body = self.metrics.render(await self._stats(), others)
-        return Response(body, media_type=CONTENT_TYPE)
-
-    async def _publish_metrics(self) -> None:
-        """Publish this replica's request metrics for the others' /metrics whenever
-        they changed, every ``METRICS_PUBLISH_S``."""
-        loop, last = asyncio.get_running_loop(), b""
-        while True:
-            snapshot = self.metrics.snapshot()
-            if snapshot != last:
-                try:
-                    await loop.run_in_executor(self._cpu, self._board.publish, snapshot)
-                    last = snapshot
-                except Exception as error:  # the GCS is briefly away: try again later
-                    logger.warning("could not publish the request metrics: %s", error)
-            await asyncio.sleep(METRICS_PUBLISH_S)
+        return Response(await self.front.render_metrics(), media_type=CONTENT_TYPE)
 
     def __del__(self) -> None:
         """Serve's graceful shutdown of this replica: its metrics leave the board."""
-        publisher = getattr(self, "_publisher", None)
-        if publisher is not None:
-            publisher.cancel()
-            with contextlib.suppress(Exception):  # Ray may be going down with it
-                self._board.withdraw()
-
-    async def _stats(self):
-        """The cluster's stats; None when the scheduler does not answer."""
-        try:
-            return await self.client.stats()
-        except Exception as error:  # the scheduler is gone or restarting
-            logger.warning("no stats from the scheduler: %s", error)
-            return None
+        front = getattr(self, "front", None)
+        if front is not None:
+            front.close()
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
         model = {
-            "id": self.model_name,
+            "id": self.front.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "tessera",
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.front.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [model]})
 
@@ -332,25 +222,27 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = parse_body(await self._read(request), CompletionRequest)
-            self._check_model(body.model)
-            prompts = [await self._token_ids(p, "prompt") for p in body.prompts()]
+            self.front.check_model(body.model)
+            prompts = [await self.front.token_ids(p, "prompt") for p in body.prompts()]
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
             for prompt in prompts:
-                self._check_length(prompt, max_tokens, "max_tokens")
+                self.front.check_length(prompt, max_tokens, "max_tokens")
             sampling = body.sampling_for(max_tokens)
-            self._check_token_ids(sampling)
+            self.front.check_token_ids(sampling)
             job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
             echo = [
-                (text if isinstance(text, str) else self.tokenizer.decode(ids)) if body.echo else ""
+                (text if isinstance(text, str) else self.front.tokenizer.decode(ids))
+                if body.echo
+                else ""
                 for text, ids in zip(body.prompts(), prompts, strict=True)
             ]
-            await self._start(job, body)
+            await self.front.start(job, body.priority, body.cache_salt)
         except APIError as error:
-            self.metrics.finished("completions", error.status, arrival, None, 0, 0, 0, 0)
+            self.front.refused("completions", error.status)
             raise
         if body.stream:
             return self._sse(job, self._completion_chunks(job, body, echo), "completions")
-        await self._collect(job, "completions")
+        await self.front.collect(job, "completions")
         choices = []
         for index in sorted(job.choices):
             choice = job.choices[index]
@@ -365,7 +257,7 @@ class OpenAIServer(GenerationService):
                     "text": text,
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
-                    **choice.extras(),
+                    **_extras(choice),
                     **self._prompt_logprobs_field(job, k, body),
                 }
             )
@@ -386,12 +278,12 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = parse_body(await self._read(request), ChatCompletionRequest)
-            self._check_model(body.model)
-            prompt = await self._chat_prompt(body)
+            self.front.check_model(body.model)
+            prompt = await self.front.chat_prompt(body)
             max_tokens = body.requested_max_tokens
             if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
                 width = body.beam_width or body.best_of or body.n
-                limit = min(self.max_model_len, self.pool_tokens // max(width, 1))
+                limit = min(self.front.max_model_len, self.front.pool_tokens // max(width, 1))
                 if len(prompt) >= limit:
                     raise invalid(
                         "messages",
@@ -403,19 +295,19 @@ class OpenAIServer(GenerationService):
             field_name = (
                 "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             )
-            self._check_length(prompt, max_tokens, field_name)
-            body._tool_format = self.tool_format
+            self.front.check_length(prompt, max_tokens, field_name)
+            body._tool_format = self.front.tool_format
             sampling = body.sampling_for(max_tokens)
-            self._check_token_ids(sampling)
+            self.front.check_token_ids(sampling)
             job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
             job.tool_names = frozenset(f["name"] for f in body.offered_tools())
-            await self._start(job, body)
+            await self.front.start(job, body.priority, body.cache_salt)
         except APIError as error:
-            self.metrics.finished("chat", error.status, arrival, None, 0, 0, 0, 0)
+            self.front.refused("chat", error.status)
             raise
         if body.stream:
             return self._sse(job, self._chat_chunks(job, body), "chat")
-        await self._collect(job, "chat")
+        await self.front.collect(job, "chat")
         choices = []
         for index in sorted(job.choices):
             choice = job.choices[index]
@@ -426,7 +318,7 @@ class OpenAIServer(GenerationService):
             finish = choice.finish_reason
             if job.tool_names:
                 content, calls = tool_calls.parse(
-                    message["content"], self.tool_format, job.tool_names
+                    message["content"], self.front.tool_format, job.tool_names
                 )
                 if calls:
                     message = {
@@ -441,7 +333,7 @@ class OpenAIServer(GenerationService):
                     "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish,
-                    **choice.extras(),
+                    **_extras(choice),
                     **self._prompt_logprobs_field(job, 0, body),
                 }
             )
@@ -466,16 +358,16 @@ class OpenAIServer(GenerationService):
         except (ValueError, TypeError):
             chat = False
         body = parse_body(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
-        self._check_model(body.model)
+        self.front.check_model(body.model)
         if chat:
-            ids = await self._chat_prompt(body, body.add_special_tokens)
+            ids = await self.front.chat_prompt(body, body.add_special_tokens)
         else:
-            ids = await self._tokenize(body.prompt, "prompt", body.add_special_tokens)
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+            ids = await self.front.tokenize(body.prompt, "prompt", body.add_special_tokens)
+        strs = self.front.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(
             {
                 "count": len(ids),
-                "max_model_len": self.max_model_len,
+                "max_model_len": self.front.max_model_len,
                 "tokens": ids,
                 "token_strs": strs,
             }  # fmt: skip
@@ -486,9 +378,9 @@ class OpenAIServer(GenerationService):
         """Token ids back to text, as vLLM's ``/detokenize`` gives it."""
         self._authorize(request)
         body = parse_body(await self._read(request), DetokenizeRequest)
-        self._check_model(body.model)
-        ids = await self._token_ids(body.tokens, "tokens")
-        return JSONResponse({"prompt": await self._off_loop(self.tokenizer.decode, ids)})
+        self.front.check_model(body.model)
+        ids = await self.front.token_ids(body.tokens, "tokens")
+        return JSONResponse({"prompt": await self.front.off_loop(self.front.tokenizer.decode, ids)})
 
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
@@ -551,109 +443,6 @@ class OpenAIServer(GenerationService):
         finally:
             reading.cancel()
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"model: {model!r} is not served here; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    async def _off_loop(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run CPU work (tokenizing, chat templates) on the replica's thread pool."""
-        call = functools.partial(function, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, call)
-
-    def _check_size(self, chars: int, field_name: str) -> None:
-        """Refuse text that is certainly over the context before tokenizing it."""
-        if chars > self.max_prompt_chars:
-            raise invalid(
-                field_name,
-                f"the text is {chars} characters, more than any {self.max_model_len}-token "
-                f"context holds ({self.max_prompt_chars} characters at most, from the "
-                "vocabulary's longest token)",
-            )
-
-    async def _tokenize(
-        self, text: str, field_name: str, add_special_tokens: bool = True
-    ) -> list[int]:
-        """``text``'s token ids, off the event loop, once its length could fit."""
-        self._check_size(len(text), field_name)
-        encoded = await self._off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
-        return encoded.input_ids
-
-    async def _token_ids(self, prompt: str | list[int], field_name: str) -> list[int]:
-        if isinstance(prompt, str):
-            return await self._tokenize(prompt, field_name)
-        for token_id in prompt:
-            if not 0 <= token_id < self.vocab_size:
-                raise invalid(
-                    field_name,
-                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
-                )
-        return prompt
-
-    async def _chat_prompt(
-        self, body: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
-    ) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise invalid("messages", "this model has no chat template; use /v1/completions")
-        if body.continue_final_message and body.add_generation_prompt:
-            raise invalid(
-                "continue_final_message", "needs add_generation_prompt to be false as well"
-            )
-        conversation = body.conversation(self.template_takes_tools)
-        self._check_size(sum(len(m["content"]) for m in conversation), "messages")
-        offered = body.offered_tools() if isinstance(body, ChatCompletionRequest) else []
-        extra: dict[str, Any] = {}
-        if offered and self.template_takes_tools:
-            extra["tools"] = [{"type": "function", "function": f} for f in offered]
-        elif offered:  # our own tool prompt, in the system message
-            prompt = tool_calls.tool_prompt(offered)
-            if conversation[0]["role"] == "system":
-                conversation[0]["content"] += "\n\n" + prompt
-            else:
-                conversation.insert(0, {"role": "system", "content": prompt})
-        try:
-            text = await self._off_loop(
-                self.tokenizer.apply_chat_template,
-                conversation,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tokenize=False,
-                **extra,
-            )
-        except Exception as error:  # the template refuses the conversation
-            raise invalid("messages", f"the chat template refused them: {error}") from None
-        # The template wrote the special tokens (BOS) already.
-        encoded = await self._off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
-        return encoded.input_ids
-
-    def _check_token_ids(self, sampling: SamplingParams, prefix: str = "") -> None:
-        """The request's stop token ids and logit-bias ids are in the vocabulary: checked
-        here, not only by the worker, so that each door names its own field (``prefix``:
-        gRPC's ``sampling.``)."""
-        for name, ids in (
-            ("stop_token_ids", sampling.stop_token_ids),
-            ("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
-        ):
-            for token_id in ids:
-                if token_id >= self.vocab_size:
-                    raise invalid(
-                        prefix + name,
-                        f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
-                    )
-
-    def _check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
-        if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
-            raise invalid(
-                field_name,
-                f"the prompt ({len(prompt)} tokens) plus {field_name} ({max_tokens}) is "
-                f"{len(prompt) + max_tokens} tokens, over the model's context length of "
-                f"{self.max_model_len} tokens",
-            )
-
     def _job(
         self,
         kind: str,
@@ -662,167 +451,34 @@ class OpenAIServer(GenerationService):
         sampling: SamplingParams,
         body: Any,
         arrival: float,
-    ) -> _Job:
-        timeout = min(self.config.request_timeout_s, body.timeout or math.inf)
-        return _Job(
-            kind,
-            f"{prefix}-{uuid.uuid4().hex}",
-            self.model_name,
-            prompts,
-            sampling,
-            timeout,
-            arrival + timeout,
-            arrival,
-            body.include_usage,
-        )
-
-    # ------------------------------------------------------------------ generation
-    async def _start(self, job: _Job, body: Any) -> None:
-        """Submit every prompt; on any refusal, abort the ones already started."""
-        job.started = time.monotonic()
-        try:
-            for k, prompt in enumerate(job.prompts):
-                remaining = job.deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineError("the request's deadline passed before it was placed")
-                stream = await self.client.submit(
-                    job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{k}",
-                    prompt,
-                    job.sampling,
-                    priority=body.priority,
-                    cache_salt=body.cache_salt,
-                    timeout_s=min(remaining, self.config.queue_timeout_s),
-                )
-                job.streams.append(stream)
-        except BaseException as error:
-            await _close(job.streams)
-            if not isinstance(error, Exception):  # cancelled: the client left
-                raise
-            raise api_error(error) from None
-
-    async def _events(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, delta) from all of the job's streams, until the deadline."""
-        if len(job.streams) == 1:  # the usual case: no task per delta
-            async with contextlib.aclosing(self._one_stream(job)) as deltas:
-                async for delta in deltas:  # closed (and its stream) when the caller leaves
-                    yield 0, delta
-            return
-        pending = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(job.streams)}
-        try:
-            while pending:
-                timeout = job.deadline - time.monotonic()
-                done, _ = await asyncio.wait(
-                    pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED
-                )
-                if not done:
-                    raise _deadline_error(job)
-                for task in done:
-                    k = pending.pop(task)
-                    try:
-                        delta = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    pending[asyncio.ensure_future(anext(job.streams[k]))] = k
-                    yield k, delta
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await _close(job.streams)
-
-    async def _one_stream(self, job: _Job) -> AsyncIterator[RequestOutput]:
-        (stream,) = job.streams
-        try:
-            while True:
-                deadline = asyncio.timeout(job.deadline - time.monotonic())
-                try:
-                    async with deadline:
-                        delta = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    if deadline.expired():
-                        raise _deadline_error(job) from None
-                    raise
-                yield delta
-        finally:
-            await _close(job.streams)
-
-    def _record(self, job: _Job, k: int, delta: RequestOutput) -> _Choice:
-        choice = job.choices.get(job.choice_index(k, delta))
-        if choice is None:
-            choice = job.choices[job.choice_index(k, delta)] = _Choice()
-            if job.sampling.parallel_tokens is not None:
-                choice.parallel_sets = []
-        if delta.token_ids and job.first_token is None:
-            job.first_token = time.monotonic()
-        if delta.prompt_logprobs is not None:
-            job.prompt_logprobs[k] = delta.prompt_logprobs
-        choice.text.append(delta.text)
-        if delta.logprobs:
-            choice.logprobs.extend(delta.logprobs)
-        if delta.parallel_sets and choice.parallel_sets is not None:
-            choice.parallel_sets.extend(delta.parallel_sets)
-        if delta.speculative is not None:
-            choice.speculative = delta.speculative
-        if delta.finished:
-            choice.completion_tokens = delta.completion_tokens
-            choice.finish_reason = finish_reason(delta)
-        return choice
-
-    async def _collect(self, job: _Job, endpoint: str) -> None:
-        status = 499  # the client went away (cancelled), unless we get to the end
-        self.metrics.in_flight.inc()
-        try:
-            async with contextlib.aclosing(self._events(job)) as events:
-                async for k, delta in events:
-                    self._record(job, k, delta)
-            status = 200
-        except Exception as error:
-            failure = api_error(error)
-            status = failure.status
-            raise failure from None
-        finally:
-            self.metrics.in_flight.dec()
-            self._finished(job, endpoint, status)
-
-    def _finished(self, job: _Job, endpoint: str, status: int) -> None:
-        longest = max((c.completion_tokens for c in job.choices.values()), default=0)
-        self.metrics.finished(
-            endpoint,
-            status,
-            job.arrival,
-            job.first_token,
-            time.monotonic(),
-            job.prompt_tokens,
-            job.completion_tokens,
-            longest,
-            job.started,
-            job.streams[0].timings if job.streams else None,
+    ) -> Job:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return self.front.job(
+            kind, request_id, prompts, sampling, arrival, body.timeout, body.include_usage
         )
 
     # ------------------------------------------------------------------ streaming
-    def _sse(self, job: _Job, chunks: AsyncIterator[dict], endpoint: str) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
+    def _sse(self, job: Job, chunks: AsyncIterator[dict], endpoint: str) -> StreamingResponse:
+        async def events() -> AsyncIterator[bytes]:
             status = 499
-            self.metrics.in_flight.inc()
+            self.front.metrics.in_flight.inc()
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
                 status = 200
             except Exception as error:  # after the first byte: an error event, then [DONE]
                 failure = api_error(error)
                 status = failure.status
-                yield f"data: {json.dumps(failure.body())}\n\n"
+                yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
             finally:  # also when the client left (cancelled): its requests are aborted
-                self.metrics.in_flight.dec()
-                self._finished(job, endpoint, status)
-            yield "data: [DONE]\n\n"
+                self.front.metrics.in_flight.dec()
+                self.front.finished(job, endpoint, status)
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def _chunk(self, job: _Job, choices: list[dict], usage_: dict | None = None) -> dict:
+    def _chunk(self, job: Job, choices: list[dict], usage_: dict | None = None) -> dict:
         obj = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
         chunk = {
             "id": job.request_id,
@@ -836,13 +492,13 @@ class OpenAIServer(GenerationService):
         return chunk
 
     async def _completion_chunks(
-        self, job: _Job, body: CompletionRequest, echo: list[str]
+        self, job: Job, body: CompletionRequest, echo: list[str]
     ) -> AsyncIterator[dict]:
-        async with contextlib.aclosing(self._events(job)) as events:
+        async with contextlib.aclosing(self.front.events(job)) as events:
             async for k, delta in events:
                 index = job.choice_index(k, delta)
                 fresh = index not in job.choices
-                choice = self._record(job, k, delta)
+                choice = self.front.record(job, k, delta)
                 text = delta.text
                 if fresh and echo[k]:
                     text = echo[k] + text
@@ -862,14 +518,14 @@ class OpenAIServer(GenerationService):
                 if fresh:
                     entry |= self._prompt_logprobs_field(job, k, body)
                 entry["finish_reason"] = finish
-                yield self._chunk(job, [entry | choice.extras(delta)])
+                yield self._chunk(job, [entry | _extras(choice, delta)])
         if job.include_usage:
             yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
 
-    async def _chat_chunks(self, job: _Job, body: ChatCompletionRequest) -> AsyncIterator[dict]:
-        async with contextlib.aclosing(self._events(job)) as events:
+    async def _chat_chunks(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+        async with contextlib.aclosing(self.front.events(job)) as events:
             async for k, delta in events:
-                choice = self._record(job, k, delta)
+                choice = self.front.record(job, k, delta)
                 index = job.choice_index(k, delta)
                 if not choice.started:  # the first chunk of a choice names its role
                     choice.started = True
@@ -894,12 +550,12 @@ class OpenAIServer(GenerationService):
                     "logprobs": logprobs,
                     "finish_reason": finish,
                 }
-                yield self._chunk(job, [entry | choice.extras(delta)])
+                yield self._chunk(job, [entry | _extras(choice, delta)])
         if job.include_usage:
             yield self._chunk(job, [], usage(job.prompt_tokens, job.completion_tokens))
 
     def _completion_logprobs(
-        self, job: _Job, k: int, logprobs: list, offset: int, body: CompletionRequest
+        self, job: Job, k: int, logprobs: list, offset: int, body: CompletionRequest
     ) -> dict[str, list]:
         """A whole choice's ``logprobs``: the echoed prompt's (computed in the prefill)
         first, then the completion's."""
@@ -908,17 +564,17 @@ class OpenAIServer(GenerationService):
             return self.logprobs.completion(logprobs, offset, prompt_part)[0]
         return self.logprobs.completion(logprobs, offset)[0]
 
-    def _prompt_logprobs_field(self, job: _Job, k: int, body: Any) -> dict:
+    def _prompt_logprobs_field(self, job: Job, k: int, body: Any) -> dict:
         """``prompt_logprobs`` (vLLM's extra) for a choice of prompt ``k``, if asked."""
         if body.prompt_logprobs is None or k not in job.prompt_logprobs:
             return {}
         return {"prompt_logprobs": self.logprobs.prompt_logprobs(job.prompt_logprobs[k])}
 
-    def _tool_call_entries(self, job: _Job, index: int, choice: _Choice) -> list[dict]:
+    def _tool_call_entries(self, job: Job, index: int, choice: Choice) -> list[dict]:
         """A finished choice of a chat with tools, as OpenAI streams it: each call's
         id and name, then its arguments in pieces; or the text, if it made no call."""
         text = "".join(choice.text)
-        content, calls = tool_calls.parse(text, self.tool_format, job.tool_names)
+        content, calls = tool_calls.parse(text, self.front.tool_format, job.tool_names)
         if not calls:
             entries = [{"content": text}] if text else []
             finish = choice.finish_reason

@@ -15,7 +15,8 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera.cluster.serve_app import METRICS_PUBLISH_S, REPLICA_HEADER
+from tessera.cluster.front_end import METRICS_PUBLISH_S
+from tessera.cluster.serve_app import REPLICA_HEADER
 from tessera.workers.api import SamplingParams
 from tests.cluster.serve_process import Server, serve_process
 from tests.helpers import run_engine, text_of

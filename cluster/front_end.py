@@ -1,0 +1,442 @@
+"""The front end's core, shared by its two doors: HTTP (``serve_app``) and gRPC
+(``grpc_api``).
+
+One ``FrontEnd`` per Serve replica holds the cluster connection (``ClusterClient``),
+the model's limits, a thread pool that tokenizes off the event loop, and the request
+metrics. Every request passes its checks here once (model, text size, token ids,
+context length); the worker trusts them and guards only its own entry. A request's
+generation is a ``Job``: ``start`` submits its prompts, ``events`` merges their
+streams until the job's deadline, ``record`` keeps what each choice produced, and
+``finished`` records the request's metrics. The doors only parse their wire format,
+call these, and write their answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.cluster import tools as tool_calls
+from tessera.cluster.config import ServeConfig
+from tessera.cluster.launch import Cluster
+from tessera.cluster.metrics import Metrics, ReplicaBoard
+from tessera.cluster.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    TokenizeChatRequest,
+    api_error,
+    finish_reason,
+    invalid,
+    max_prompt_chars,
+)
+from tessera.scheduler.api import ClusterStats, DeadlineError
+from tessera.workers.api import RequestOutput, SamplingParams, SpeculativeStats
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between a replica's publications of its request metrics (``ReplicaBoard``).
+METRICS_PUBLISH_S = 2.0
+
+
+@dataclass
+class Choice:
+    """What one output (index) has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    started: bool = False  # a streamed chat choice has sent its role
+    offset: int = 0  # completions logprobs: text offset of the next token
+    parallel_sets: list | None = None  # parallel_tokens requests: the sets so far
+    speculative: SpeculativeStats | None = None  # the latest counters of a speculating one
+
+
+@dataclass
+class Job:
+    """One request's generation: its prompts, their streams, and timings."""
+
+    kind: str  # "completion", "chat" or "generate" (gRPC)
+    request_id: str
+    model: str
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    timeout: float  # seconds from arrival to the deadline
+    deadline: float  # time.monotonic() when the request is aborted
+    arrival: float
+    include_usage: bool = False  # streaming: every chunk has "usage", the last one its value
+    streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
+    choices: dict[int, Choice] = field(default_factory=dict)
+    first_token: float | None = None
+    started: float | None = None  # validated: its first prompt is being submitted
+    tool_names: frozenset[str] = frozenset()  # chat with tools offered: parse calls
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # by prompt
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens for c in self.choices.values())
+
+    def choice_index(self, prompt: int, delta: RequestOutput) -> int:
+        return prompt * self.sampling.n + delta.index
+
+
+def deadline_error(job: Job) -> APIError:
+    return APIError(
+        408,
+        f"the request passed its deadline of {job.timeout:g} s and was aborted",
+        type="timeout_error",
+        code="timeout",
+    )
+
+
+async def close_streams(streams: list[AsyncIterator[RequestOutput]]) -> None:
+    """Close the streams: each aborts its request on its worker, freeing its blocks."""
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            await stream.aclose()
+
+
+class FrontEnd:
+    """One replica's connection to the cluster and everything both doors share. Use
+    ``await FrontEnd.connect(config, replica)``."""
+
+    def __init__(self, config: ServeConfig, cluster: Cluster, info, replica: str) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.client = cluster.client
+        self.tokenizer = self.client.tokenizer
+        self.model_name = config.model_name
+        self.max_model_len: int = info.max_model_len
+        self.vocab_size: int = info.vocab_size
+        self.pool_tokens: int = info.total_blocks * info.block_size  # one worker's KV pool
+        self.metrics = Metrics(replica)
+        self.board = ReplicaBoard(
+            f"tessera/{config.namespace}/{config.scheduler_name}/front-end-metrics/", replica
+        )
+        # Tokenizing (and chat templates) run here, off the event loop, so that one
+        # large prompt does not stall every other stream and /health.
+        self._cpu = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tessera-cpu")
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.tool_format = tool_calls.tool_format(self.tokenizer.chat_template)
+        self.template_takes_tools = tool_calls.template_takes_tools(self.tokenizer.chat_template)
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
+
+    @classmethod
+    async def connect(cls, config: ServeConfig, replica: str) -> FrontEnd:
+        """Connect to the cluster (starting it, detached, if this is the first replica)."""
+        cluster = await Cluster.start(config.cluster_config(), detached=True)
+        info = await cluster.scheduler.model_info.remote()
+        return cls(config, cluster, info, replica)
+
+    # ------------------------------------------------------------------ cluster
+    async def stats(self) -> ClusterStats | None:
+        """The cluster's stats; None when the scheduler does not answer."""
+        try:
+            return await self.client.stats()
+        except Exception as error:  # the scheduler is gone or restarting
+            logger.warning("no stats from the scheduler: %s", error)
+            return None
+
+    async def render_metrics(self) -> str:
+        """/metrics: this replica's and the other live replicas' request series."""
+        others = await self.off_loop(self.board.read)
+        return self.metrics.render(await self.stats(), others)
+
+    async def _publish_metrics(self) -> None:
+        """Publish this replica's request metrics for the others' /metrics whenever
+        they changed, every ``METRICS_PUBLISH_S``."""
+        last = b""
+        while True:
+            snapshot = self.metrics.snapshot()
+            if snapshot != last:
+                try:
+                    await self.off_loop(self.board.publish, snapshot)
+                    last = snapshot
+                except Exception as error:  # the GCS is briefly away: try again later
+                    logger.warning("could not publish the request metrics: %s", error)
+            await asyncio.sleep(METRICS_PUBLISH_S)
+
+    def close(self) -> None:
+        """The replica is going: its metrics leave the board."""
+        self._publisher.cancel()
+        with contextlib.suppress(Exception):  # Ray may be going down with it
+            self.board.withdraw()
+
+    # ------------------------------------------------------------------ checks
+    async def off_loop(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run CPU work (tokenizing, chat templates) on the replica's thread pool."""
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, call)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"model: {model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_size(self, chars: int, field_name: str) -> None:
+        """Refuse text that is certainly over the context before tokenizing it."""
+        if chars > self.max_prompt_chars:
+            raise invalid(
+                field_name,
+                f"the text is {chars} characters, more than any {self.max_model_len}-token "
+                f"context holds ({self.max_prompt_chars} characters at most, from the "
+                "vocabulary's longest token)",
+            )
+
+    async def tokenize(
+        self, text: str, field_name: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """``text``'s token ids, off the event loop, once its length could fit."""
+        self.check_size(len(text), field_name)
+        encoded = await self.off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return encoded.input_ids
+
+    async def token_ids(self, prompt: str | list[int], field_name: str) -> list[int]:
+        """A prompt's token ids: text tokenized, or ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return await self.tokenize(prompt, field_name)
+        for token_id in prompt:
+            if not 0 <= token_id < self.vocab_size:
+                raise invalid(
+                    field_name,
+                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
+                )
+        return prompt
+
+    async def chat_prompt(
+        self, body: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
+    ) -> list[int]:
+        """A conversation's token ids through the model's chat template (with the
+        offered tools: the template's own way, or our tool prompt)."""
+        if not self.tokenizer.chat_template:
+            raise invalid("messages", "this model has no chat template; use /v1/completions")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise invalid(
+                "continue_final_message", "needs add_generation_prompt to be false as well"
+            )
+        conversation = body.conversation(self.template_takes_tools)
+        self.check_size(sum(len(m["content"]) for m in conversation), "messages")
+        offered = body.offered_tools() if isinstance(body, ChatCompletionRequest) else []
+        extra: dict[str, Any] = {}
+        if offered and self.template_takes_tools:
+            extra["tools"] = [{"type": "function", "function": f} for f in offered]
+        elif offered:  # our own tool prompt, in the system message
+            prompt = tool_calls.tool_prompt(offered)
+            if conversation[0]["role"] == "system":
+                conversation[0]["content"] += "\n\n" + prompt
+            else:
+                conversation.insert(0, {"role": "system", "content": prompt})
+        try:
+            text = await self.off_loop(
+                self.tokenizer.apply_chat_template,
+                conversation,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tokenize=False,
+                **extra,
+            )
+        except Exception as error:  # the template refuses the conversation
+            raise invalid("messages", f"the chat template refused them: {error}") from None
+        # The template wrote the special tokens (BOS) already.
+        encoded = await self.off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
+        return encoded.input_ids
+
+    def check_token_ids(self, sampling: SamplingParams, prefix: str = "") -> None:
+        """The request's stop token ids and logit-bias ids are in the vocabulary: checked
+        here, not only by the worker, so that each door names its own field (``prefix``:
+        gRPC's ``sampling.``)."""
+        for name, ids in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
+        ):
+            for token_id in ids:
+                if token_id >= self.vocab_size:
+                    raise invalid(
+                        prefix + name,
+                        f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
+                    )
+
+    def check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
+        if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
+            raise invalid(
+                field_name,
+                f"the prompt ({len(prompt)} tokens) plus {field_name} ({max_tokens}) is "
+                f"{len(prompt) + max_tokens} tokens, over the model's context length of "
+                f"{self.max_model_len} tokens",
+            )
+
+    # ------------------------------------------------------------------ generation
+    def job(
+        self,
+        kind: str,
+        request_id: str,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        arrival: float,
+        timeout_s: float | None = None,
+        include_usage: bool = False,
+    ) -> Job:
+        """A job whose deadline is ``timeout_s`` after arrival (at most the server's
+        ``request_timeout_s``)."""
+        timeout = min(self.config.request_timeout_s, timeout_s or math.inf)
+        return Job(
+            kind,
+            request_id,
+            self.model_name,
+            prompts,
+            sampling,
+            timeout,
+            arrival + timeout,
+            arrival,
+            include_usage,
+        )
+
+    async def start(self, job: Job, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Submit every prompt; on any refusal, abort the ones already started (the
+        error raises as the ``APIError`` both doors map)."""
+        job.started = time.monotonic()
+        try:
+            for k, prompt in enumerate(job.prompts):
+                remaining = job.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineError("the request's deadline passed before it was placed")
+                stream = await self.client.submit(
+                    job.request_id if len(job.prompts) == 1 else f"{job.request_id}-{k}",
+                    prompt,
+                    job.sampling,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    timeout_s=min(remaining, self.config.queue_timeout_s),
+                )
+                job.streams.append(stream)
+        except BaseException as error:
+            await close_streams(job.streams)
+            if not isinstance(error, Exception):  # cancelled: the client left
+                raise
+            raise api_error(error) from None
+
+    async def events(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, delta) from all of the job's streams, until the deadline."""
+        if len(job.streams) == 1:  # the usual case: no task per delta
+            async with contextlib.aclosing(self._one_stream(job)) as deltas:
+                async for delta in deltas:  # closed (and its stream) when the caller leaves
+                    yield 0, delta
+            return
+        pending = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(job.streams)}
+        try:
+            while pending:
+                timeout = job.deadline - time.monotonic()
+                done, _ = await asyncio.wait(
+                    pending, timeout=max(timeout, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    raise deadline_error(job)
+                for task in done:
+                    k = pending.pop(task)
+                    try:
+                        delta = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(anext(job.streams[k]))] = k
+                    yield k, delta
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await close_streams(job.streams)
+
+    async def _one_stream(self, job: Job) -> AsyncIterator[RequestOutput]:
+        (stream,) = job.streams
+        try:
+            while True:
+                deadline = asyncio.timeout(job.deadline - time.monotonic())
+                try:
+                    async with deadline:
+                        delta = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if deadline.expired():
+                        raise deadline_error(job) from None
+                    raise
+                yield delta
+        finally:
+            await close_streams(job.streams)
+
+    def record(self, job: Job, k: int, delta: RequestOutput) -> Choice:
+        """Note a delta of prompt ``k`` in its choice; return the choice."""
+        choice = job.choices.get(job.choice_index(k, delta))
+        if choice is None:
+            choice = job.choices[job.choice_index(k, delta)] = Choice()
+            if job.sampling.parallel_tokens is not None:
+                choice.parallel_sets = []
+        if delta.token_ids and job.first_token is None:
+            job.first_token = time.monotonic()
+        if delta.prompt_logprobs is not None:
+            job.prompt_logprobs[k] = delta.prompt_logprobs
+        choice.text.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.parallel_sets and choice.parallel_sets is not None:
+            choice.parallel_sets.extend(delta.parallel_sets)
+        if delta.speculative is not None:
+            choice.speculative = delta.speculative
+        if delta.finished:
+            choice.completion_tokens = delta.completion_tokens
+            choice.finish_reason = finish_reason(delta)
+        return choice
+
+    async def collect(self, job: Job, endpoint: str) -> None:
+        """Run a job to its end (a whole, not streamed, answer), recording its metrics."""
+        status = 499  # the client went away (cancelled), unless we get to the end
+        self.metrics.in_flight.inc()
+        try:
+            async with contextlib.aclosing(self.events(job)) as events:
+                async for k, delta in events:
+                    self.record(job, k, delta)
+            status = 200
+        except Exception as error:
+            failure = api_error(error)
+            status = failure.status
+            raise failure from None
+        finally:
+            self.metrics.in_flight.dec()
+            self.finished(job, endpoint, status)
+
+    def refused(self, endpoint: str, status: int) -> None:
+        """Count a request refused before it became a job (``status`` as HTTP numbers it)."""
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def finished(self, job: Job, endpoint: str, status: int) -> None:
+        """Record a job's request metrics (``status`` as HTTP numbers it)."""
+        longest = max((c.completion_tokens for c in job.choices.values()), default=0)
+        self.metrics.finished(
+            endpoint,
+            status,
+            job.arrival,
+            job.first_token,
+            time.monotonic(),
+            job.prompt_tokens,
+            job.completion_tokens,
+            longest,
+            job.started,
+            job.streams[0].timings if job.streams else None,
+        )
