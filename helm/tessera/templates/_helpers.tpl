@@ -131,10 +131,6 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 
 {{/* Environment of every Ray container. */}}
 {{- define "tessera.env" -}}
-{{- /* Serve's user code on the replica's event loop: one stream's time between tokens
-16.3 -> 14.7 ms over HTTP (README, "The HTTP server"). */}}
-- name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
-  value: "0"
 {{- if .Values.apiKey.secretName }}
 - name: TESSERA_API_KEY
   valueFrom:
