@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -32,13 +31,6 @@ logger = logging.getLogger(__name__)
 
 #: The Serve application's name.
 APP_NAME = "tessera"
-#: Ray Serve settings for the Ray that ``tessera serve`` starts (one the user set is
-#: kept). User code on the replica's own event loop, not a thread of its own, saves a
-#: hop between threads per message: over HTTP, one stream's p50 time between tokens
-#: went from 16.3 to 14.7 ms and its time to first token from ~60 to ~54 ms (2 cores,
-#: bf16). Ray's whole throughput bundle (``RAY_SERVE_THROUGHPUT_OPTIMIZED``, proxy
-#: kept) measured the same at 1 stream and no better at 64 (221 vs 225 tok/s).
-SERVE_ENVIRONMENT = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def check_port(host: str, port: int, field: str = "port") -> None:
@@ -89,9 +81,6 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
     owns_ray = not ray.is_initialized()
     if owns_ray:
         _say("starting Ray ..." if config.address is None else f"joining Ray at {config.address}")
-        if config.address is None:  # its processes inherit this environment
-            for name, value in SERVE_ENVIRONMENT.items():
-                os.environ.setdefault(name, value)
         ray.init(
             address=config.address,
             namespace=config.namespace,
