@@ -24,9 +24,9 @@ resumed ``n > 1`` output reports no ``cumulative_logprob``.
 generator is closed) aborts the request on its worker, which frees its blocks at
 once; ``abort(request_id)`` ends it with ``finish_reason`` abort.
 
-The worker's stream is read in the background from ``submit`` on, so a request's
-place in the cluster is released as soon as the worker has finished it, however late
-the caller reads its deltas.
+A request's deltas are read from its channel in the background from ``submit`` on,
+so its place in the cluster is released as soon as the worker has finished it,
+however late the caller reads them.
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ class _Run:
 
     # -- the stream
     def pump(self) -> None:
-        """Read the worker's stream in the background, whether or not the caller reads
+        """Read the request's deltas in the background, whether or not the caller reads
         yet, so the request's place in the cluster is released when the worker is done
         with it, not when the caller gets round to the last delta."""
         self._task = asyncio.get_running_loop().create_task(self._pump())

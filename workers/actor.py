@@ -65,8 +65,10 @@ MAX_PENDING_EVENTS = 100_000
 
 
 class ChannelClosedError(RuntimeError):
-    """``start`` named a channel this worker does not have open (it ended, or its
-    caller has not opened it yet): the caller opens a new one and starts again."""
+    """``start`` named a channel this worker does not have open (never opened, or
+    ended: cancelled, or not touched for its keepalive). The request fails at once,
+    with this message, and nothing of it runs; the caller's reader sees the channel
+    end, and its next request opens a new one."""
 
 
 class _Channel:
