@@ -20,7 +20,7 @@ Invariant: for text the tokenizer round-trips, the concatenation of all ``push``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 #: What decoding an incomplete UTF-8 sequence yields.
@@ -35,6 +35,16 @@ class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def raw_decoder(tokenizer: Decoder) -> Callable[..., str]:
+    """``tokenizer.decode``, or the Rust tokenizer's own ``decode`` where transformers'
+    adds nothing to it (a fast tokenizer that does not clean up spaces): the same text
+    in a third of the time (~0.9 against ~3 us a call; two calls a token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode
+    return tokenizer.decode
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text deltas.
 
@@ -45,7 +55,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Decoder, prompt_token_ids: Sequence[int], skip_special_tokens: bool
     ) -> None:
-        self._tokenizer = tokenizer
+        self._decoder = raw_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         # The window holds ids from prefix_offset on; older ids are dropped, as no
         # decode looks at them again.
@@ -53,7 +63,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._window)  # window index of the first unemitted id
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decoder(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _advance(self, *, hold_incomplete: bool) -> str:
         prefix_text = self._decode(self._window[: self._read_offset])

@@ -293,15 +293,21 @@ class Engine:
             self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
         outputs: list[RequestOutput] = []
         sampled: list[Sequence] = []
-        next_logits: list[torch.Tensor] = []
+        # each sampled sequence's next-token logits: a row of ``logits`` (the common
+        # case, no tensor op per sequence), or a row computed from its rows
+        next_logits: list[int | torch.Tensor] = []
         verifying: list[tuple[Sequence, torch.Tensor]] = []
         offset = 0
         for (seq, _), chunk in zip(batch.items, chunks, strict=True):
             count = len(chunk.logits_rows)
             if not count:
                 continue
-            seq_logits = logits[offset : offset + count]
             offset += count
+            if count == 1 and not seq.num_draft and not seq.wants_prompt_logprobs(chunk.start):
+                sampled.append(seq)
+                next_logits.append(offset - 1)
+                continue
+            seq_logits = logits[offset - count : offset]
             if seq.wants_prompt_logprobs(chunk.start):
                 seq_logits = self._prompt_logprobs(seq, chunk, seq_logits)
                 if seq_logits is None:
@@ -313,8 +319,12 @@ class Engine:
                 # after a parallel set: the mean of its members' distributions
                 merged = seq_logits[0] if count == 1 else mean_distribution_logits(seq_logits)
                 next_logits.append(merged)
-        if verifying or len(sampled) != len(logits):
-            logits = torch.stack(next_logits) if next_logits else logits[:0]
+        if verifying or len(sampled) != len(logits):  # else every row, in order
+            if all(isinstance(row, int) for row in next_logits):
+                index = torch.tensor(next_logits, dtype=torch.long, device=logits.device)
+                logits = logits.index_select(0, index)
+            else:
+                logits = torch.stack([logits[r] if isinstance(r, int) else r for r in next_logits])
         for seq, seq_logits in verifying:
             outputs += self._verify(self.groups[seq.request.request_id], seq, seq_logits)
         rows: dict[int, int] = {id(seq): i for i, seq in enumerate(sampled)}

@@ -18,7 +18,6 @@ The batch layout (one row per new token, several rows per sequence allowed)::
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -156,7 +155,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[int] = []  # slot_mapping
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
@@ -172,10 +171,12 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
             else:
                 positions.extend(chunk.positions[first : first + n])
-            slots.extend(range(start, start + n))
+            table = self.kv.block_ids(chunk.seq_id)
+            # each token's cache row: block_id * block_size + offset, its index's block
+            slots.extend(table[index // bs] * bs + index % bs for index in range(start, start + n))
             query_start.append(base + n)
             seq_lens.append(start + n)
-            tables.append(self.kv.block_ids(chunk.seq_id))
+            tables.append(table)
             if n == 1 and chunk.mask is None:
                 num_decodes += 1
             else:
@@ -188,10 +189,7 @@ class ModelRunner:
         block_tables = torch.tensor(
             [t + [PAD_BLOCK_ID] * (width - len(t)) for t in tables], device=dev
         )
-        query_lens = torch.tensor([b - a for a, b in itertools.pairwise(query_start)], device=dev)
-        slots_t = torch.tensor(slots, device=dev)
-        seq_index = torch.repeat_interleave(torch.arange(len(entries), device=dev), query_lens)
-        slot_mapping = block_tables[seq_index, slots_t // bs] * bs + slots_t % bs
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
         seq_lens_t = torch.tensor(seq_lens, device=dev)
         native = self.native_decode and num_decodes == len(entries)
         decode_plan = None

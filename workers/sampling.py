@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.workers.api import SamplingParams, TokenLogprob
+from tessera.workers.quant.kernels import argmax_rows
 
 _MASK64 = (1 << 64) - 1
 # splitmix64 constants (Steele, Lea and Flood, "Fast splittable pseudorandom number
@@ -236,11 +237,11 @@ class Sampler:
         work = [i for i, row in enumerate(rows) if not _is_plain_greedy(row)]
         if not work:
             # The hot path: the float32 cast cannot change an argmax, so it is skipped.
-            return _Prepared(logits.argmax(dim=1), [], None)
+            return _Prepared(argmax_rows(logits), [], None)
         if len(work) == len(rows):
             token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
         else:
-            token_ids = logits.argmax(dim=1)  # right for the plain greedy rows
+            token_ids = argmax_rows(logits)  # right for the plain greedy rows
         x = logits[work].to(torch.float32)  # [W, V]; indexing copies, the caller's stays
         work_rows = [rows[i] for i in work]
         for j, row in enumerate(work_rows):  # OpenAI's logit_bias: added to the logits
@@ -251,7 +252,7 @@ class Sampler:
         _apply_penalties(x, work_rows)
         greedy = [j for j, row in enumerate(work_rows) if row.params.greedy]
         if greedy:
-            token_ids[[work[j] for j in greedy]] = _rows_of(x, greedy).argmax(dim=1)
+            token_ids[[work[j] for j in greedy]] = argmax_rows(_rows_of(x, greedy))
         rand = [j for j, row in enumerate(work_rows) if not row.params.greedy]
         if not rand:
             return _Prepared(token_ids, [], None)
@@ -338,7 +339,7 @@ def _race(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     # E = -log(U) with U in [0, 1) is Exp(1) and never 0, so p / E is never 0/0
     # (a NaN argmax would pick); torch's own exponential_ is 4x slower on CPU.
     noise.log_().neg_()
-    return probs.div_(noise).argmax(dim=1)
+    return argmax_rows(probs.div_(noise))
 
 
 def keyed_uniform(seed: int, token_index: int) -> float:

@@ -93,6 +93,11 @@ class Sequence:
     # Structured outputs: this sequence's llguidance matcher (tokens it has consumed:
     # the output so far), or None.
     grammar: Any = None
+    # len(request.prompt_token_ids), read several times per sequence and step
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
 
     @property
     def seq_id(self) -> str:
@@ -108,10 +113,6 @@ class Sequence:
         """A chunk from ``start`` is (part of) the prompt whose logprobs the request
         asked for, and not yet sent."""
         return self.prompt_logprobs is not None and start < self.num_prompt_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

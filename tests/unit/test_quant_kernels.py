@@ -193,3 +193,23 @@ def test_kernel_cache_key_follows_the_cpu_and_xdg(monkeypatch, tmp_path):
     assert first.parent == tmp_path / "tessera" / "kernels"
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another cpu")
     assert kernels.kernel_cache_dir() != first
+
+
+def test_native_argmax_rows_equals_torch_argmax(native):
+    """The sampler's row argmax: torch's index everywhere, ties to the first maximum,
+    a NaN wins (its first one), rows of -inf or +inf, lengths off the 16-lane vector."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (40, 1000), generator=generator).float()  # many ties
+    x[3, 500] = math.nan
+    x[4, [7, 900]] = math.nan
+    x[5] = -math.inf
+    x[6] = math.inf
+    x[7, -1] = 10.0  # the maximum in the scalar tail
+    assert torch.equal(native.argmax_rows(x), x.argmax(dim=1))
+    logits = torch.randn(64, 49152, generator=generator)
+    assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=1))
+    odd = torch.randn(3, 17, generator=generator)
+    assert torch.equal(native.argmax_rows(odd), odd.argmax(dim=1))
+    assert native.argmax_rows(torch.empty(0, 5)).shape == (0,)
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be a contiguous float32"):
+        native.argmax_rows(x.double())

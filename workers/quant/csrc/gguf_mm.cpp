@@ -289,6 +289,7 @@ void mm_dispatch(const float* x, int64_t T, const Packed& w, float* y, int64_t o
 namespace tessera {
 
 void register_decode_layers(pybind11::module& m);  // decode_layers.cpp
+void register_rows(pybind11::module& m);           // rows.cpp
 
 torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
@@ -337,4 +338,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.attr("avx512") = static_cast<bool>(TESSERA_AVX512);
   tessera::register_decode_layers(m);
+  tessera::register_rows(m);
 }

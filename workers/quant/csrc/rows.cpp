@@ -1,0 +1,74 @@
+// Row-wise reductions the sampler runs over a step's logits [rows, vocab].
+//
+// torch's argmax over the last dimension of a [64, 49152] float32 tensor took 1.35 ms on
+// 2 AVX-512 cores (amax: 0.07 ms); at 64 running sequences that was a third of a step's
+// host time. argmax_rows gives the same answer as torch.argmax(x, dim=1): the first index
+// of each row's maximum, or of the row's first NaN where it has one.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TESSERA_ROWS_AVX512 1
+#else
+#define TESSERA_ROWS_AVX512 0
+#endif
+
+namespace tessera {
+
+namespace {
+
+int64_t argmax_row(const float* x, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if TESSERA_ROWS_AVX512
+  __m512 m = _mm512_set1_ps(best);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, v);
+  }
+  best = _mm512_reduce_max_ps(m);
+  nan = unordered != 0;
+#endif
+  for (; i < n; ++i) {
+    if (std::isnan(x[i]))
+      nan = true;
+    else if (x[i] > best)
+      best = x[i];
+  }
+  for (int64_t j = 0; j < n; ++j)
+    if (nan ? std::isnan(x[j]) : x[j] == best) return j;
+  return 0;  // not reached: some element equals the maximum
+}
+
+}  // namespace
+
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  x.size(1) > 0 && x.device().is_cpu(),
+              "argmax_rows: x must be a contiguous float32 CPU tensor [rows, n > 0]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* p = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * n, n);
+  });
+  return out;
+}
+
+void register_rows(pybind11::module& m) {
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) of a float32 [rows, n] tensor",
+        pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+
+}  // namespace tessera
