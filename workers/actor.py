@@ -109,9 +109,9 @@ class WorkerActor:
         self.worker_id = worker_id
         self.role = role
         self.incarnation = uuid.uuid4().hex[:12]
-        engine = Engine(engine_config)
-        engine.kv.pool.record_events()
-        self.engine = AsyncEngine(engine)
+        # built on the engine's own thread, where its steps run (see async_engine)
+        self.engine = AsyncEngine.build(lambda: Engine(engine_config))
+        self.engine.engine.kv.pool.record_events()
         self._live: set[str] = set()  # ids of the requests streaming from here
         self._channels: dict[str, _Channel] = {}  # open channels by the caller's id
         self._last_active = time.monotonic()  # when a stream last ended, or a report saw work

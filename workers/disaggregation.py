@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
 from tessera.workers.api import SamplingParams
-from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.async_engine import AsyncEngine, release_openmp_pool
 from tessera.workers.kv_transfer import (
     API_VERSION,
     KVTransferClient,
@@ -156,7 +156,7 @@ class PrefillOrchestrator:
             first = delta
         hashes = engine.handoff.prompt_hashes(token_ids, request.cache_salt or None)
         wanted = hashes[request.skip_blocks : usable_blocks(len(token_ids), request.block_size)]
-        blocks = await asyncio.to_thread(engine.handoff.export, wanted)
+        blocks = await self.engine.run(engine.handoff.export, wanted)
         if blocks is None:
             raise RuntimeError("the prompt's blocks were evicted before they could be sent")
         if first is None or not first.token_ids:
@@ -216,12 +216,12 @@ class DecodeOrchestrator:
         hashes = handoff.prompt_hashes(token_ids, cache_salt)[: usable_blocks(len(token_ids), bs)]
         if not hashes:  # a prompt shorter than a block and a token: nothing to move
             return
-        have = await asyncio.to_thread(handoff.cached_prefix, hashes)
+        have = await self.engine.run(handoff.cached_prefix, hashes)
         if have == len(hashes):
             self.counters.local_hits += 1
             return
         self.phases.enter(request_id, "prefilling", source.worker_id)
-        reserving = asyncio.ensure_future(asyncio.to_thread(handoff.reserve, have, hashes[have:]))
+        reserving = asyncio.ensure_future(self.engine.run(handoff.reserve, have, hashes[have:]))
         try:
             reservation = await asyncio.shield(reserving)
         except asyncio.CancelledError:  # the caller left: free what the thread reserves
@@ -257,14 +257,16 @@ class DecodeOrchestrator:
             handoff.release(reservation)  # at once: this task may not await any more
             raise
         except TransferError as error:
-            await asyncio.to_thread(handoff.release, reservation)
+            await self.engine.run(handoff.release, reservation)
             self._fallback(request_id, error.reason, error.message)
             return
         except Exception as error:  # a bug here must not lose the request
-            await asyncio.to_thread(handoff.release, reservation)
+            await self.engine.run(handoff.release, reservation)
             self._fallback(request_id, "internal", f"{type(error).__name__}: {error}")
             return
-        await asyncio.to_thread(handoff.commit, reservation)
+        finally:
+            release_openmp_pool()  # on_block's copies ran parallel regions on this thread
+        await self.engine.run(handoff.commit, reservation)
         self.counters.pulls += 1
         self.counters.resumed_pulls += resumed
         self.counters.blocks_received += result.blocks
