@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -214,6 +215,32 @@ async def test_async_api_streams_and_abort_on_early_exit(make_engine):
         await asyncio.sleep(0.02)
     assert engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks
     assert "z" not in engine.engine.groups
+    await engine.close()
+
+
+async def test_every_step_runs_on_the_thread_that_built_the_engine(make_engine):
+    """libgomp slows every parallel region once two threads hold OpenMP pools (see
+    async_engine): the engine is built, stepped and handed KV work on one thread."""
+    built_on = []
+
+    def build():
+        built_on.append(threading.get_ident())
+        return make_engine()
+
+    engine = AsyncEngine.build(build)
+    stepped_on = set()
+    step = engine.engine.step
+
+    def recording_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.engine.step = recording_step
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    deltas = [d async for d in await engine.add_request("t", "Hello there", greedy)]
+    assert len(tokens_of(deltas)) == 6
+    assert await engine.run(threading.get_ident) == built_on[0]
+    assert stepped_on == {built_on[0]} and built_on[0] != threading.get_ident()
     await engine.close()
 
 
