@@ -49,7 +49,9 @@ def _openmp_pause() -> Callable[[int], int] | None:
 def release_openmp_pool() -> None:
     """Free the calling thread's OpenMP worker pool (``omp_pause_hard``), so that the
     engine thread's pool is the process's only one; a later parallel region on this
-    thread builds a new one. A no-op without libgomp."""
+    thread builds a new one. libgomp's pause joins only the caller's own pool threads,
+    so a step running meanwhile on the engine thread is untouched. A no-op without
+    libgomp."""
     pause = _openmp_pause()
     if pause is not None:
         pause(2)  # omp_pause_hard

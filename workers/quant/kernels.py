@@ -72,8 +72,8 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=1)`` of a 2-D tensor, the same indices (first maximum; first NaN),
-    through the native kernel for contiguous float32 CPU rows (~20x faster than torch's
-    for a step's logits)."""
+    through the native kernel for contiguous float32 CPU rows (a step's [64, 49152]
+    logits: 0.45 ms, reading memory at full speed, against torch's 1.35 ms or more)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1]:
         module = native_kernels()
         if module is not None:
