@@ -83,10 +83,34 @@ def smollm2_fast(smollm2_path):
     return load_model(smollm2_path, "bfloat16")
 
 
-@pytest.mark.parametrize("which", ["smollm2", "tiny_llama"])
+@pytest.fixture(scope="module")
+def odd_head_llama(tmp_path_factory, smollm2):
+    """A tiny random Llama whose head_dim (24) has no register-resident attention
+    kernel: the native stack's generic attention loop runs."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    path = tmp_path_factory.mktemp("odd-head-llama")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return load_model(path, "float32")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "odd_head_llama"])
 def test_native_float32_step_equals_the_op_by_op_step(request, which):
-    """Packed GGUF (SmolLM2) and dense (a tiny random Llama) float32 weights: the two
-    paths differ only in the order of float sums."""
+    """Packed GGUF (SmolLM2, head_dim 64) and dense (tiny random Llamas, head_dim 16 and
+    24) float32 weights: the two paths differ only in the order of float sums."""
     loaded = request.getfixturevalue(which)
     if which == "tiny_llama":
         loaded = load_model(loaded[0], "float32")
