@@ -13,7 +13,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
 from tessera.workers.model.loader import builtin_model_path
-from tessera.workers.quant import PackedWeight, QuantType, kernels, quant_matmul
+from tessera.workers.quant import PackedWeight, QuantType, int4, kernels, quant_matmul
+from tessera.workers.quant.int4 import Int4Weight, Q4Weight, fast_q4_weight
 
 ROWS = (1, 7, 16, 64)
 ODD = (97, 32 * 7)  # [out, in]: neither a multiple of the kernel's 4-row tiles nor of 16 blocks
@@ -213,3 +214,46 @@ def test_native_argmax_rows_equals_torch_argmax(native):
     assert native.argmax_rows(torch.empty(0, 5)).shape == (0,)
     with pytest.raises(RuntimeError, match="argmax_rows: x must be a contiguous float32"):
         native.argmax_rows(x.double())
+
+
+Q4_ODD = (16 * 7, 32 * 7)  # the bf16 kernel takes whole tiles of 16 outputs; 7 blocks
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_q4_bf16_matmul_keeps_the_files_weights(native, qtype, rows):
+    """The fast mode's 4-bit kernel: bf16 x times the file's own weights (fp16 d and m,
+    not rounded to bf16 as torch's int4 layout has them), summed in float32 and rounded
+    once to bf16; more accurate than torch's int4 kernel on the same weights."""
+    if not native.q4_bf16_available():
+        pytest.skip("no AVX512_BF16 on this CPU: torch's int4 layout runs (Int4Weight)")
+    packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
+    weight = fast_q4_weight(packed)
+    assert isinstance(weight, Q4Weight)
+    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
+    x = x.to(torch.bfloat16)
+    y = weight.matmul(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, Q4_ODD[0])
+    ref = x.float() @ dense.T
+    scale = math.sqrt(dense.shape[1]) * dense.abs().max().item()
+    torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-5 * scale)
+    torch_int4 = Int4Weight.from_packed(packed).matmul(x).float()
+    assert (y.float() - ref).abs().mean() < (torch_int4 - ref).abs().mean()
+
+
+def test_fast_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
+    """Without the native kernel torch's int4 layout; neither takes Q8_0 or outputs that
+    are not whole tiles of 16 (the model keeps those dense)."""
+    packed, _ = random_packed(QuantType.Q4_1, ODD)  # 97 outputs
+    assert fast_q4_weight(packed) is None
+    assert fast_q4_weight(random_packed(QuantType.Q8_0, Q4_ODD)[0]) is None
+    with pytest.raises(ValueError, match=r"Q4Weight: Q4_1 \[97, 224\] needs a 4-bit type"):
+        Q4Weight.from_packed(packed)
+    monkeypatch.setattr(int4, "native_kernels", lambda: None)
+    packed, dense = random_packed(QuantType.Q4_1, Q4_ODD)
+    weight = fast_q4_weight(packed)
+    assert isinstance(weight, Int4Weight)
+    x = torch.randn(5, Q4_ODD[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = x.float() @ dense.T
+    bound = 2**-7 * (x.float().abs() @ dense.abs().T)  # bf16 d, m and output rounding
+    assert ((weight.matmul(x).float() - ref).abs() <= bound).all()

@@ -22,16 +22,18 @@ from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
-from tessera.workers.quant.int4 import Int4Weight, int4_row_limit
+from tessera.workers.quant.int4 import Int4Weight, Q4Weight, fast_q4_weight, int4_row_limit
 from tessera.workers.quant.kernels import native_kernels
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
 Weight = torch.Tensor | PackedWeight
 
 #: ``Linear`` kinds of the native decode stack (``csrc/decode_layers.cpp``).
-NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4 = 0, 1, 2
+NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4 = 0, 1, 2, 3
 #: Model dtypes the native decode stack has kernels for.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: ``Linear.int4_rows`` of a weight whose 4-bit kernel takes any number of rows.
+ALL_ROWS = 2**62
 
 
 class RMSNorm(nn.Module):
@@ -63,10 +65,12 @@ class Linear(nn.Module):
     - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
       SmolLM2's weights instead of 538 MB;
-    - a bfloat16 model (the fast mode) keeps Q4 weights in torch's int4 layout
-      (``Int4Weight``) for batches of at most ``int4_rows`` rows, and a dense bf16
-      ``weight`` for larger ones, where a GEMM wins (``int4_row_limit`` measures where,
-      once per process).
+    - a bfloat16 model (the fast mode) keeps Q4 weights at 4 bits: where the CPU has
+      AVX512_BF16, only as the native ``Q4Weight`` (the file's numbers, every batch
+      size; ~15% slower than a dense bf16 GEMM for long prompts, twice torch's int4 at
+      16-64 rows); else as torch's ``Int4Weight`` for batches of at most ``int4_rows``
+      rows and a dense bf16 ``weight`` for larger ones, where a GEMM wins
+      (``int4_row_limit`` measures where, once per process).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -75,7 +79,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
-        self.int4: Int4Weight | None = None
+        self.int4: Q4Weight | Int4Weight | None = None
         self.int4_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -104,35 +108,46 @@ class Linear(nn.Module):
                 self.packed = packed
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
-            if self.weight.dtype == torch.bfloat16 and Int4Weight.supports(packed):
-                self.int4 = Int4Weight.from_packed(packed)
-                self.int4_rows = int4_row_limit(self.out_features, self.in_features)
+            if self.weight.dtype == torch.bfloat16:
+                self.int4 = fast_q4_weight(packed)
+                if isinstance(self.int4, Q4Weight):
+                    # every row count, no dense copy: a row's numbers never depend on
+                    # how many rows share its step (seeded sampling stays batch-invariant)
+                    self.int4_rows = ALL_ROWS
+                    self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), False)
+                    return
+                if self.int4 is not None:
+                    self.int4_rows = int4_row_limit(self.out_features, self.in_features)
             parts = [packed]
         dense = torch.cat([_dense(part) for part in parts]).t()
         _put(self.weight, dense, name)
 
     def native(self, kernels: ModuleType) -> Any:
         """This projection as the native extension's ``Linear`` (sharing its tensors)."""
-        kind, weight, packed, int4 = NATIVE_DENSE, self.weight, self.packed, self.int4
+        weight, packed, int4 = self.weight, self.packed, self.int4
         if packed is not None:
-            kind, weight = NATIVE_GGUF, None
-        elif int4 is not None:
-            kind = NATIVE_INT4
+            return kernels.make_linear(
+                NATIVE_GGUF, None, packed.qs, packed.scales, packed.mins, int(packed.qtype),
+                None, None, 0, self.bias,
+            )  # fmt: skip
+        if isinstance(int4, Q4Weight):
+            return kernels.make_linear(
+                NATIVE_Q4, weight, None, None, int4.m, int(int4.qtype), int4.nibbles, int4.d,
+                self.int4_rows, self.bias,
+            )  # fmt: skip
+        if isinstance(int4, Int4Weight):
+            return kernels.make_linear(
+                NATIVE_INT4, weight, None, None, None, 0, int4.packed, int4.scales_and_zeros,
+                self.int4_rows, self.bias,
+            )  # fmt: skip
         return kernels.make_linear(
-            kind,
-            weight,
-            None if packed is None else packed.qs,
-            None if packed is None else packed.scales,
-            None if packed is None else packed.mins,
-            0 if packed is None else int(packed.qtype),
-            None if int4 is None else int4.packed,
-            None if int4 is None else int4.scales_and_zeros,
-            self.int4_rows,
-            self.bias,
+            NATIVE_DENSE, weight, None, None, None, 0, None, None, 0, self.bias
         )
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
+        if isinstance(self.int4, Q4Weight):
+            raise ValueError("Linear.dense_weight: a fast-mode Q4Weight has no dense copy")
         return self.weight if self.packed is None else self.packed.dequantize().t()
 
 

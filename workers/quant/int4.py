@@ -1,19 +1,25 @@
-"""The fast mode's weights: GGUF Q4_0 / Q4_1 matrices in torch's int4 layout, with
-bf16 activations, and the row count from which a dense bf16 matmul wins.
+"""The fast mode's weights: GGUF Q4_0 / Q4_1 matrices kept at 4 bits, with bf16
+activations, and the row count from which a dense bf16 matmul wins.
 
-torch's ``_weight_int4pack_mm_for_cpu`` is vectorised for bf16 activations and computes,
-per group of 32 inputs, ``w = (q - 8) * scale + zero``. GGUF's blocks map onto that
-exactly in form:
+Two layouts; ``fast_q4_weight`` picks the first this CPU and shape can run:
 
-    Q4_0  w = d * (q - 8)    scale = d, zero = 0
-    Q4_1  w = d * q + m      scale = d, zero = m + 8 d
+- ``Q4Weight``: the native AVX512_BF16 kernel (``csrc/q4_bf16.cpp``). It keeps the
+  file's fp16 ``d`` and ``m`` and sums each block in float32, so its weights are the
+  file's; about twice torch's int4 kernel at 16-64 rows (2 cores: a 16 x 576 -> 3072
+  product in 176 us vs 342 us).
+- ``Int4Weight``: torch's ``_weight_int4pack_mm_for_cpu`` (any CPU; vectorised for bf16
+  activations). It computes, per group of 32 inputs, ``w = (q - 8) * scale + zero``;
+  GGUF's blocks map onto that exactly in form:
 
-but torch keeps ``scale`` and ``zero`` in bf16, so the fast mode's weights differ from
-the file's by bf16 rounding of those two numbers (its quality contract is tested against
-the exact mode, ``tests/engine/test_fast_mode.py``).
+      Q4_0  w = d * (q - 8)    scale = d, zero = 0
+      Q4_1  w = d * q + m      scale = d, zero = m + 8 d
 
-One row of activations reads the packed ~0.5 byte per weight; many rows are faster as a
-dense bf16 GEMM (the int4 kernel dequantises per row block). ``int4_row_limit`` measures
+  but torch keeps ``scale`` and ``zero`` in bf16, so these weights differ from the
+  file's by bf16 rounding of those two numbers.
+
+The fast mode's quality contract is tested against the exact mode
+(``tests/engine/test_fast_mode.py``). One row of activations reads the packed ~0.5 byte
+per weight; many rows can be faster as a dense bf16 GEMM. ``int4_row_limit`` measures
 where the two cross on this CPU, once per weight shape and process.
 """
 
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.workers.quant.blocks import BLOCK_SIZE, PackedWeight, QuantType
+from tessera.workers.quant.kernels import native_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,8 @@ class Int4Weight:
 
     @staticmethod
     def supports(weight: PackedWeight) -> bool:
-        return weight.qtype in (QuantType.Q4_0, QuantType.Q4_1)
+        """A 4-bit type with whole tiles of 16 outputs (torch's layout needs them)."""
+        return weight.qtype in (QuantType.Q4_0, QuantType.Q4_1) and weight.out_features % 16 == 0
 
     @classmethod
     def from_packed(cls, weight: PackedWeight) -> Int4Weight:
@@ -75,17 +83,81 @@ class Int4Weight:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Q4Weight:
+    """A Q4 matrix ``[out, in]`` in the native AVX512_BF16 kernel's layout (described in
+    ``csrc/q4_bf16.cpp``): 4-bit ``nibbles`` arranged per 16 outputs, the file's fp16
+    ``d`` and ``m`` as ``[out / 16, in / 32, 16]``."""
+
+    nibbles: torch.Tensor  # uint8 [out / 16 * in / 32 * 256]
+    d: torch.Tensor  # fp16 [out / 16, in / 32, 16]
+    m: torch.Tensor | None  # fp16, like d, for Q4_1
+    qtype: QuantType
+    out_features: int
+    in_features: int
+
+    @staticmethod
+    def supports(weight: PackedWeight) -> bool:
+        """What ``Int4Weight`` takes, and the kernel built for this CPU."""
+        kernels = native_kernels()
+        return Int4Weight.supports(weight) and kernels is not None and kernels.q4_bf16_available()
+
+    @classmethod
+    def from_packed(cls, weight: PackedWeight) -> Q4Weight:
+        if not cls.supports(weight):
+            raise ValueError(
+                f"Q4Weight: {weight.qtype.name} [{weight.out_features}, {weight.in_features}] "
+                "needs a 4-bit type, out_features % 16 == 0 and the AVX512_BF16 kernel"
+            )
+        out, in_features = weight.shape
+        nb = in_features // BLOCK_SIZE
+        blocks = weight.qs.view(out, nb, BLOCK_SIZE // 2)
+        q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).to(torch.int32)  # [out, nb, 32]
+        # [tile, c, b, s, p, e] -> [tile, b, s, c, p, e]: input 8s + 2p + e of block b
+        q = q.view(out // 16, 16, nb, 4, 4, 2).permute(0, 2, 3, 1, 4, 5)
+        shifts = torch.tensor([[4 * p + 16 * e for e in range(2)] for p in range(4)])
+        words = (q << shifts.to(torch.int32)).sum((-1, -2), dtype=torch.int32).contiguous()
+
+        def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, nb] -> [out / 16, nb, 16]
+            return t.view(out // 16, 16, nb).permute(0, 2, 1).contiguous()
+
+        mins = None if weight.mins is None else tiled(weight.mins)
+        return cls(
+            words.view(torch.uint8).reshape(-1),
+            tiled(weight.scales),
+            mins,
+            weight.qtype,
+            out,
+            in_features,
+        )
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in]`` bf16 -> ``[T, out]`` bf16."""
+        return native_kernels().q4_bf16_mm(x, self.nibbles, self.d, self.m, int(self.qtype))
+
+
+def fast_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:
+    """The fast mode's 4-bit form of ``weight``: ``Q4Weight`` where this CPU and shape
+    run it, else torch's ``Int4Weight``; ``None`` where neither holds it (Q8_0, or
+    outputs not a multiple of 16): the caller keeps a dense weight."""
+    if Q4Weight.supports(weight):
+        return Q4Weight.from_packed(weight)
+    if Int4Weight.supports(weight):
+        return Int4Weight.from_packed(weight)
+    return None
+
+
 @functools.cache
 def int4_row_limit(out_features: int, in_features: int) -> int:
-    """The most rows for which the int4 kernel beats a dense bf16 GEMM on this CPU
-    (0: never), timed on a matrix of the given shape. Measured once per shape and
-    process (~0.2 s each; SmolLM2 has five shapes)."""
+    """The most rows for which the 4-bit kernel (``fast_q4_weight``'s) beats a dense bf16
+    GEMM on this CPU (0: never), timed on a matrix of the given shape. Measured once per
+    shape and process (~0.2 s each; SmolLM2 has five shapes)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(
         0, 16, (out_features, in_features // 2), dtype=torch.uint8, generator=generator
     )
     scales = torch.full((out_features, in_features // BLOCK_SIZE), 0.01, dtype=torch.float16)
-    weight = Int4Weight.from_packed(PackedWeight(QuantType.Q4_0, q, scales, None))
+    weight = fast_q4_weight(PackedWeight(QuantType.Q4_0, q, scales, None))
     dense = torch.randn(in_features, out_features, generator=generator).to(torch.bfloat16)
     limit = 0
     table = []
@@ -93,12 +165,12 @@ def int4_row_limit(out_features: int, in_features: int) -> int:
         x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
         int4 = _best_time(lambda x=x: weight.matmul(x))
         gemm = _best_time(lambda x=x: torch.mm(x, dense))
-        table.append(f"{rows}: int4 {int4 * 1e6:.0f} us, bf16 {gemm * 1e6:.0f} us")
+        table.append(f"{rows}: 4-bit {int4 * 1e6:.0f} us, bf16 {gemm * 1e6:.0f} us")
         if int4 < gemm:
             limit = rows
         else:
             break
-    logger.info("int4 vs dense bf16 (%dx%d): %s; int4 up to %d rows",
+    logger.info("%s vs dense bf16 (%dx%d): %s; 4-bit up to %d rows", type(weight).__name__,
                 out_features, in_features, "; ".join(table), limit)  # fmt: skip
     return limit
 

@@ -6,7 +6,7 @@
 // The Python layer loop spends most of a small-batch decode step dispatching ~40 eager
 // ops per layer (norms, RoPE, the K/V scatter, the attention tiles, SwiGLU, residuals);
 // here those are plain loops, and only the four matmuls of a layer go through ATen
-// (or through gguf_mm, this extension's packed GGUF kernel).
+// (or through gguf_mm and q4_bf16_mm, this extension's packed GGUF kernels).
 //
 // Numerics follow tessera/workers/model/llama.py step for step, in the model's dtype T
 // (float32, the exact mode; bfloat16, the fast mode), with the residual stream float32:
@@ -40,17 +40,22 @@ namespace tessera {
 torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                       int64_t qtype);
+torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
+                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                         int64_t qtype);
 
 namespace {
 
 constexpr int64_t kDense = 0;  // weight [in, out] in T
 constexpr int64_t kGguf = 1;   // packed GGUF blocks, float32 activations (gguf_mm)
 constexpr int64_t kInt4 = 2;   // torch's int4 layout up to int4_rows rows, else dense
+constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scales_zeros: d,
+                               // mins: m) up to int4_rows rows, else dense
 
 // One projection, as workers/model/llama.py's Linear holds it.
 struct Linear {
   int64_t kind = kDense;
-  torch::Tensor weight;  // dense [in, out]; for kInt4 the weight above int4_rows rows
+  torch::Tensor weight;  // dense [in, out]; for kInt4 / kQ4 the weight above int4_rows rows
   torch::Tensor qs, scales;
   c10::optional<torch::Tensor> mins;
   int64_t qtype = 0;
@@ -61,6 +66,10 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == kGguf) {
       auto y = gguf_mm(x, qs, scales, mins, qtype);
+      return bias ? y.add_(*bias) : y;
+    }
+    if (kind == kQ4 && x.size(0) <= int4_rows) {
+      auto y = q4_bf16_mm(x, int4, int4_scales_zeros, mins, qtype);
       return bias ? y.add_(*bias) : y;
     }
     if (kind == kInt4 && x.size(0) <= int4_rows) {
@@ -536,7 +545,8 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
                    const c10::optional<torch::Tensor>& bias) {
   Linear linear;
   linear.kind = kind;
-  TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4, "make_linear: kind ", kind);
+  TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4 || kind == kQ4,
+              "make_linear: kind ", kind);
   if (weight) linear.weight = *weight;
   if (kind == kGguf) {
     TORCH_CHECK(qs && scales, "make_linear: a GGUF weight needs qs and scales");
@@ -545,11 +555,15 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
     linear.mins = mins;
     linear.qtype = qtype;
   }
-  if (kind == kInt4) {
-    TORCH_CHECK(int4 && int4_scales_zeros, "make_linear: an int4 weight needs its tensors");
+  if (kind == kInt4 || kind == kQ4) {
+    TORCH_CHECK(int4 && int4_scales_zeros, "make_linear: a 4-bit weight needs its tensors");
     linear.int4 = *int4;
     linear.int4_scales_zeros = *int4_scales_zeros;
     linear.int4_rows = int4_rows;
+  }
+  if (kind == kQ4) {
+    linear.mins = mins;
+    linear.qtype = qtype;
   }
   TORCH_CHECK(kind == kGguf || weight || int4_rows > 0, "make_linear: no dense weight");
   linear.bias = bias;

@@ -290,6 +290,7 @@ namespace tessera {
 
 void register_decode_layers(pybind11::module& m);  // decode_layers.cpp
 void register_rows(pybind11::module& m);           // rows.cpp
+void register_q4_bf16(pybind11::module& m);        // q4_bf16.cpp
 
 torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
@@ -339,4 +340,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx512") = static_cast<bool>(TESSERA_AVX512);
   tessera::register_decode_layers(m);
   tessera::register_rows(m);
+  tessera::register_q4_bf16(m);
 }

@@ -1,0 +1,181 @@
+// y[T, N] (bf16) = x[T, K] (bf16) @ W^T for GGUF Q4_0 / Q4_1 weights W [N, K], on CPUs
+// with AVX512_BF16: the fast mode's matmul.
+//
+// The file's numbers are kept: per block b of 32 inputs, W = d * q + m (Q4_1) or
+// d * (q - 8) (Q4_0) with d, m fp16, and
+//     y = sum_b  d_b * (x_b . (q_b + 128))  +  (m_b - 128 d_b) * sum(x_b)      (Q4_1)
+//     y = sum_b  d_b * (x_b . (q_b + 128))  -  136 d_b * sum(x_b)              (Q4_0)
+// in float32. q + 128 is a bf16 whose bits are 0x4300 | q, so a nibble becomes a bf16
+// with one AND and one OR, and VDPBF16PS multiplies 32 of them with x at a time
+// (products exact, float32 sums). torch's int4 kernel instead rounds d and m to bf16.
+// The +128 offset costs ~7 bits of the float32 block sums (error ~2^-17 of sum |x q|),
+// far below the bf16 rounding of x that the fast mode accepts.
+//
+// Layout (built by tessera/workers/quant/int4.py, `Q4Weight.from_packed`), N % 16 == 0:
+//   nibbles uint8 [N / 16, K / 32, 4, 16, 4]: for output tile t, block b and step s
+//           (inputs 8s .. 8s + 7 of the block), one zmm: 32-bit lane c is output
+//           16t + c and holds input 8s + 2p in bits 4p..4p+3 and input 8s + 2p + 1 in
+//           bits 16 + 4p .. 16 + 4p + 3 (p = 0..3), so (lane >> 4p) & 0x000F000F is the
+//           pair (8s + 2p, 8s + 2p + 1) as two 16-bit integers.
+//   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
+// Each output tile is expanded once into an L1/L2 buffer of bf16 pairs, then every group
+// of up to kRows rows of x runs through it (x pairs broadcast from memory).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TESSERA_Q4_BF16 1
+#else
+#define TESSERA_Q4_BF16 0
+#endif
+
+namespace tessera {
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kQ4_0 = 2;
+constexpr int kQ4_1 = 3;
+
+#if TESSERA_Q4_BF16
+constexpr int kRows = 12;  // rows of x a micro-kernel holds: 2 accumulators each
+
+// R rows of x [R, K] (bf16 bits) through one expanded tile: pairs [nb, 16] zmm, dq and
+// corr [nb] zmm (16 outputs' d and correction); sx [R, nb] the block sums of x. Writes
+// y[r, 0..16).
+template <int R>
+inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
+                      const __m512i* pairs, const __m512* dq, const __m512* corr, uint16_t* y,
+                      int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    const __m512i* wb = pairs + b * 16;
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_load_si512(wb + p));
+      for (int r = 0; r < R; ++r) {
+        int32_t xx;  // inputs 2p, 2p + 1 of the block: one bf16 pair
+        std::memcpy(&xx, x + r * K + b * kBlock + 2 * p, sizeof xx);
+        part[r] = _mm512_dpbf16_ps(part[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(xx)), w);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(part[r], dq[b], acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr[b], acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r])));
+}
+
+template <int R>
+void rows_through(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
+                  const __m512i* pairs, const __m512* dq, const __m512* corr, uint16_t* y,
+                  int64_t N, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_rows<R>(x, K, sx, nb, pairs, dq, corr, y, N);
+    return rows_through<R - 1>(x, K, sx, nb, pairs, dq, corr, y, N, rows);
+  }
+}
+#endif
+
+}  // namespace
+
+bool q4_bf16_available() { return TESSERA_Q4_BF16 != 0; }
+
+torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
+                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                         int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "q4_bf16_mm: qtype ", qtype, " is not Q4_0/Q4_1");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
+              "q4_bf16_mm: x must be a bfloat16 [T, K] CPU tensor");
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
+                  d.is_contiguous(),
+              "q4_bf16_mm: d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
+  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, N = tiles * 16;
+  const int64_t T = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "q4_bf16_mm: x has ", x.size(1), " features, the weight takes ", K);
+  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
+                  nibbles.numel() == tiles * nb * 256,
+              "q4_bf16_mm: nibbles must be contiguous uint8 with ", tiles * nb * 256, " bytes");
+  TORCH_CHECK((qtype == kQ4_1) == m.has_value(), "q4_bf16_mm: mins go with Q4_1 only");
+  if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == torch::kHalf &&
+                         m->is_contiguous(),
+                     "q4_bf16_mm: m must be shaped like d");
+  auto y = torch::empty({T, N}, x.options());
+#if TESSERA_Q4_BF16
+  const auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  // block sums of x, float32 [T, nb]
+  std::vector<float> sx(T * nb);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock))), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock + 16))), 16));
+      sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+  const uint8_t* np = nibbles.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
+    std::vector<__m512> dq(nb), corr(nb);
+    const __m512i low = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const uint8_t* nt = np + tile * nb * 256;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int s = 0; s < 4; ++s) {
+          const __m512i v = _mm512_loadu_si512(nt + (b * 4 + s) * 64);
+          for (int p = 0; p < 4; ++p)  // (v >> 4p) & low | bias
+            pairs[b * 16 + s * 4 + p] =
+                _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * p), low, bias, 0xEA);
+        }
+        const __m512 dv = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + (tile * nb + b) * 16)));
+        dq[b] = dv;
+        if (mp) {
+          const __m512 mv = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + (tile * nb + b) * 16)));
+          corr[b] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), dv, mv);  // m - 128 d
+        } else {
+          corr[b] = _mm512_mul_ps(_mm512_set1_ps(-136.f), dv);  // -8 d - 128 d
+        }
+      }
+      for (int64_t r0 = 0; r0 < T; r0 += kRows)
+        rows_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, pairs.data(), dq.data(),
+                            corr.data(),
+                            yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, T - r0));
+    }
+  });
+#else
+  TORCH_CHECK(false, "q4_bf16_mm: this build has no AVX512_BF16 kernel (q4_bf16_available())");
+#endif
+  return y;
+}
+
+void register_q4_bf16(pybind11::module& m) {
+  namespace py = pybind11;
+  m.def("q4_bf16_available", &q4_bf16_available,
+        "whether this CPU build has the AVX512_BF16 Q4 kernel");
+  m.def("q4_bf16_mm", &q4_bf16_mm,
+        "y (bf16) = x (bf16) @ W^T for Q4_0/Q4_1 weights in the Q4Weight layout",
+        py::arg("x"), py::arg("nibbles"), py::arg("d"), py::arg("m"), py::arg("qtype"),
+        py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace tessera
