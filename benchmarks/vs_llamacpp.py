@@ -14,7 +14,7 @@ Tessera runs in this process, ``Engine.add_request`` / ``step`` (prefix caching 
 every run computes its whole prompt), once per mode in ``MODES``: ``exact`` (float32,
 packed GGUF weights: the default), ``dense-fp32`` (``packed_weights=False``: every
 weight dequantised at load, the old path) and ``fast`` (``dtype="bfloat16"``: bf16
-activations, the Q4 matrices in torch's int4 layout for small batches). llama.cpp runs
+activations, the Q4 matrices at 4 bits through the native bf16 kernel). llama.cpp runs
 through llama-cpp-python in a subprocess with its own venv's python, two ways, both
 timed per run:
 
@@ -78,7 +78,7 @@ class Mode:
 MODES = (
     Mode("exact", {"dtype": "float32"}, target="exact"),  # packed GGUF weights (default)
     Mode("dense-fp32", {"dtype": "float32", "packed_weights": False}),
-    Mode("fast", {"dtype": "bfloat16"}, target="fast"),  # bf16, Q4 weights in int4 layout
+    Mode("fast", {"dtype": "bfloat16"}, target="fast"),  # bf16, Q4 weights at 4 bits
 )
 MODES_BY_NAME = {m.name: m for m in MODES}
 DEFAULT_MODES = tuple(MODES_BY_NAME)

@@ -67,7 +67,7 @@ class EngineConfig:
         True,
         "keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices packed as the file stores them and "
         "multiply with them directly, on the CPU (float32, the exact mode: dequantised "
-        "inside the kernel; bfloat16, the fast mode: Q4 in torch's int4 layout); off: "
+        "inside the kernel; bfloat16, the fast mode: Q4 at 4 bits, see README); off: "
         "dequantise every weight to a dense one at load",
     )
     cuda_graphs: bool = _setting(

@@ -112,8 +112,8 @@ def load_model(
 ) -> LoadedModel:
     """Load weights and tokenizer. ``packed_weights``: a float32 or bfloat16 model on the
     CPU keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed (float32: multiplied
-    directly, dequantised exactly inside the kernel; bfloat16: Q4 in torch's int4 layout
-    for small batches, see ``Linear``); otherwise every tensor is dequantised to a dense
+    directly, dequantised exactly inside the kernel; bfloat16: Q4 at 4 bits, see
+    ``Linear``); otherwise every tensor is dequantised to a dense
     one at load."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
