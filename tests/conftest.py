@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from tessera.workers.model.loader import builtin_model_path
+from tessera.workers.quant.kernels import native_kernels
 from tests.helpers import RAY_NAMESPACE, TransformersReference
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernels_built_first() -> None:
+    """Build the native extension (a first build takes ~60 s) before any test, so that
+    no test's subprocess or Ray worker builds it inside that test's time limits."""
+    native_kernels()
 
 
 @pytest.fixture(scope="session")
