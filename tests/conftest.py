@@ -9,7 +9,7 @@ import torch
 
 from tessera.workers.model.loader import builtin_model_path
 from tessera.workers.quant.kernels import native_kernels
-from tests.helpers import RAY_NAMESPACE, TransformersReference
+from tests.helpers import RAY_NAMESPACE, TransformersReference, save_random_llama
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -77,22 +77,6 @@ def make_engine(smollm2):
 def tiny_llama(tmp_path_factory, smollm2):
     """A tiny random Llama (GQA, vocab 512) saved as a Hugging Face directory, with the
     transformers model that wrote it: (path, model)."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
+    model = save_random_llama(path, smollm2.tokenizer)
     return path, model.eval()

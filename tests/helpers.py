@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -146,3 +147,28 @@ def run_multi_row(engine, requests: dict[str, SamplingParams]) -> tuple:
     sets = [s.token_ids for d in out["parallel"] for s in d.parallel_sets]
     forks = sorted((d.index, tuple(d.token_ids)) for d in out.get("forks", ()) if d.token_ids)
     return {rid: tokens_of(out[rid]) for rid in requests}, sets, forks
+
+
+def save_random_llama(path: Path, tokenizer, **config):
+    """A random Llama (GQA, vocab 512, 2 layers; ``config`` overrides LlamaConfig fields)
+    saved with ``tokenizer`` as a Hugging Face directory at ``path``; returns the
+    transformers model that wrote it."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = transformers.LlamaConfig(**{**fields, **config})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model

@@ -16,7 +16,7 @@ from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.model.loader import load_model
 from tessera.workers.quant.kernels import native_kernels
-from tests.helpers import multi_row_requests, run_multi_row
+from tests.helpers import multi_row_requests, run_multi_row, save_random_llama
 
 
 @pytest.fixture(autouse=True)
@@ -87,23 +87,8 @@ def smollm2_fast(smollm2_path):
 def odd_head_llama(tmp_path_factory, smollm2):
     """A tiny random Llama whose head_dim (24) has no register-resident attention
     kernel: the native stack's generic attention loop runs."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     path = tmp_path_factory.mktemp("odd-head-llama")
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
+    save_random_llama(path, smollm2.tokenizer, hidden_size=96, intermediate_size=128)
     return load_model(path, "float32")
 
 

@@ -149,15 +149,16 @@ def fast_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:
 
 @functools.cache
 def int4_row_limit(out_features: int, in_features: int) -> int:
-    """The most rows for which the 4-bit kernel (``fast_q4_weight``'s) beats a dense bf16
+    """The most rows for which torch's int4 kernel (``Int4Weight``) beats a dense bf16
     GEMM on this CPU (0: never), timed on a matrix of the given shape. Measured once per
-    shape and process (~0.2 s each; SmolLM2 has five shapes)."""
+    shape and process (~0.2 s each; SmolLM2 has five shapes). ``Q4Weight`` needs no
+    limit: it takes every row count."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(
         0, 16, (out_features, in_features // 2), dtype=torch.uint8, generator=generator
     )
     scales = torch.full((out_features, in_features // BLOCK_SIZE), 0.01, dtype=torch.float16)
-    weight = fast_q4_weight(PackedWeight(QuantType.Q4_0, q, scales, None))
+    weight = Int4Weight.from_packed(PackedWeight(QuantType.Q4_0, q, scales, None))
     dense = torch.randn(in_features, out_features, generator=generator).to(torch.bfloat16)
     limit = 0
     table = []
@@ -165,12 +166,12 @@ def int4_row_limit(out_features: int, in_features: int) -> int:
         x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
         int4 = _best_time(lambda x=x: weight.matmul(x))
         gemm = _best_time(lambda x=x: torch.mm(x, dense))
-        table.append(f"{rows}: 4-bit {int4 * 1e6:.0f} us, bf16 {gemm * 1e6:.0f} us")
+        table.append(f"{rows}: int4 {int4 * 1e6:.0f} us, bf16 {gemm * 1e6:.0f} us")
         if int4 < gemm:
             limit = rows
         else:
             break
-    logger.info("%s vs dense bf16 (%dx%d): %s; 4-bit up to %d rows", type(weight).__name__,
+    logger.info("int4 vs dense bf16 (%dx%d): %s; int4 up to %d rows",
                 out_features, in_features, "; ".join(table), limit)  # fmt: skip
     return limit
 
