@@ -18,8 +18,10 @@
 //           bits 16 + 4p .. 16 + 4p + 3 (p = 0..3), so (lane >> 4p) & 0x000F000F is the
 //           pair (8s + 2p, 8s + 2p + 1) as two 16-bit integers.
 //   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
-// Each output tile is expanded once into an L1/L2 buffer of bf16 pairs, then every group
-// of up to kRows rows of x runs through it (x pairs broadcast from memory).
+// Up to kDirectRows rows, each block is expanded in registers and used at once; for more
+// rows each output tile is expanded once into an L1/L2 buffer of bf16 pairs, then every
+// group of up to kRows rows of x runs through it (x pairs broadcast from memory). Both
+// make the same products in the same order, so a row's result never depends on T.
 
 #include <torch/extension.h>
 
@@ -47,6 +49,66 @@ constexpr int kQ4_1 = 3;
 #if TESSERA_Q4_BF16
 constexpr int kRows = 12;  // rows of x a micro-kernel holds: 2 accumulators each
 
+constexpr int64_t kDirectRows = 4;  // up to this many rows: no expanded buffer
+
+// Pair p (0..3) of a zmm of nibbles, as bf16 (q + 128) pairs: (v >> 4p) & low | bias.
+inline __m512i expand_pair(__m512i v, int p) {
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * p), _mm512_set1_epi32(0x000F000F),
+                                   _mm512_set1_epi32(0x43004300), 0xEA);
+}
+
+// A block's 16 outputs' d, and the correction that takes the +128 off: m - 128 d (Q4_1)
+// or -8 d - 128 d (Q4_0, m == nullptr). d, m: 16 fp16.
+inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m512& corr) {
+  dq = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  corr = m ? _mm512_fnmadd_ps(_mm512_set1_ps(128.f), dq,
+                              _mm512_cvtph_ps(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(m))))
+           : _mm512_mul_ps(_mm512_set1_ps(-136.f), dq);
+}
+
+inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as one bf16 pair
+  int32_t xx;
+  std::memcpy(&xx, x, sizeof xx);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(xx));
+}
+
+// R <= kDirectRows rows through one tile, each block's pairs expanded in registers and
+// used at once (decode: a buffer round trip per tile cost more than the products). A
+// block's 16 pairs are summed as four independent chains of 4 (one chain of 16 waited on
+// VDPBF16PS's latency at one row), then added in order; tile_rows makes the same sums in
+// the same order, so every row count gives the same bits.
+template <int R>
+inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
+                        const uint8_t* nibbles, const uint16_t* d, const uint16_t* m,
+                        uint16_t* y, int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 part[R];
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = _mm512_loadu_si512(nibbles + (b * 4 + s) * 64);
+      __m512 step[R];
+      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
+      for (int p = 0; p < 4; ++p) {
+        const __m512bh w = reinterpret_cast<__m512bh>(expand_pair(v, p));
+        for (int r = 0; r < R; ++r)
+          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 8 * s + 2 * p), w);
+      }
+      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
+    }
+    __m512 dq, corr;
+    block_scales(d + b * 16, m ? m + b * 16 : nullptr, dq, corr);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(part[r], dq, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r])));
+}
+
 // R rows of x [R, K] (bf16 bits) through one expanded tile: pairs [nb, 16] zmm, dq and
 // corr [nb] zmm (16 outputs' d and correction); sx [R, nb] the block sums of x. Writes
 // y[r, 0..16).
@@ -58,14 +120,14 @@ inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-    const __m512i* wb = pairs + b * 16;
-    for (int p = 0; p < 16; ++p) {
-      const __m512bh w = reinterpret_cast<__m512bh>(_mm512_load_si512(wb + p));
+    for (int s = 0; s < 4; ++s) {  // as tile_direct: four chains of 4 pairs, then summed
+      const __m512i* ws = pairs + b * 16 + s * 4;
       for (int r = 0; r < R; ++r) {
-        int32_t xx;  // inputs 2p, 2p + 1 of the block: one bf16 pair
-        std::memcpy(&xx, x + r * K + b * kBlock + 2 * p, sizeof xx);
-        part[r] = _mm512_dpbf16_ps(part[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(xx)), w);
+        __m512 step = _mm512_setzero_ps();
+        for (int p = 0; p < 4; ++p)
+          step = _mm512_dpbf16_ps(step, x_pair(x + r * K + b * kBlock + 8 * s + 2 * p),
+                                  reinterpret_cast<__m512bh>(_mm512_load_si512(ws + p)));
+        part[r] = s == 0 ? step : _mm512_add_ps(part[r], step);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -132,34 +194,41 @@ torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const uint16_t* mp = m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  if (T <= kDirectRows) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const uint8_t* nt = np + tile * nb * 256;
+        const uint16_t* dt = dp + tile * nb * 16;
+        const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
+        uint16_t* yt = yp + tile * 16;
+        switch (T) {
+          case 0: break;
+          case 1: tile_direct<1>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
+          case 2: tile_direct<2>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
+          case 3: tile_direct<3>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
+          default: tile_direct<4>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
+        }
+      }
+    });
+    return y;
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
     std::vector<__m512> dq(nb), corr(nb);
-    const __m512i low = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
     for (int64_t tile = begin; tile < end; ++tile) {
       const uint8_t* nt = np + tile * nb * 256;
       for (int64_t b = 0; b < nb; ++b) {
         for (int s = 0; s < 4; ++s) {
           const __m512i v = _mm512_loadu_si512(nt + (b * 4 + s) * 64);
-          for (int p = 0; p < 4; ++p)  // (v >> 4p) & low | bias
-            pairs[b * 16 + s * 4 + p] =
-                _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4 * p), low, bias, 0xEA);
+          for (int p = 0; p < 4; ++p) pairs[b * 16 + s * 4 + p] = expand_pair(v, p);
         }
-        const __m512 dv = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dp + (tile * nb + b) * 16)));
-        dq[b] = dv;
-        if (mp) {
-          const __m512 mv = _mm512_cvtph_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mp + (tile * nb + b) * 16)));
-          corr[b] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), dv, mv);  // m - 128 d
-        } else {
-          corr[b] = _mm512_mul_ps(_mm512_set1_ps(-136.f), dv);  // -8 d - 128 d
-        }
+        block_scales(dp + (tile * nb + b) * 16, mp ? mp + (tile * nb + b) * 16 : nullptr,
+                     dq[b], corr[b]);
       }
       for (int64_t r0 = 0; r0 < T; r0 += kRows)
         rows_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, pairs.data(), dq.data(),
-                            corr.data(),
-                            yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, T - r0));
+                            corr.data(), yp + r0 * N + tile * 16, N,
+                            std::min<int64_t>(kRows, T - r0));
     }
   });
 #else
