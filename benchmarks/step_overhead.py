@@ -8,7 +8,8 @@ as well. Host time is scheduling, building the flattened batch, sampling, detoke
 and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
 
     python benchmarks/step_overhead.py                       # exact mode (float32)
-    python benchmarks/step_overhead.py --dtype bfloat16      # fast mode
+    python benchmarks/step_overhead.py --dtype auto          # fast mode (where it runs)
+    python benchmarks/step_overhead.py --dtype bfloat16      # bf16 activations and KV
     python benchmarks/step_overhead.py --device cuda         # on a GPU (CUDA graphs)
     python benchmarks/step_overhead.py --device cuda --no-cuda-graphs
     python benchmarks/step_overhead.py --no-native-decode    # CPU decodes op by op (before)
@@ -73,7 +74,7 @@ def measure(loaded, args: argparse.Namespace, running: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed per point")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -116,6 +117,7 @@ def main() -> None:
         {
             "peer": "the same step's model forward (host / step is the ratio)",
             "dtype": args.dtype,
+            "precision": loaded.precision,
             "device": args.device,
             "cuda_graphs": args.device != "cpu" and args.cuda_graphs,
             "native_decode": args.device == "cpu" and args.native_decode,

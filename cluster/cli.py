@@ -144,6 +144,7 @@ def _structured(args: argparse.Namespace) -> dict[str, str] | None:
 
 def _generate(args: argparse.Namespace) -> int:
     from tessera.workers.api import InvalidRequestError
+    from tessera.workers.config import PRECISION_TEXT
     from tessera.workers.engine import Engine
 
     try:
@@ -159,7 +160,11 @@ def _generate(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"loaded in {time.perf_counter() - start:.1f} s: {PRECISION_TEXT[engine.loaded.precision]}",
+        file=sys.stderr,
+        flush=True,
+    )
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template(
@@ -448,7 +453,8 @@ async def _run_cluster(config, sampling: SamplingParams, args: argparse.Namespac
         stats = await cluster.stats()
         print(
             f"cluster ready in {time.perf_counter() - start:.1f} s: "
-            f"{len(stats.workers)} workers, placement {stats.policy}",
+            f"{len(stats.workers)} workers, placement {stats.policy}, "
+            f"{config.precision_text(cluster.worker_num_cpus, cluster.precision)}",
             file=sys.stderr,
             flush=True,
         )

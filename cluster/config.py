@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from tessera.scheduler.placement import POLICIES
-from tessera.workers.config import EngineConfig
+from tessera.workers.config import AUTO_DTYPE, FAST, PRECISION_TEXT, EngineConfig
 from tessera.workers.protocol import DECODE, MIXED, PREFILL
 
 if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
@@ -65,8 +65,9 @@ def setting_type(spec: dataclasses.Field, hint: Any) -> Any:
 
 
 def engine_settings() -> dict[str, tuple[Any, Any]]:
-    """Pydantic fields from ``EngineConfig``'s declaration: type, default, help as the
-    description, bounds as constraints; ``ENGINE_ONLY`` left out."""
+    """Pydantic fields from ``EngineConfig``'s declaration: type, default (its
+    ``cli_default`` where it has one), help as the description, bounds as constraints;
+    ``ENGINE_ONLY`` left out."""
     hints = typing.get_type_hints(EngineConfig)
     fields = {}
     for spec in dataclasses.fields(EngineConfig):
@@ -74,7 +75,8 @@ def engine_settings() -> dict[str, tuple[Any, Any]]:
             continue
         bounds = {key: spec.metadata[key] for key in ("ge", "gt", "le") if key in spec.metadata}
         description = spec.metadata["help"]
-        field = Field(spec.default, description=description, **bounds)
+        default = spec.metadata.get("cli_default", spec.default)
+        field = Field(default, description=description, **bounds)
         fields[spec.name] = (setting_type(spec, hints[spec.name]), field)
     return fields
 
@@ -322,22 +324,22 @@ class ClusterConfig(EngineSettings):
             return f"{self.prefill_workers} prefill + {self.decode_workers} decode worker(s)"
         return f"{self.workers} worker(s)"
 
-    def precision_text(self, worker_num_cpus: float) -> str:
+    def precision_text(self, worker_num_cpus: float, precision: str | None = None) -> str:
         """The precision mode and each worker's CPUs (as resolved) in words, for the
-        ready line."""
-        mode = {"float32": "exact mode", "bfloat16": "fast mode"}.get(self.dtype)
+        ready line. ``precision``: what a worker's model computes in
+        (``LoadedModel.precision``), which ``dtype="auto"`` resolves on the worker."""
+        resolved = precision or self.dtype
         packed = (
             self.packed_weights
-            and mode is not None
+            and resolved in (FAST, AUTO_DTYPE, "float32", "bfloat16")
             and self.device != "cuda"
             and (self.model is None or self.model.endswith(".gguf"))
         )
-        weights = "packed GGUF weights on the CPU" if packed else None
-        details = ", ".join(filter(None, (mode, weights)))
-        return (
-            f"{self.dtype}{f' ({details})' if details else ''}, "
-            f"{worker_num_cpus:g} CPU(s) and torch threads per worker"
-        )
+        text = PRECISION_TEXT.get(resolved, resolved)
+        if self.dtype == AUTO_DTYPE and precision:
+            text = f"auto -> {text}"
+        weights = ", packed GGUF weights on the CPU" if packed else ""
+        return f"{text}{weights}; {worker_num_cpus:g} CPU(s) and torch threads per worker"
 
     def _check_common(self) -> ClusterConfig:
         tls = (self.kv_transfer_tls_cert, self.kv_transfer_tls_key, self.kv_transfer_tls_ca)
@@ -662,7 +664,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for spec in dataclasses.fields(EngineConfig):
         kind = setting_type(spec, hints[spec.name])
-        _add_flag(group, spec.name, kind, spec.default, spec.metadata["help"])
+        default = spec.metadata.get("cli_default", spec.default)
+        _add_flag(group, spec.name, kind, default, spec.metadata["help"])
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

@@ -113,6 +113,9 @@ class Cluster:
         self.owns_scheduler = owns_scheduler
         #: CPUs (and torch threads) each worker got (``resolve_worker_cpus``).
         self.worker_num_cpus = config.worker_num_cpus
+        #: What a worker's model computes in (``LoadedModel.precision``: "fast" or a
+        #: dtype's name; ``dtype="auto"`` resolved), None before any worker registered.
+        self.precision: str | None = None
 
     @classmethod
     async def start(
@@ -158,6 +161,8 @@ class Cluster:
         client = ClusterClient(scheduler, load_tokenizer(config.model))
         cluster = cls(config, scheduler, client, owns_ray, owns_scheduler)
         cluster.worker_num_cpus = (await scheduler.get_config.remote()).worker_num_cpus
+        info = await scheduler.model_info.remote()
+        cluster.precision = None if info is None else info.precision
         return cluster
 
     async def submit(

@@ -110,7 +110,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         )
         url = f"http://{config.host}:{config.port}"
         grpc = f", gRPC on port {config.grpc_port}" if config.grpc_port is not None else ""
-        precision = config.precision_text(cluster.worker_num_cpus)
+        precision = config.precision_text(cluster.worker_num_cpus, cluster.precision)
         _say(
             f"ready at {url}{grpc} in {time.perf_counter() - start:.1f} s: model "
             f"{config.model_name!r}, {config.workers_text}, {precision}; try "

@@ -152,6 +152,7 @@ class WorkerActor:
             node_id=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
             kv_address=self._kv_address(),
+            precision=engine.loaded.precision,
         )
 
     def _kv_address(self) -> str | None:

@@ -8,7 +8,9 @@ it, in the layers above: the cluster's engine settings (which ``tessera serve``/
 
 - ``help``: what the setting does, as ``--help`` and the chart's schema say it;
 - ``choices``: the allowed values (a ``Literal`` in pydantic, ``choices`` for a flag);
-- ``ge``/``gt``/``le``: bounds, as pydantic ``Field`` takes them.
+- ``ge``/``gt``/``le``: bounds, as pydantic ``Field`` takes them;
+- ``cli_default``: the default of the entry points (``tessera serve``/``cluster``/
+  ``generate``, config files, the Helm chart) where it differs from the Python API's.
 
 This module stays light (no torch): ``tessera --help`` builds its flags from it.
 """
@@ -22,6 +24,17 @@ from tessera.workers.api import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, Spe
 
 #: Weights and KV cache dtypes, by name (the model loader maps them to torch dtypes).
 DTYPES = ("float32", "bfloat16", "float16")
+#: The ``dtype`` that picks the fast mode where it runs, else float32 (the loader decides).
+AUTO_DTYPE = "auto"
+#: ``LoadedModel.precision`` of the fast mode (the others are the dtype's name).
+FAST = "fast"
+#: Each precision a model computes in, in words (logs and ready lines).
+PRECISION_TEXT = {
+    FAST: "float32, fast mode: bf16 inputs to the Q4 matmuls",
+    "float32": "float32, exact mode",
+    "bfloat16": "bfloat16 activations and KV cache",
+    "float16": "float16 activations and KV cache",
+}
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 64
@@ -59,16 +72,21 @@ class EngineConfig:
     )
     dtype: str = _setting(
         "float32",
-        "weights and KV cache dtype; bfloat16 is the fast path on CPUs with AMX",
-        choices=DTYPES,
+        "precision: auto is the fast mode where it runs (a GGUF model's Q4 matrices on a "
+        "CPU with AVX512_BF16: their inputs rounded to bf16, float32 everywhere else), "
+        "else float32; float32 is the exact mode (token-identical to transformers); "
+        "bfloat16 also keeps activations and the KV cache in bf16",
+        choices=(AUTO_DTYPE, *DTYPES),
+        cli_default=AUTO_DTYPE,
     )
     device: str = _setting("cpu", "cpu or cuda[:N]")
     packed_weights: bool = _setting(
         True,
         "keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices packed as the file stores them and "
         "multiply with them directly, on the CPU (float32, the exact mode: dequantised "
-        "inside the kernel; bfloat16, the fast mode: Q4 at 4 bits, see README); off: "
-        "dequantise every weight to a dense one at load",
+        "inside the kernel; the fast mode and bfloat16: Q4 through the bf16 x Q4 kernel, "
+        "see README); off: dequantise every weight to a dense one at load (then auto is "
+        "float32)",
     )
     cuda_graphs: bool = _setting(
         True,
@@ -141,8 +159,10 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (AUTO_DTYPE, *DTYPES):
+            raise ValueError(
+                f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {self.dtype!r}"
+            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

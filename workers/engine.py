@@ -50,7 +50,7 @@ from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
-from tessera.workers.model.loader import DTYPES, LoadedModel, load_model
+from tessera.workers.model.loader import LoadedModel, load_model
 from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.outputs import aborted_outputs, beam_outputs, sequence_output
 from tessera.workers.parallel_tokens import choose_set, mean_distribution_logits
@@ -113,7 +113,7 @@ class Engine:
             self.model_config.max_position_embeddings,
         )
         device = torch.device(config.device)
-        dtype = DTYPES[config.dtype]
+        dtype = self.loaded.dtype
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.model_config,
             config.block_size,
@@ -155,7 +155,7 @@ class Engine:
         self.forks = Forks(self.kv, self.tokenizer, config.enable_block_sharing)
         self.handoff = BlockHandoff(self)  # KV blocks in and out (disaggregation)
         # What changes a block's K/V besides its tokens (the request's salt is added).
-        self.hash_keys: tuple[str, ...] = (self.loaded.model_id, config.dtype)
+        self.hash_keys: tuple[str, ...] = (self.loaded.model_id, self.loaded.precision)
         self.groups: dict[str, SequenceGroup] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._lock = threading.Lock()  # guards request-id bookkeeping across threads

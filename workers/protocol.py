@@ -37,7 +37,7 @@ class WorkerInfo:
     worker_id: str
     role: str
     incarnation: str  # new on every (re)start: the scheduler resets what it knew
-    hash_keys: tuple[str, ...]  # model id and dtype: the extra keys of block hashes
+    hash_keys: tuple[str, ...]  # model id and precision: the extra keys of block hashes
     block_size: int
     total_blocks: int
     max_num_seqs: int
@@ -46,6 +46,7 @@ class WorkerInfo:
     node_id: str
     pid: int
     kv_address: str | None = None  # host:port of its KVTransfer server (prefill workers)
+    precision: str = "float32"  # LoadedModel.precision: "fast", or the dtype's name
 
 
 @dataclass(frozen=True, slots=True)

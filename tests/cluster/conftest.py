@@ -13,6 +13,7 @@ def cluster_config(**fields):
     """A test cluster: float32, a small KV pool, quick reports, one CPU per worker."""
     from tessera.cluster.config import ClusterConfig
 
+    fields.setdefault("dtype", "float32")  # the exact mode (the entry points pick auto)
     fields.setdefault("num_kv_blocks", 256)
     fields.setdefault("report_interval_s", 0.1)
     fields.setdefault("namespace", RAY_NAMESPACE)

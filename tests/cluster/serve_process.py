@@ -75,6 +75,8 @@ def serve_process(
     config = root / "serve.yaml"
     if "worker_num_cpus" not in settings:  # the session's Ray has 2 CPUs for all clusters
         settings = f"worker_num_cpus: 1\n{settings}"
+    if "dtype" not in settings:  # the exact mode, which the tests compare against
+        settings = f"dtype: float32\n{settings}"
     config.write_text(f"namespace: {namespace}\n{settings}")
     port = free_port()
     grpc_port = free_port() if grpc else None

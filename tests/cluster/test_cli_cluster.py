@@ -57,6 +57,8 @@ def test_cluster_runs_prompts_like_the_engine(ray_session, make_engine):
             "128",
             "--device",
             "cpu",
+            "--dtype",
+            "float32",
             "--prompt",
             prompt,
             "--max-tokens",
@@ -69,3 +71,4 @@ def test_cluster_runs_prompts_like_the_engine(ray_session, make_engine):
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
     assert "mixed-0 healthy: 1 placed" in done.stderr
+    assert "float32, exact mode" in done.stderr

@@ -53,6 +53,11 @@ def test_readme_run_command_serves_and_the_curl_example_answers(tmp_path):
         )
         body = json.loads(answer.stdout)
         assert body["object"] == "chat.completion"
+        # the default precision: the fast mode where this CPU runs it, and it says so
+        from tessera.workers.model.loader import fast_mode_available
+
+        chosen = "fast mode" if fast_mode_available() else "exact mode"
+        assert f"auto -> float32, {chosen}" in log.read_text(), log.read_text()[-5000:]
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] > 0
     finally:

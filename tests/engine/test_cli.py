@@ -60,7 +60,7 @@ def test_generate_streams_the_greedy_completion(smollm2, hf_reference):
         [t for t in ref.token_ids[: ref.token_ids.index(2) if 2 in ref.token_ids else None]]
     )
     out = subprocess.run(
-        [*CLI, "generate", "--prompt", prompt, "--max-tokens", "12"],
+        [*CLI, "generate", "--prompt", prompt, "--max-tokens", "12", "--dtype", "float32"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -68,6 +68,25 @@ def test_generate_streams_the_greedy_completion(smollm2, hf_reference):
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip("\n") == expected
     assert "tok/s" in out.stderr and "finish reason" in out.stderr
+    assert "float32, exact mode" in out.stderr
+
+
+def test_generate_defaults_to_the_fast_mode_where_this_cpu_runs_it():
+    """No --dtype: auto, the fast mode on a CPU with AVX512_BF16 (the built-in model has
+    Q4 matrices), else the exact mode; the load line says which."""
+    from tessera.workers.model.loader import fast_mode_available
+
+    out = subprocess.run(
+        [*CLI, "generate", "--prompt", "The capital of France is", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    if fast_mode_available():
+        assert "float32, fast mode: bf16 inputs to the Q4 matmuls" in out.stderr
+    else:
+        assert "float32, exact mode" in out.stderr
 
 
 def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
@@ -82,6 +101,7 @@ def test_speculative_and_parallel_tokens_from_the_command_line(make_engine):
     engine.add_request("sets", prompt, SamplingParams(parallel_tokens=parallel, **greedy))
     out = run_engine(engine)
     common = [*CLI, "generate", "--prompt", prompt, "--max-tokens", "12", "--temperature", "0"]
+    common += ["--dtype", "float32"]
     spec = subprocess.run(
         [*common, "--speculative-method", "draft", "--draft-model", "target:10"],
         capture_output=True,
@@ -148,6 +168,8 @@ def test_beam_search_prints_each_beam_with_its_score(smollm2, hf_reference):
             "3",
             "--n",
             "2",
+            "--dtype",
+            "float32",
         ],
         capture_output=True,
         text=True,

@@ -1,34 +1,39 @@
-"""The fast mode's quality contract, against the float32 reference on the same GGUF file.
+"""The quality contracts of the two reduced-precision modes, against the float32
+reference on the same GGUF file (transformers' float32 forward of the dequantised file,
+which the exact mode equals: the other engine tests).
 
-Fast mode: ``dtype="bfloat16"`` with packed weights (bf16 activations and KV cache, the
-file's Q4 matrices through the native AVX512_BF16 kernel with their fp16 scales, or
-where the CPU lacks it torch's int4 layout for small batches and a dense bf16 copy for
-large ones; the Q8_0 embedding / tied head through the float32 kernel). The reference is
-transformers' float32 forward of the dequantised file, which the exact mode equals (the
-other engine tests).
+- The fast mode (``dtype="auto"`` where the CPU has AVX512_BF16; what ``tessera serve``
+  and ``generate`` run by default there): a float32 model whose Q4 matrices multiply
+  inputs rounded to bf16 through the native kernel (the file's fp16 d and m, float32
+  sums and outputs); norms, RoPE, attention, SwiGLU, the residual and the KV cache stay
+  float32, the Q8_0 embedding / tied head goes through the float32 kernel.
+- The bfloat16 mode (``dtype="bfloat16"``): also bf16 activations between the
+  matmuls and a bf16 KV cache (half the KV memory and bandwidth), the Q4 matrices
+  through the same kernel (or, without AVX512_BF16, torch's int4 layout for small
+  batches and a dense bf16 copy for large ones).
 
-The contract (also in README.md), teacher-forced over a fixed set of sequences (a text
+Each contract (also in README.md), teacher-forced over a fixed set of sequences (a text
 shipped in ``tests/data/quality.txt`` and four prompts with transformers' greedy
-continuations):
+continuations, 688 positions):
 
-- the fast mode's next-token argmax equals the reference's at >= 97.5% of positions,
-  and every position where they differ is a near-tie of the reference (its top-2
-  logits less than ``NEAR_TIE`` apart);
-- the mean KL divergence KL(exact || fast) of the next-token distributions is at most
-  ``MAX_MEAN_KL`` nats;
+- the mode's next-token argmax equals the reference's at >= ``min_agreement`` of
+  positions (fast: 99%, the engine issue's bar; bfloat16: 97.5%), and every position
+  where they differ is a near-tie of the reference (its top-2 logits less than
+  ``NEAR_TIE`` apart);
+- the mean KL divergence KL(exact || mode) of the next-token distributions is at most
+  ``max_mean_kl`` nats (fast: 2e-4; bfloat16: 2e-3);
 - the perplexity of the shipped text is within 1% of the reference's.
 
-Measured (AMD EPYC, AVX512_BF16, native Q4 kernel): 98.98% agreement (681 of 688
-positions), every difference at a top-2 gap below 0.13; mean KL 3.5e-4 nats; perplexity
-32.69 vs 32.69 (torch's int4 layout, whose scales are bf16: 97.8%, 0.12, 4.1e-4, 32.62).
-Near-ties move with the order of float sums: the same kernel summing each block in one
-chain instead of four gave 98.3%. The engine issue asked for 99% agreement; bf16
-activations alone flip these near-ties, which is why ``tessera serve`` / ``generate``
-still default to the exact mode.
+Measured (AMD EPYC, AVX512_BF16): fast mode 99.56% (685 of 688), every difference at a
+top-2 gap below 0.03, mean KL 6.5e-5 nats, perplexity 32.68 vs 32.69; bfloat16 98.98%
+(681 of 688), gaps below 0.13, KL 3.5e-4, 32.69. Most of the bfloat16 mode's extra
+differences come from its bf16 KV cache (rounding only the KV to bf16 flips 6 of the
+688 near-ties) and from rounding the matmuls' outputs, RoPE and SwiGLU to bf16.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,7 +44,7 @@ from tessera.workers.config import EngineConfig
 from tessera.workers.engine import Engine
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
-from tessera.workers.model.loader import load_model
+from tessera.workers.model.loader import LoadedModel, fast_mode_available, load_model
 from tessera.workers.model_runner import Chunk, ModelRunner
 from tests.helpers import run_engine, tokens_of
 
@@ -52,23 +57,54 @@ PROMPTS = (
     "Write a short poem about a cat watching the rain.",
     "List three differences between a list and a tuple in Python.",
 )
-MIN_AGREEMENT = 0.975
-NEAR_TIE = 0.25  # logits: the reference's top-2 gap where the fast mode may differ
-MAX_MEAN_KL = 0.002  # nats
+NEAR_TIE = 0.25  # logits: the reference's top-2 gap where a mode may differ
 MAX_PERPLEXITY_RATIO = 1.01
 BLOCK_SIZE = 16
 
 
+@dataclass(frozen=True)
+class Contract:
+    dtype: str  # EngineConfig.dtype
+    min_agreement: float
+    max_mean_kl: float  # nats
+
+
+CONTRACTS = {
+    "fast": Contract("auto", min_agreement=0.99, max_mean_kl=2e-4),
+    "bfloat16": Contract("bfloat16", min_agreement=0.975, max_mean_kl=2e-3),
+}
+
+
 @pytest.fixture(scope="module")
-def fast(smollm2_path):
+def fast(smollm2_path) -> LoadedModel:
+    """The fast mode, or a skip where this CPU cannot run it (``dtype="auto"`` is then
+    the exact mode, which the other engine tests check)."""
+    if not fast_mode_available():
+        pytest.skip("the fast mode needs the AVX512_BF16 kernel; auto is float32 here")
+    loaded = load_model(smollm2_path, "auto")
+    assert loaded.precision == "fast" and loaded.dtype == torch.float32
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def bf16(smollm2_path) -> LoadedModel:
     return load_model(smollm2_path, "bfloat16")
 
 
-def teacher_forced_logits(loaded, tokens: list[int], dtype: torch.dtype) -> torch.Tensor:
+@pytest.fixture(scope="module", params=list(CONTRACTS))
+def mode(request) -> tuple[Contract, LoadedModel]:
+    return CONTRACTS[request.param], request.getfixturevalue(
+        "fast" if request.param == "fast" else "bf16"
+    )
+
+
+def teacher_forced_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     """float32 next-token logits at every position of ``tokens``, one prefill pass."""
     num_blocks = -(-len(tokens) // BLOCK_SIZE)
     kv = KVCacheManager(num_blocks, BLOCK_SIZE)
-    cache = allocate_kv_cache(loaded.config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
+    cache = allocate_kv_cache(
+        loaded.config, num_blocks, BLOCK_SIZE, loaded.dtype, torch.device("cpu")
+    )
     assert kv.allocate("s", len(tokens))
     runner = ModelRunner(loaded.model, kv, cache)
     return runner.execute([Chunk("s", tokens, 0, logits_rows=range(len(tokens)))]).float()
@@ -81,22 +117,23 @@ def reference_logits(hf_reference, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def sequences(fast, hf_reference) -> list[list[int]]:
+def sequences(smollm2, hf_reference) -> list[list[int]]:
     """The text, and each prompt with transformers' greedy 48-token continuation."""
-    prompts = [fast.tokenizer(p).input_ids for p in PROMPTS]
+    prompts = [smollm2.tokenizer(p).input_ids for p in PROMPTS]
     continued = [p + list(hf_reference.greedy(tuple(p), 48).token_ids) for p in prompts]
-    return [fast.tokenizer(TEXT).input_ids, *continued]
+    return [smollm2.tokenizer(TEXT).input_ids, *continued]
 
 
 @pytest.fixture(scope="module")
-def measured(hf_reference, fast, sequences) -> dict[str, float]:
+def measured(hf_reference, mode, sequences) -> tuple[Contract, dict[str, float]]:
+    contract, loaded = mode
     agree = positions = 0
     kl_sum = 0.0
     gaps: list[float] = []  # the reference's top-2 gap where the argmaxes differ
     nll = {"reference": 0.0, "fast": 0.0}
     for index, tokens in enumerate(sequences):
         exact_logits = reference_logits(hf_reference, tokens)
-        fast_logits = teacher_forced_logits(fast, tokens, torch.bfloat16)
+        fast_logits = teacher_forced_logits(loaded, tokens)
         same = exact_logits.argmax(-1) == fast_logits.argmax(-1)
         agree += int(same.sum())
         top2 = exact_logits.topk(2, dim=-1).values
@@ -117,41 +154,48 @@ def measured(hf_reference, fast, sequences) -> dict[str, float]:
         "perplexity_reference": float(torch.tensor(nll["reference"]).exp()),
         "perplexity_fast": float(torch.tensor(nll["fast"]).exp()),
     }
-    print(f"fast mode vs transformers float32: {result}")
-    return result
+    print(f"{contract.dtype} vs transformers float32: {result}")
+    return contract, result
 
 
 def test_next_token_agreement(measured):
-    assert measured["positions"] > 600
-    assert measured["agreement"] >= MIN_AGREEMENT, measured
-    assert measured["largest_gap_where_they_differ"] < NEAR_TIE, measured
+    contract, result = measured
+    assert result["positions"] > 600
+    assert result["agreement"] >= contract.min_agreement, result
+    assert result["largest_gap_where_they_differ"] < NEAR_TIE, result
 
 
 def test_mean_kl_divergence_is_bounded(measured):
-    assert measured["mean_kl"] <= MAX_MEAN_KL, measured
+    contract, result = measured
+    assert result["mean_kl"] <= contract.max_mean_kl, result
 
 
 def test_perplexity_within_one_percent(measured):
-    ratio = measured["perplexity_fast"] / measured["perplexity_reference"]
-    assert 1 / MAX_PERPLEXITY_RATIO <= ratio <= MAX_PERPLEXITY_RATIO, measured
+    _, result = measured
+    ratio = result["perplexity_fast"] / result["perplexity_reference"]
+    assert 1 / MAX_PERPLEXITY_RATIO <= ratio <= MAX_PERPLEXITY_RATIO, result
 
 
-def test_the_fast_mode_really_differs_from_the_reference(hf_reference, fast, sequences):
-    """The comparison can fail: the fast mode computes different numbers (bf16, int4)."""
+def test_each_mode_really_differs_from_the_reference(hf_reference, mode, sequences):
+    """The comparison can fail: each mode computes different numbers (bf16 inputs,
+    4-bit weights through the bf16 kernel)."""
+    contract, loaded = mode
     exact = reference_logits(hf_reference, sequences[1])
-    other = teacher_forced_logits(fast, sequences[1], torch.bfloat16)
+    other = teacher_forced_logits(loaded, sequences[1])
     assert not torch.allclose(exact, other, atol=1e-3)
-    layer = fast.model.layers[0]
-    assert layer.gate_up_proj.int4 is not None and fast.model.packed_embedding is not None
+    layer = loaded.model.layers[0]
+    assert layer.gate_up_proj.int4 is not None and loaded.model.packed_embedding is not None
+    assert loaded.precision == ("fast" if contract.dtype == "auto" else contract.dtype)
 
 
-def test_seeded_sampling_is_reproducible_across_batch_mixes(fast):
+def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
     """A seeded request samples the same tokens alone and in a batch with others."""
+    contract, loaded = mode
     sampled = SamplingParams(max_tokens=32, temperature=1.0, seed=1234, ignore_eos=True)
     prompt = "Once upon a time in a small village"
 
     def run(others: int) -> list[int]:
-        engine = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=256), loaded=fast)
+        engine = Engine(EngineConfig(dtype=contract.dtype, num_kv_blocks=256), loaded=loaded)
         engine.add_request("seeded", prompt, sampled)
         for index in range(others):
             engine.add_request(

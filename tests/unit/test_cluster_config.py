@@ -45,19 +45,26 @@ def test_defaults_are_valid():
 
 
 def test_the_ready_line_names_the_precision_mode():
-    assert ClusterConfig.create().precision_text(1) == (
-        "float32 (exact mode, packed GGUF weights on the CPU), "
+    auto = ClusterConfig.create()
+    assert auto.precision_text(1, "fast") == (
+        "auto -> float32, fast mode: bf16 inputs to the Q4 matmuls, packed GGUF weights on "
+        "the CPU; 1 CPU(s) and torch threads per worker"
+    )
+    assert auto.precision_text(1, "float32") == (
+        "auto -> float32, exact mode, packed GGUF weights on the CPU; "
         "1 CPU(s) and torch threads per worker"
     )
-    fast = ClusterConfig.create(dtype="bfloat16", worker_num_cpus=2, model="/m/model.gguf")
-    assert fast.precision_text(2) == (
-        "bfloat16 (fast mode, packed GGUF weights on the CPU), "
+    bf16 = ClusterConfig.create(dtype="bfloat16", worker_num_cpus=2, model="/m/model.gguf")
+    assert bf16.precision_text(2, "bfloat16") == (
+        "bfloat16 activations and KV cache, packed GGUF weights on the CPU; "
         "2 CPU(s) and torch threads per worker"
     )
     dense = ClusterConfig.create(dtype="float32", packed_weights=False, model="/m/hf-dir")
-    assert dense.precision_text(1) == "float32 (exact mode), 1 CPU(s) and torch threads per worker"
+    assert dense.precision_text(1) == "float32, exact mode; 1 CPU(s) and torch threads per worker"
     half = ClusterConfig.create(dtype="float16")
-    assert half.precision_text(1) == "float16, 1 CPU(s) and torch threads per worker"
+    assert half.precision_text(1) == (
+        "float16 activations and KV cache; 1 CPU(s) and torch threads per worker"
+    )
 
 
 def test_workers_zero():
@@ -204,7 +211,9 @@ def test_workers_inside_bounds_are_accepted():
 def test_unknown_dtype():
     message = create_error(dtype="int8")
     assert message.startswith("dtype: ")
-    assert message == "dtype: Input should be 'float32', 'bfloat16' or 'float16', got 'int8'"
+    assert message == (
+        "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'"
+    )
 
 
 def test_unknown_field():
@@ -386,7 +395,7 @@ def test_help_text_comes_from_the_description_and_default():
     parser = make_parser()
     by_flag = {flag: action for action in parser._actions for flag in action.option_strings}
     assert by_flag["--block-size"].help == "tokens per KV block (default: 16)"
-    assert by_flag["--dtype"].choices == ("float32", "bfloat16", "float16")
+    assert by_flag["--dtype"].choices == ("auto", "float32", "bfloat16", "float16")
     assert by_flag["--device"].choices == ("auto", "cpu", "cuda")
 
 

@@ -74,8 +74,9 @@ def test_the_cluster_takes_every_engine_setting_but_the_named_exceptions():
 @pytest.mark.parametrize("name", SHARED)
 def test_same_name_default_and_help_everywhere(name: str):
     spec = DECLARED[name]
+    default = spec.metadata.get("cli_default", spec.default)  # the entry points' default
     field = ClusterConfig.model_fields[name]
-    assert (field.default, field.description) == (spec.default, spec.metadata["help"])
+    assert (field.default, field.description) == (default, spec.metadata["help"])
 
     generate = actions(subcommand("generate"))[flag(name)]
     serve = actions(subcommand("serve"))[flag(name)]
@@ -85,14 +86,24 @@ def test_same_name_default_and_help_everywhere(name: str):
     assert generate.choices == serve.choices
 
     generated = subcommand("generate").parse_args(["--prompt", "hi"])
-    assert getattr(generated, name) == spec.default
+    assert getattr(generated, name) == default
     served = subcommand("serve").parse_args([])
     assert not hasattr(served, name)  # only the flags given; the default is ServeConfig's
-    assert getattr(config_from_args(served, ServeConfig), name) == spec.default
+    assert getattr(config_from_args(served, ServeConfig), name) == default
 
     chart = json.loads(SCHEMA.read_text())["properties"]["tessera"]["properties"]
-    assert chart[name]["default"] == spec.default
+    assert chart[name]["default"] == default
     assert chart[name]["description"] == spec.metadata["help"]
+
+
+def test_the_entry_points_default_to_the_fast_mode_and_the_python_api_to_the_exact_one():
+    """``tessera serve``/``cluster``/``generate`` and the chart pick ``auto`` (the fast
+    mode where it runs); ``EngineConfig()`` stays float32, the exact mode."""
+    assert DECLARED["dtype"].default == "float32"
+    assert DECLARED["dtype"].metadata["cli_default"] == "auto"
+    assert subcommand("generate").parse_args(["--prompt", "hi"]).dtype == "auto"
+    assert ClusterConfig.create().dtype == "auto"
+    assert ClusterConfig.create(dtype="float32").dtype == "float32"
 
 
 def test_engine_only_settings_are_generate_flags():

@@ -65,6 +65,9 @@ class Linear(nn.Module):
     - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
       SmolLM2's weights instead of 538 MB;
+    - a float32 model in the fast mode (``bf16_q4_inputs``) keeps Q4 weights as the
+      native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
+      file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
     - a bfloat16 model (the fast mode) keeps Q4 weights at 4 bits: where the CPU has
       AVX512_BF16, only as the native ``Q4Weight`` (the file's numbers, every batch
       size; ~15% slower than a dense bf16 GEMM for long prompts, twice torch's int4 at
@@ -93,10 +96,10 @@ class Linear(nn.Module):
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
 
-    def load_weight(self, parts: list[Weight], name: str) -> None:
+    def load_weight(self, parts: list[Weight], name: str, bf16_q4_inputs: bool = False) -> None:
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
-        (q/k/v, gate/up). All packed: kept packed as the class docstring says; otherwise
-        dense."""
+        (q/k/v, gate/up). All packed: kept packed as the class docstring says
+        (``bf16_q4_inputs``: a float32 model's fast mode); otherwise dense."""
         if all(isinstance(part, PackedWeight) for part in parts):
             packed = PackedWeight.cat(parts) if len(parts) > 1 else parts[0]
             if packed.shape != (self.out_features, self.in_features):
@@ -104,6 +107,10 @@ class Linear(nn.Module):
                     f"tensor {name!r}: shape {packed.shape}, expected "
                     f"{(self.out_features, self.in_features)}"
                 )
+            if self.weight.dtype == torch.float32 and bf16_q4_inputs and Q4Weight.supports(packed):
+                self.int4, self.int4_rows = Q4Weight.from_packed(packed), ALL_ROWS
+                self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                return
             if self.weight.dtype == torch.float32:
                 self.packed = packed
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -313,11 +320,21 @@ class LlamaModel(nn.Module):
         # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
         return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 
-    def load_hf_state_dict(self, state: dict[str, Weight]) -> None:
+    def has_bf16_q4_inputs(self) -> bool:
+        """Whether this float32 model is in the fast mode: some projection multiplies
+        bf16-rounded inputs with Q4 weights (``Linear``)."""
+        return self.norm.weight.dtype == torch.float32 and any(
+            isinstance(linear.int4, Q4Weight)
+            for layer in self.layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        )
+
+    def load_hf_state_dict(self, state: dict[str, Weight], bf16_q4_inputs: bool = False) -> None:
         """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v
         and gate/up and transposing for ``Linear``. GGUF-quantised matrices
         (``PackedWeight``) stay packed: the linear layers and the embedding take them as
-        they are (float32 models only; the loader decides)."""
+        they are (the loader decides). ``bf16_q4_inputs``: a float32 model's fast mode
+        (see ``Linear``)."""
 
         def take(name: str) -> Weight:
             try:
@@ -339,7 +356,7 @@ class LlamaModel(nn.Module):
                 _put(self.embed_tokens.weight, embedding, "embed_tokens")
             _put(self.norm.weight, _dense(take("model.norm.weight")), "model.norm.weight")
             if self.lm_head is not None:
-                self.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight")
+                self.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight", bf16_q4_inputs)
             else:
                 state.pop("lm_head.weight", None)
             for i, layer in enumerate(self.layers):
@@ -348,7 +365,7 @@ class LlamaModel(nn.Module):
                     _put(getattr(layer, norm).weight, _dense(take(p + norm + ".weight")), p)
                 attn = p + "self_attn."
                 layer.qkv_proj.load_weight(
-                    [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv"
+                    [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv", bf16_q4_inputs
                 )
                 if layer.qkv_proj.bias is not None:
                     _put(
@@ -356,16 +373,22 @@ class LlamaModel(nn.Module):
                         torch.cat([_dense(take(attn + f"{n}_proj.bias")) for n in "qkv"]),
                         attn + "qkv.bias",
                     )
-                layer.o_proj.load_weight([take(attn + "o_proj.weight")], attn + "o_proj")
+                layer.o_proj.load_weight(
+                    [take(attn + "o_proj.weight")], attn + "o_proj", bf16_q4_inputs
+                )
                 if layer.o_proj.bias is not None:
                     _put(
                         layer.o_proj.bias, _dense(take(attn + "o_proj.bias")), attn + "o_proj.bias"
                     )
                 mlp = p + "mlp."
                 layer.gate_up_proj.load_weight(
-                    [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], mlp
+                    [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")],
+                    mlp,
+                    bf16_q4_inputs,
                 )
-                layer.down_proj.load_weight([take(mlp + "down_proj.weight")], mlp + "down_proj")
+                layer.down_proj.load_weight(
+                    [take(mlp + "down_proj.weight")], mlp + "down_proj", bf16_q4_inputs
+                )
                 if layer.gate_up_proj.bias is not None:
                     _put(
                         layer.gate_up_proj.bias,

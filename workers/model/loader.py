@@ -22,10 +22,12 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tessera.workers.config import AUTO_DTYPE, FAST, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel, Weight
 from tessera.workers.quant import PackedWeight
+from tessera.workers.quant.kernels import native_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,24 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     config: ModelConfig
     model_id: str  # where it came from; part of the prefix-cache hash key
+    #: What the model computes in: ``FAST`` (float32, its Q4 matmuls taking bf16-rounded
+    #: inputs) or a dtype name (float32: the exact mode). Part of the prefix-cache hash
+    #: key: the K/V of one precision is not another's.
+    precision: str = "float32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's activations and KV cache dtype (float32 in the fast mode)."""
+        return self.model.norm.weight.dtype
+
+
+def fast_mode_available(device: str | torch.device = "cpu") -> bool:
+    """Whether ``dtype="auto"`` can pick the fast mode here: the CPU, and this extension
+    built with its AVX512_BF16 Q4 kernel (the model must also have Q4 matrices)."""
+    if torch.device(device).type != "cpu":
+        return False
+    kernels = native_kernels()
+    return kernels is not None and kernels.q4_bf16_available()
 
 
 def builtin_model_path() -> Path:
@@ -114,11 +134,18 @@ def load_model(
     CPU keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed (float32: multiplied
     directly, dequantised exactly inside the kernel; bfloat16: Q4 at 4 bits, see
     ``Linear``); otherwise every tensor is dequantised to a dense
-    one at load."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
+    one at load.
+
+    ``dtype="auto"``: the fast mode (``LoadedModel.precision == "fast"``) where
+    ``fast_mode_available`` and the file has packed Q4 matrices: a float32 model whose Q4
+    matrices multiply bf16-rounded inputs through the AVX512_BF16 kernel; else float32."""
+    if dtype not in (AUTO_DTYPE, *DTYPES):
+        raise ValueError(f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {dtype!r}")
     resolved = resolve_model_path(path)
     device = torch.device(device)
+    fast = dtype == AUTO_DTYPE and packed_weights and fast_mode_available(device)
+    if dtype == AUTO_DTYPE:
+        dtype = "float32"
     packed = packed_weights and dtype in ("float32", "bfloat16") and device.type == "cpu"
     if resolved.suffix == ".gguf":
         config, state = _read_gguf(resolved, packed)
@@ -129,17 +156,24 @@ def load_model(
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     model = LlamaModel(config, DTYPES[dtype], device)
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
-    model.load_hf_state_dict(state)
+    model.load_hf_state_dict(state, bf16_q4_inputs=fast)
+    precision = FAST if model.has_bf16_q4_inputs() else dtype
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s%s",
         resolved,
         config.architecture,
         config.num_layers,
-        dtype,
+        PRECISION_TEXT[precision],
         device,
         f", {num_packed} matrices packed as in the file" if num_packed else "",
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, model_id=str(resolved))
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        model_id=str(resolved),
+        precision=precision,
+    )
 
 
 def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -132,7 +132,8 @@ class Q4Weight:
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, in]`` bf16 -> ``[T, out]`` bf16."""
+        """``x [T, in]`` bf16 -> ``[T, out]`` bf16; float32 ``x`` (the fast mode) is
+        rounded to bf16 inside the kernel and gives the float32 sums."""
         return native_kernels().q4_bf16_mm(x, self.nibbles, self.d, self.m, int(self.qtype))
 
 

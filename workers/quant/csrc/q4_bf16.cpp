@@ -1,5 +1,6 @@
-// y[T, N] (bf16) = x[T, K] (bf16) @ W^T for GGUF Q4_0 / Q4_1 weights W [N, K], on CPUs
-// with AVX512_BF16: the fast mode's matmul.
+// y[T, N] = x[T, K] @ W^T for GGUF Q4_0 / Q4_1 weights W [N, K], on CPUs with
+// AVX512_BF16: the fast mode's matmul (float32 x rounded to bf16 at entry, float32 y: the
+// sums unrounded) and the bfloat16 mode's (bf16 x, y rounded to bf16).
 //
 // The file's numbers are kept: per block b of 32 inputs, W = d * q + m (Q4_1) or
 // d * (q - 8) (Q4_0) with d, m fp16, and
@@ -67,6 +68,12 @@ inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m51
            : _mm512_mul_ps(_mm512_set1_ps(-136.f), dq);
 }
 
+// 16 outputs of a row: rounded to bf16 (bf16 x) or as summed (float32 x, see q4_bf16_mm).
+inline void store16(uint16_t* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+
 inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as one bf16 pair
   int32_t xx;
   std::memcpy(&xx, x, sizeof xx);
@@ -78,10 +85,10 @@ inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as o
 // block's 16 pairs are summed as four independent chains of 4 (one chain of 16 waited on
 // VDPBF16PS's latency at one row), then added in order; tile_rows makes the same sums in
 // the same order, so every row count gives the same bits.
-template <int R>
+template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
-                        const uint8_t* nibbles, const uint16_t* d, const uint16_t* m,
-                        uint16_t* y, int64_t N) {
+                        const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y,
+                        int64_t N) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -104,17 +111,15 @@ inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t n
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr, acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r])));
+  for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
 // R rows of x [R, K] (bf16 bits) through one expanded tile: pairs [nb, 16] zmm, dq and
 // corr [nb] zmm (16 outputs' d and correction); sx [R, nb] the block sums of x. Writes
 // y[r, 0..16).
-template <int R>
+template <int R, typename Y>
 inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
-                      const __m512i* pairs, const __m512* dq, const __m512* corr, uint16_t* y,
+                      const __m512i* pairs, const __m512* dq, const __m512* corr, Y* y,
                       int64_t N) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -135,49 +140,24 @@ inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr[b], acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r])));
+  for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
-template <int R>
+template <int R, typename Y>
 void rows_through(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
-                  const __m512i* pairs, const __m512* dq, const __m512* corr, uint16_t* y,
-                  int64_t N, int64_t rows) {
+                  const __m512i* pairs, const __m512* dq, const __m512* corr, Y* y, int64_t N,
+                  int64_t rows) {
   if constexpr (R > 0) {
     if (rows == R) return tile_rows<R>(x, K, sx, nb, pairs, dq, corr, y, N);
     return rows_through<R - 1>(x, K, sx, nb, pairs, dq, corr, y, N, rows);
   }
 }
-#endif
 
-}  // namespace
-
-bool q4_bf16_available() { return TESSERA_Q4_BF16 != 0; }
-
-torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
-                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
-                         int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "q4_bf16_mm: qtype ", qtype, " is not Q4_0/Q4_1");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu(),
-              "q4_bf16_mm: x must be a bfloat16 [T, K] CPU tensor");
-  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
-                  d.is_contiguous(),
-              "q4_bf16_mm: d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
-  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, N = tiles * 16;
-  const int64_t T = x.size(0);
-  TORCH_CHECK(x.size(1) == K, "q4_bf16_mm: x has ", x.size(1), " features, the weight takes ", K);
-  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
-                  nibbles.numel() == tiles * nb * 256,
-              "q4_bf16_mm: nibbles must be contiguous uint8 with ", tiles * nb * 256, " bytes");
-  TORCH_CHECK((qtype == kQ4_1) == m.has_value(), "q4_bf16_mm: mins go with Q4_1 only");
-  if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == torch::kHalf &&
-                         m->is_contiguous(),
-                     "q4_bf16_mm: m must be shaped like d");
-  auto y = torch::empty({T, N}, x.options());
-#if TESSERA_Q4_BF16
-  const auto xc = x.contiguous();
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+// y [T, N] = x [T, K] (bf16 bits) @ W^T, y bf16 (uint16_t) or float32.
+template <typename Y>
+void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const uint16_t* dp,
+             const uint16_t* mp, int64_t tiles, Y* yp) {
+  const int64_t nb = K / kBlock, N = tiles * 16;
   // block sums of x, float32 [T, nb]
   std::vector<float> sx(T * nb);
   for (int64_t t = 0; t < T; ++t)
@@ -190,17 +170,13 @@ torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
               reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock + 16))), 16));
       sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
-  const uint8_t* np = nibbles.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  const uint16_t* mp = m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   if (T <= kDirectRows) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tile = begin; tile < end; ++tile) {
         const uint8_t* nt = np + tile * nb * 256;
         const uint16_t* dt = dp + tile * nb * 16;
         const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
-        uint16_t* yt = yp + tile * 16;
+        Y* yt = yp + tile * 16;
         switch (T) {
           case 0: break;
           case 1: tile_direct<1>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
@@ -210,7 +186,7 @@ torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
         }
       }
     });
-    return y;
+    return;
   }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
@@ -231,6 +207,45 @@ torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                             std::min<int64_t>(kRows, T - r0));
     }
   });
+}
+#endif
+
+}  // namespace
+
+bool q4_bf16_available() { return TESSERA_Q4_BF16 != 0; }
+
+torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
+                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                         int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "q4_bf16_mm: qtype ", qtype, " is not Q4_0/Q4_1");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "q4_bf16_mm: x must be a bfloat16 or float32 [T, K] CPU tensor");
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
+                  d.is_contiguous(),
+              "q4_bf16_mm: d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
+  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, N = tiles * 16;
+  const int64_t T = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "q4_bf16_mm: x has ", x.size(1), " features, the weight takes ", K);
+  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
+                  nibbles.numel() == tiles * nb * 256,
+              "q4_bf16_mm: nibbles must be contiguous uint8 with ", tiles * nb * 256, " bytes");
+  TORCH_CHECK((qtype == kQ4_1) == m.has_value(), "q4_bf16_mm: mins go with Q4_1 only");
+  if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == torch::kHalf &&
+                         m->is_contiguous(),
+                     "q4_bf16_mm: m must be shaped like d");
+  auto y = torch::empty({T, N}, x.options());
+#if TESSERA_Q4_BF16
+  // float32 x is rounded to bf16 (nearest even) once here; its y keeps the float32 sums.
+  const auto xc = (x.scalar_type() == torch::kFloat32 ? x.to(torch::kBFloat16) : x).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const uint8_t* np = nibbles.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  if (y.scalar_type() == torch::kFloat32)
+    q4_rows(xp, T, K, np, dp, mp, tiles, y.data_ptr<float>());
+  else
+    q4_rows(xp, T, K, np, dp, mp, tiles, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
 #else
   TORCH_CHECK(false, "q4_bf16_mm: this build has no AVX512_BF16 kernel (q4_bf16_available())");
 #endif
@@ -242,7 +257,8 @@ void register_q4_bf16(pybind11::module& m) {
   m.def("q4_bf16_available", &q4_bf16_available,
         "whether this CPU build has the AVX512_BF16 Q4 kernel");
   m.def("q4_bf16_mm", &q4_bf16_mm,
-        "y (bf16) = x (bf16) @ W^T for Q4_0/Q4_1 weights in the Q4Weight layout",
+        "y = x @ W^T for Q4_0/Q4_1 weights in the Q4Weight layout: bf16 x gives bf16 y; "
+        "float32 x is rounded to bf16 and gives the float32 sums",
         py::arg("x"), py::arg("nibbles"), py::arg("d"), py::arg("m"), py::arg("qtype"),
         py::call_guard<py::gil_scoped_release>());
 }
