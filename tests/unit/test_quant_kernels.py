@@ -241,6 +241,29 @@ def test_native_q4_bf16_matmul_keeps_the_files_weights(native, qtype, rows):
     assert (y.float() - ref).abs().mean() < (torch_int4 - ref).abs().mean()
 
 
+@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf16_rounding(
+    native, qtype, rows
+):
+    """The fast mode's matmul: float32 x is rounded to bf16 (nearest even) inside the
+    kernel, and y is float32: the product of the rounded x with the file's weights to
+    float32 rounding (no bf16 rounding of the output), whatever the number of rows."""
+    if not native.q4_bf16_available():
+        pytest.skip("no AVX512_BF16 on this CPU: the fast mode is not offered there")
+    packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
+    weight = fast_q4_weight(packed)
+    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
+    y = weight.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
+    rounded = x.to(torch.bfloat16).float()
+    ref = rounded.double() @ dense.double().T
+    bound = 2**-16 * (rounded.abs().double() @ dense.abs().double().T) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
+    assert not torch.equal(y, x @ dense.T)  # it did round x
+    assert torch.equal(y[:1], weight.matmul(x[:1]))  # a row's numbers never depend on T
+
+
 def test_fast_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     """Without the native kernel torch's int4 layout; neither takes Q8_0 or outputs that
     are not whole tiles of 16 (the model keeps those dense)."""
