@@ -78,7 +78,7 @@ class Mode:
 MODES = (
     Mode("exact", {"dtype": "float32"}, target="exact"),  # packed GGUF weights
     Mode("dense-fp32", {"dtype": "float32", "packed_weights": False}),
-    # the fast mode: float32, bf16 inputs to the Q4 matmuls (tessera serve's default)
+    # the fast mode: float32, bf16 inputs to the GGUF matmuls (tessera serve's default)
     Mode("fast", {"dtype": "auto"}, target="fast"),
     Mode("bfloat16", {"dtype": "bfloat16"}),  # bf16 activations and KV too
 )

@@ -84,7 +84,7 @@ def test_generate_defaults_to_the_fast_mode_where_this_cpu_runs_it():
     )
     assert out.returncode == 0, out.stderr
     if fast_mode_available():
-        assert "float32, fast mode: bf16 inputs to the Q4 matmuls" in out.stderr
+        assert "float32, fast mode: bf16 inputs to the GGUF matmuls" in out.stderr
     else:
         assert "float32, exact mode" in out.stderr
 

@@ -3,14 +3,14 @@ reference on the same GGUF file (transformers' float32 forward of the dequantise
 which the exact mode equals: the other engine tests).
 
 - The fast mode (``dtype="auto"`` where the CPU has AVX512_BF16; what ``tessera serve``
-  and ``generate`` run by default there): a float32 model whose Q4 matrices multiply
-  inputs rounded to bf16 through the native kernel (the file's fp16 d and m, float32
-  sums and outputs); norms, RoPE, attention, SwiGLU, the residual and the KV cache stay
-  float32, the Q8_0 embedding / tied head goes through the float32 kernel.
+  and ``generate`` run by default there): a float32 model whose Q4 matrices and Q8_0
+  tied head multiply inputs rounded to bf16 through the native kernels (the file's fp16
+  scales, float32 sums and outputs); norms, RoPE, attention, SwiGLU, the residual and
+  the KV cache stay float32.
 - The bfloat16 mode (``dtype="bfloat16"``): also bf16 activations between the
-  matmuls and a bf16 KV cache (half the KV memory and bandwidth), the Q4 matrices
-  through the same kernel (or, without AVX512_BF16, torch's int4 layout for small
-  batches and a dense bf16 copy for large ones).
+  matmuls and a bf16 KV cache (half the KV memory and bandwidth), the Q4 matrices and
+  the head through the same kernels (or, without AVX512_BF16, torch's int4 layout for
+  small batches and a dense bf16 copy for large ones, and the float32 head).
 
 Each contract (also in README.md), teacher-forced over a fixed set of sequences (a text
 shipped in ``tests/data/quality.txt`` and four prompts with transformers' greedy
@@ -24,9 +24,9 @@ continuations, 688 positions):
   ``max_mean_kl`` nats (fast: 2e-4; bfloat16: 2e-3);
 - the perplexity of the shipped text is within 1% of the reference's.
 
-Measured (AMD EPYC, AVX512_BF16): fast mode 99.56% (685 of 688), every difference at a
-top-2 gap below 0.03, mean KL 6.5e-5 nats, perplexity 32.68 vs 32.69; bfloat16 98.98%
-(681 of 688), gaps below 0.13, KL 3.5e-4, 32.69. Most of the bfloat16 mode's extra
+Measured (AMD EPYC, AVX512_BF16): fast mode 99.71% (686 of 688), every difference at a
+top-2 gap below 0.06, mean KL 8.3e-5 nats, perplexity 32.683 vs 32.686; bfloat16 98.98%
+(681 of 688), gaps below 0.13, KL 3.5e-4, 32.691. Most of the bfloat16 mode's extra
 differences come from its bf16 KV cache (rounding only the KV to bf16 flips 6 of the
 688 near-ties) and from rounding the matmuls' outputs, RoPE and SwiGLU to bf16.
 """

@@ -125,7 +125,7 @@ def test_native_reduced_precision_step_is_as_close_to_float32_as_the_op_by_op_on
 ):
     """The bfloat16 mode (bf16 activations and KV, Q4 weights through the bf16 kernel)
     rounds where the op-by-op path rounds, except inside attention; the fast mode
-    (float32, bf16 inputs to the Q4 matmuls) rounds the same matmul inputs on both paths,
+    (float32, bf16 inputs to the GGUF matmuls) rounds the same matmul inputs on both paths,
     but a last-bit difference of the float32 sums before a rounding moves it a whole bf16
     step. Over a cache of random K/V (peaky softmaxes, which magnify any rounding) each
     native step stays about as close to the exact float32 step as its op-by-op step. Each

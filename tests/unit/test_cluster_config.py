@@ -47,7 +47,7 @@ def test_defaults_are_valid():
 def test_the_ready_line_names_the_precision_mode():
     auto = ClusterConfig.create()
     assert auto.precision_text(1, "fast") == (
-        "auto -> float32, fast mode: bf16 inputs to the Q4 matmuls, packed GGUF weights on "
+        "auto -> float32, fast mode: bf16 inputs to the GGUF matmuls, packed GGUF weights on "
         "the CPU; 1 CPU(s) and torch threads per worker"
     )
     assert auto.precision_text(1, "float32") == (

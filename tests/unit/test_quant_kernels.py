@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from tessera.workers.model.loader import builtin_model_path
 from tessera.workers.quant import PackedWeight, QuantType, int4, kernels, quant_matmul
-from tessera.workers.quant.int4 import Int4Weight, Q4Weight, fast_q4_weight
+from tessera.workers.quant.int4 import Int4Weight, Q4Weight, Q8Weight, fast_q4_weight
 
 ROWS = (1, 7, 16, 64)
 ODD = (97, 32 * 7)  # [out, in]: neither a multiple of the kernel's 4-row tiles nor of 16 blocks
@@ -262,6 +262,30 @@ def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf1
     assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
     assert not torch.equal(y, x @ dense.T)  # it did round x
     assert torch.equal(y[:1], weight.matmul(x[:1]))  # a row's numbers never depend on T
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_weights(
+    native, rows
+):
+    """The fast and bfloat16 modes' head: Q8_0 weights (int8 q, exact in bf16, times the
+    file's fp16 d) with x rounded to bf16, summed in float32: float32 x gives the float32
+    sums, bf16 x the same sums rounded once to bf16; batch-invariant."""
+    if not native.q8_bf16_available():
+        pytest.skip("no AVX512_BF16 on this CPU: the heads stay on the float32 kernel")
+    packed, dense = random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)
+    weight = Q8Weight.from_packed(packed)
+    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
+    y = weight.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
+    rounded = x.to(torch.bfloat16).float()
+    ref = rounded.double() @ dense.double().T
+    bound = 2**-16 * (rounded.abs().double() @ dense.abs().double().T) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
+    assert torch.equal(weight.matmul(x.to(torch.bfloat16)), y.to(torch.bfloat16))
+    assert torch.equal(y[:1], weight.matmul(x[:1]))
+    with pytest.raises(ValueError, match=r"Q8Weight: Q4_1 \[112, 224\] needs Q8_0"):
+        Q8Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD)[0])
 
 
 def test_fast_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):

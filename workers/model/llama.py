@@ -22,7 +22,13 @@ from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
-from tessera.workers.quant.int4 import Int4Weight, Q4Weight, fast_q4_weight, int4_row_limit
+from tessera.workers.quant.int4 import (
+    Int4Weight,
+    Q4Weight,
+    Q8Weight,
+    fast_q4_weight,
+    int4_row_limit,
+)
 from tessera.workers.quant.kernels import native_kernels
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
@@ -65,7 +71,7 @@ class Linear(nn.Module):
     - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
       SmolLM2's weights instead of 538 MB;
-    - a float32 model in the fast mode (``bf16_q4_inputs``) keeps Q4 weights as the
+    - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
     - a bfloat16 model (the fast mode) keeps Q4 weights at 4 bits: where the CPU has
@@ -96,10 +102,10 @@ class Linear(nn.Module):
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
 
-    def load_weight(self, parts: list[Weight], name: str, bf16_q4_inputs: bool = False) -> None:
+    def load_weight(self, parts: list[Weight], name: str, bf16_matmuls: bool = False) -> None:
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
         (q/k/v, gate/up). All packed: kept packed as the class docstring says
-        (``bf16_q4_inputs``: a float32 model's fast mode); otherwise dense."""
+        (``bf16_matmuls``: a float32 model's fast mode); otherwise dense."""
         if all(isinstance(part, PackedWeight) for part in parts):
             packed = PackedWeight.cat(parts) if len(parts) > 1 else parts[0]
             if packed.shape != (self.out_features, self.in_features):
@@ -107,7 +113,7 @@ class Linear(nn.Module):
                     f"tensor {name!r}: shape {packed.shape}, expected "
                     f"{(self.out_features, self.in_features)}"
                 )
-            if self.weight.dtype == torch.float32 and bf16_q4_inputs and Q4Weight.supports(packed):
+            if self.weight.dtype == torch.float32 and bf16_matmuls and Q4Weight.supports(packed):
                 self.int4, self.int4_rows = Q4Weight.from_packed(packed), ALL_ROWS
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
@@ -225,8 +231,10 @@ class LlamaModel(nn.Module):
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(config, dtype, device)
         # The embedding table kept packed (then embed_tokens.weight is empty); tied, it is
-        # also the LM head.
+        # also the LM head, which the fast and bfloat16 modes multiply through the bf16
+        # Q8_0 kernel where the CPU has it (``head_q8``, a second copy of the table).
         self.packed_embedding: PackedWeight | None = None
+        self.head_q8: Q8Weight | None = None
         self._native_layers: Any = _UNBUILT
 
     def first_layers(self, num_layers: int) -> LlamaModel:
@@ -243,6 +251,7 @@ class LlamaModel(nn.Module):
         model.lm_head = self.lm_head
         model.rope = self.rope
         model.packed_embedding = self.packed_embedding
+        model.head_q8 = self.head_q8
         model._native_layers = _UNBUILT
         return model
 
@@ -315,25 +324,30 @@ class LlamaModel(nn.Module):
         hidden = self.norm(hidden.index_select(0, logits_indices))
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.head_q8 is not None:  # bf16-rounded inputs, float32 sums and logits
+            return self.head_q8.matmul(hidden.float())
         if self.packed_embedding is not None:  # float32 in and out, whatever the model's dtype
             return quant_matmul(hidden.float(), self.packed_embedding)
         # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
         return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 
-    def has_bf16_q4_inputs(self) -> bool:
+    def has_bf16_matmuls(self) -> bool:
         """Whether this float32 model is in the fast mode: some projection multiplies
-        bf16-rounded inputs with Q4 weights (``Linear``)."""
-        return self.norm.weight.dtype == torch.float32 and any(
-            isinstance(linear.int4, Q4Weight)
+        bf16-rounded inputs with Q4 weights (``Linear``), or its head is ``head_q8``."""
+        if self.norm.weight.dtype != torch.float32:
+            return False
+        linears = (
+            linear
             for layer in self.layers
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         )
+        return self.head_q8 is not None or any(isinstance(x.int4, Q4Weight) for x in linears)
 
-    def load_hf_state_dict(self, state: dict[str, Weight], bf16_q4_inputs: bool = False) -> None:
+    def load_hf_state_dict(self, state: dict[str, Weight], bf16_matmuls: bool = False) -> None:
         """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v
         and gate/up and transposing for ``Linear``. GGUF-quantised matrices
         (``PackedWeight``) stay packed: the linear layers and the embedding take them as
-        they are (the loader decides). ``bf16_q4_inputs``: a float32 model's fast mode
+        they are (the loader decides). ``bf16_matmuls``: a float32 model's fast mode
         (see ``Linear``)."""
 
         def take(name: str) -> Weight:
@@ -352,11 +366,14 @@ class LlamaModel(nn.Module):
                     )
                 self.packed_embedding = embedding
                 self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                reduced = bf16_matmuls or self.norm.weight.dtype == torch.bfloat16
+                if self.lm_head is None and reduced and Q8Weight.supports(embedding):
+                    self.head_q8 = Q8Weight.from_packed(embedding)
             else:
                 _put(self.embed_tokens.weight, embedding, "embed_tokens")
             _put(self.norm.weight, _dense(take("model.norm.weight")), "model.norm.weight")
             if self.lm_head is not None:
-                self.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight", bf16_q4_inputs)
+                self.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight", bf16_matmuls)
             else:
                 state.pop("lm_head.weight", None)
             for i, layer in enumerate(self.layers):
@@ -365,7 +382,7 @@ class LlamaModel(nn.Module):
                     _put(getattr(layer, norm).weight, _dense(take(p + norm + ".weight")), p)
                 attn = p + "self_attn."
                 layer.qkv_proj.load_weight(
-                    [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv", bf16_q4_inputs
+                    [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv", bf16_matmuls
                 )
                 if layer.qkv_proj.bias is not None:
                     _put(
@@ -374,7 +391,7 @@ class LlamaModel(nn.Module):
                         attn + "qkv.bias",
                     )
                 layer.o_proj.load_weight(
-                    [take(attn + "o_proj.weight")], attn + "o_proj", bf16_q4_inputs
+                    [take(attn + "o_proj.weight")], attn + "o_proj", bf16_matmuls
                 )
                 if layer.o_proj.bias is not None:
                     _put(
@@ -384,10 +401,10 @@ class LlamaModel(nn.Module):
                 layer.gate_up_proj.load_weight(
                     [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")],
                     mlp,
-                    bf16_q4_inputs,
+                    bf16_matmuls,
                 )
                 layer.down_proj.load_weight(
-                    [take(mlp + "down_proj.weight")], mlp + "down_proj", bf16_q4_inputs
+                    [take(mlp + "down_proj.weight")], mlp + "down_proj", bf16_matmuls
                 )
                 if layer.gate_up_proj.bias is not None:
                     _put(

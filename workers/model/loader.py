@@ -137,8 +137,9 @@ def load_model(
     one at load.
 
     ``dtype="auto"``: the fast mode (``LoadedModel.precision == "fast"``) where
-    ``fast_mode_available`` and the file has packed Q4 matrices: a float32 model whose Q4
-    matrices multiply bf16-rounded inputs through the AVX512_BF16 kernel; else float32."""
+    ``fast_mode_available`` and the file has packed Q4 matrices or a tied Q8_0 head: a
+    float32 model whose Q4 matrices and head multiply bf16-rounded inputs through the
+    AVX512_BF16 kernels; else float32."""
     if dtype not in (AUTO_DTYPE, *DTYPES):
         raise ValueError(f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {dtype!r}")
     resolved = resolve_model_path(path)
@@ -156,8 +157,8 @@ def load_model(
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     model = LlamaModel(config, DTYPES[dtype], device)
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
-    model.load_hf_state_dict(state, bf16_q4_inputs=fast)
-    precision = FAST if model.has_bf16_q4_inputs() else dtype
+    model.load_hf_state_dict(state, bf16_matmuls=fast)
+    precision = FAST if model.has_bf16_matmuls() else dtype
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s%s",
         resolved,

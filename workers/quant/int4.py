@@ -137,6 +137,49 @@ class Q4Weight:
         return native_kernels().q4_bf16_mm(x, self.nibbles, self.d, self.m, int(self.qtype))
 
 
+@dataclass(frozen=True, slots=True)
+class Q8Weight:
+    """A Q8_0 matrix ``[out, in]`` in the native AVX512_BF16 kernel's layout (described in
+    ``csrc/q8_bf16.cpp``): ``qs`` int8 ``[out / 16, in / 32, 16, 16, 2]`` (per output
+    tile and block, each pair of inputs for the tile's 16 outputs), the file's fp16 ``d``
+    as ``[out / 16, in / 32, 16]``. The fast and bfloat16 modes' LM head."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @staticmethod
+    def supports(weight: PackedWeight) -> bool:
+        """Q8_0 with whole tiles of 16 outputs, and the kernel built for this CPU."""
+        kernels = native_kernels()
+        return (
+            weight.qtype is QuantType.Q8_0
+            and weight.out_features % 16 == 0
+            and kernels is not None
+            and kernels.q8_bf16_available()
+        )
+
+    @classmethod
+    def from_packed(cls, weight: PackedWeight) -> Q8Weight:
+        if not cls.supports(weight):
+            raise ValueError(
+                f"Q8Weight: {weight.qtype.name} [{weight.out_features}, {weight.in_features}] "
+                "needs Q8_0, out_features % 16 == 0 and the AVX512_BF16 kernel"
+            )
+        out, in_features = weight.shape
+        nb = in_features // BLOCK_SIZE
+        # [tile, c, b, p, e] -> [tile, b, p, c, e]: output 16 tile + c, input 2p + e of block b
+        q = weight.qs.view(out // 16, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+        d = weight.scales.view(out // 16, 16, nb).permute(0, 2, 1).contiguous()
+        return cls(q.view(-1), d, out, in_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in]`` bf16 -> ``[T, out]`` bf16; float32 ``x`` is rounded to bf16
+        inside the kernel and gives the float32 sums."""
+        return native_kernels().q8_bf16_mm(x, self.qs, self.d)
+
+
 def fast_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:
     """The fast mode's 4-bit form of ``weight``: ``Q4Weight`` where this CPU and shape
     run it, else torch's ``Int4Weight``; ``None`` where neither holds it (Q8_0, or

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 Backend = Literal["auto", "native", "torch"]
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("gguf_mm.cpp", "decode_layers.cpp", "rows.cpp", "q4_bf16.cpp")
+    for name in ("gguf_mm.cpp", "decode_layers.cpp", "rows.cpp", "q4_bf16.cpp", "q8_bf16.cpp")
 )
 EXTENSION_NAME = "tessera_kernels"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")

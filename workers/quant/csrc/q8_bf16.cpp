@@ -1,0 +1,209 @@
+// y[T, N] = x[T, K] @ W^T for GGUF Q8_0 weights W [N, K] (w = d * q, q int8, d fp16), on
+// CPUs with AVX512_BF16: the fast and bfloat16 modes' LM head (SmolLM2's tied Q8_0
+// embedding, 49152 x 576: a fifth of a decode step through the float32 kernel).
+//
+// Every int8 q is exact in bf16, so VDPBF16PS multiplies bf16 x with q exactly and sums
+// in float32; per block b of 32 inputs, y += d_b * (x_b . q_b) in float32. float32 x is
+// rounded to bf16 (nearest even) once at entry and gives float32 y; bf16 x gives bf16 y.
+// The weights are the file's (d stays fp16, converted exactly).
+//
+// Layout (built by tessera/workers/quant/int4.py, `Q8Weight.from_packed`), N % 16 == 0:
+//   qs  int8 [N / 16, K / 32, 16, 16, 2]: for output tile t, block b and pair p, 32 bytes:
+//       output 16t + c's inputs 2p and 2p + 1 of the block at [c, 0..1];
+//   d   fp16 [N / 16, K / 32, 16].
+// A pair's 32 bytes become one zmm of 16 bf16 pairs (lane c: output 16t + c) by two
+// sign extensions, two conversions to float and one VCVTNE2PS2BF16, all exact. Up to
+// kDirectRows rows each block is expanded in registers and used at once; for more, each
+// tile is expanded once into a buffer that every group of up to kRows rows runs through.
+// Both sum a block's 16 pairs as four chains of four, then the chains in order, so a
+// row's result never depends on T.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define TESSERA_Q8_BF16 1
+#else
+#define TESSERA_Q8_BF16 0
+#endif
+
+namespace tessera {
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+#if TESSERA_Q8_BF16
+constexpr int kRows = 12;           // rows of x a many-row micro-kernel holds
+constexpr int64_t kDirectRows = 4;  // up to this many rows: no expanded buffer
+
+// Pair p of block b of a tile (32 int8: 16 outputs x 2 inputs) as 16 bf16 pairs.
+inline __m512i expand_pair(const int8_t* q) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));       // outputs 0..7
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));  // 8..15
+  const __m512 flo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+  const __m512 fhi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(fhi, flo));  // low half from flo
+}
+
+inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as one bf16 pair
+  int32_t xx;
+  std::memcpy(&xx, x, sizeof xx);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(xx));
+}
+
+inline __m512 block_d(const uint16_t* d) {  // a block's 16 outputs' d, fp16 -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+}
+
+inline void store16(uint16_t* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+
+// R <= kDirectRows rows through one tile, each pair expanded in registers and used at once.
+template <int R, typename Y>
+inline void tile_direct(const uint16_t* x, int64_t K, int64_t nb, const int8_t* qs,
+                        const uint16_t* d, Y* y, int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 part[R];
+    for (int s = 0; s < 4; ++s) {
+      __m512 step[R];
+      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        const int p = 4 * s + i;
+        const __m512bh w = reinterpret_cast<__m512bh>(expand_pair(qs + (b * 16 + p) * 32));
+        for (int r = 0; r < R; ++r)
+          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 2 * p), w);
+      }
+      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
+    }
+    const __m512 dq = block_d(d + b * 16);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], dq, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
+}
+
+// R rows through one expanded tile: pairs [nb, 16] zmm, dq [nb] zmm. Same sums, same order.
+template <int R, typename Y>
+inline void tile_rows(const uint16_t* x, int64_t K, int64_t nb, const __m512i* pairs,
+                      const __m512* dq, Y* y, int64_t N) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 part[R];
+    for (int s = 0; s < 4; ++s) {
+      const __m512i* ws = pairs + b * 16 + s * 4;
+      for (int r = 0; r < R; ++r) {
+        __m512 step = _mm512_setzero_ps();
+        for (int i = 0; i < 4; ++i)
+          step = _mm512_dpbf16_ps(step, x_pair(x + r * K + b * kBlock + 2 * (4 * s + i)),
+                                  reinterpret_cast<__m512bh>(_mm512_load_si512(ws + i)));
+        part[r] = s == 0 ? step : _mm512_add_ps(part[r], step);
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], dq[b], acc[r]);
+  }
+  for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
+}
+
+template <int R, typename Y>
+void rows_through(const uint16_t* x, int64_t K, int64_t nb, const __m512i* pairs,
+                  const __m512* dq, Y* y, int64_t N, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_rows<R>(x, K, nb, pairs, dq, y, N);
+    return rows_through<R - 1>(x, K, nb, pairs, dq, y, N, rows);
+  }
+}
+
+template <typename Y>
+void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const uint16_t* dp,
+             int64_t tiles, Y* yp) {
+  const int64_t nb = K / kBlock, N = tiles * 16;
+  if (T <= kDirectRows) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int8_t* qt = qp + tile * nb * 512;
+        const uint16_t* dt = dp + tile * nb * 16;
+        Y* yt = yp + tile * 16;
+        switch (T) {
+          case 0: break;
+          case 1: tile_direct<1>(xp, K, nb, qt, dt, yt, N); break;
+          case 2: tile_direct<2>(xp, K, nb, qt, dt, yt, N); break;
+          case 3: tile_direct<3>(xp, K, nb, qt, dt, yt, N); break;
+          default: tile_direct<4>(xp, K, nb, qt, dt, yt, N); break;
+        }
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
+    std::vector<__m512> dq(nb);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int8_t* qt = qp + tile * nb * 512;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int p = 0; p < 16; ++p) pairs[b * 16 + p] = expand_pair(qt + (b * 16 + p) * 32);
+        dq[b] = block_d(dp + (tile * nb + b) * 16);
+      }
+      for (int64_t r0 = 0; r0 < T; r0 += kRows)
+        rows_through<kRows>(xp + r0 * K, K, nb, pairs.data(), dq.data(), yp + r0 * N + tile * 16,
+                            N, std::min<int64_t>(kRows, T - r0));
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool q8_bf16_available() { return TESSERA_Q8_BF16 != 0; }
+
+torch::Tensor q8_bf16_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "q8_bf16_mm: x must be a bfloat16 or float32 [T, K] CPU tensor");
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
+                  d.is_contiguous(),
+              "q8_bf16_mm: d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
+  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, N = tiles * 16;
+  const int64_t T = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "q8_bf16_mm: x has ", x.size(1), " features, the weight takes ", K);
+  TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() &&
+                  qs.numel() == tiles * nb * 512,
+              "q8_bf16_mm: qs must be contiguous int8 with ", tiles * nb * 512, " values");
+  auto y = torch::empty({T, N}, x.options());
+#if TESSERA_Q8_BF16
+  const auto xc = (x.scalar_type() == torch::kFloat32 ? x.to(torch::kBFloat16) : x).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int8_t* qp = qs.data_ptr<int8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  if (y.scalar_type() == torch::kFloat32)
+    q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>());
+  else
+    q8_rows(xp, T, K, qp, dp, tiles, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+#else
+  TORCH_CHECK(false, "q8_bf16_mm: this build has no AVX512_BF16 kernel (q8_bf16_available())");
+#endif
+  return y;
+}
+
+void register_q8_bf16(pybind11::module& m) {
+  namespace py = pybind11;
+  m.def("q8_bf16_available", &q8_bf16_available,
+        "whether this CPU build has the AVX512_BF16 Q8_0 kernel");
+  m.def("q8_bf16_mm", &q8_bf16_mm,
+        "y = x @ W^T for Q8_0 weights in the Q8Weight layout: bf16 x gives bf16 y; float32 x "
+        "is rounded to bf16 and gives the float32 sums",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace tessera
