@@ -30,7 +30,7 @@ AUTO_DTYPE = "auto"
 FAST = "fast"
 #: Each precision a model computes in, in words (logs and ready lines).
 PRECISION_TEXT = {
-    FAST: "float32, fast mode: bf16 inputs to the GGUF matmuls",
+    FAST: "float32, fast mode: bf16 inputs to the GGUF matmuls, fp16 KV cache",
     "float32": "float32, exact mode",
     "bfloat16": "bfloat16 activations and KV cache",
     "float16": "float16 activations and KV cache",
@@ -73,8 +73,8 @@ class EngineConfig:
     dtype: str = _setting(
         "float32",
         "precision: auto is the fast mode where it runs (a GGUF model's Q4 matrices and "
-        "Q8_0 tied head on a CPU with AVX512_BF16: their inputs rounded to bf16, float32 "
-        "everywhere else), "
+        "Q8_0 tied head on a CPU with AVX512_BF16: their inputs rounded to bf16, an fp16 "
+        "KV cache, float32 everywhere else), "
         "else float32; float32 is the exact mode (token-identical to transformers); "
         "bfloat16 also keeps activations and the KV cache in bf16",
         choices=(AUTO_DTYPE, *DTYPES),

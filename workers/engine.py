@@ -113,7 +113,7 @@ class Engine:
             self.model_config.max_position_embeddings,
         )
         device = torch.device(config.device)
-        dtype = self.loaded.dtype
+        dtype = self.loaded.kv_dtype
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
             self.model_config,
             config.block_size,
@@ -143,7 +143,12 @@ class Engine:
         if config.draft_model is not None:
             drafter = load_draft(config.draft_model, self.loaded, config.dtype, config.device)
             draft = DraftModel(
-                drafter, num_blocks, config.block_size, dtype, device, config.native_decode
+                drafter,
+                num_blocks,
+                config.block_size,
+                drafter.kv_dtype,
+                device,
+                config.native_decode,
             )
         self.speculator = Speculator(
             self.sampler,

@@ -119,7 +119,7 @@ class ModelRunner:
             else DecodeGraphs(model, kv_cache, kv.block_size, capture=static_decode == "graphs")
         )
         self.native_decode = native_decode and model.native_layers() is not None
-        self.native_prompts = self.native_decode and kv_cache.dtype != torch.float32
+        self.native_prompts = self.native_decode and model.norm.weight.dtype != torch.float32
         #: Seconds the last ``execute`` spent in the model's forward (on CUDA, up to the
         #: end of its kernels).
         self.forward_time = 0.0
@@ -199,7 +199,7 @@ class ModelRunner:
                 seq_lens_t[:num_decodes],
                 seq_lens[:num_decodes],
                 bs,
-                self.kv_cache.dtype,
+                self.model.norm.weight.dtype,  # the queries' (the bias joins their scores)
             )
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,

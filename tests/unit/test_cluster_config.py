@@ -47,8 +47,8 @@ def test_defaults_are_valid():
 def test_the_ready_line_names_the_precision_mode():
     auto = ClusterConfig.create()
     assert auto.precision_text(1, "fast") == (
-        "auto -> float32, fast mode: bf16 inputs to the GGUF matmuls, packed GGUF weights on "
-        "the CPU; 1 CPU(s) and torch threads per worker"
+        "auto -> float32, fast mode: bf16 inputs to the GGUF matmuls, fp16 KV cache, packed "
+        "GGUF weights on the CPU; 1 CPU(s) and torch threads per worker"
     )
     assert auto.precision_text(1, "float32") == (
         "auto -> float32, exact mode, packed GGUF weights on the CPU; "

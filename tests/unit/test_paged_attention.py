@@ -112,6 +112,23 @@ def test_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("tile_tokens", [BLOCK_SIZE, 256])
+def test_float32_queries_over_a_float16_cache(tile_tokens: int) -> None:
+    """The fast mode: float32 queries read a float16 cache (decode tiles and prompts) as
+    float32 attention over the float16 values; write_kv rounds float32 K/V into it."""
+    q, k_cache, v_cache, meta = make_batch(DECODE_SEQ_LENS, MULTI_TOKEN, 6, 2, torch.float32)
+    k16, v16 = k_cache.half(), v_cache.half()
+    out = paged_attention(q, k16, v16, meta, 0.3, tile_tokens=tile_tokens)
+    expected = reference_attention(q, k16.float(), v16.float(), meta, 0.3)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=FP32_ATOL, rtol=0)
+    k = torch.randn(3, 2, HEAD_DIM)
+    slots = torch.tensor([5, 40, 41])
+    write_kv(k16, v16, k, -k, slots)
+    assert torch.equal(k16.view(-1, 2, HEAD_DIM)[slots], k.half())
+    assert torch.equal(v16.view(-1, 2, HEAD_DIM)[slots], (-k).half())
+
+
 @pytest.mark.parametrize(
     ("decode_lens", "multi"), [(DECODE_SEQ_LENS, []), ([], MULTI_TOKEN), ([5, 9], [])]
 )

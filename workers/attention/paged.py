@@ -46,8 +46,9 @@ def write_kv(
     """
     num_kv_heads, head_dim = k_cache.shape[2:]
     # A [num_blocks * block_size, H_kv, D] view: a slot id is then a plain row index.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    # K/V in another dtype than the cache's (the fast mode's float16 cache) are rounded.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -157,6 +158,7 @@ def _decode_attention(
         shape = (num_seqs, tile.tokens, num_kv_heads, head_dim)
         k = flat_k.index_select(0, tile.slots).view(shape).transpose(1, 2)  # [B, H_kv, tile, D]
         v = flat_v.index_select(0, tile.slots).view(shape).transpose(1, 2)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a float16 cache under float32 queries
         out, lse = _attend(q_heads, k, v, tile.bias, scale)
         if tile.empty is not None:  # fully masked rows come back as out 0, lse 0: drop them
             lse = lse.masked_fill(tile.empty, -math.inf)
@@ -203,7 +205,7 @@ def _sequence_attention(
     ids = block_table[: math.ceil(seq_len / block_size)]
     k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]  # [S, H_kv, D]
     v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H_kv, S, D]
+    k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [H_kv, S, D]
     if mask is not None:
         if mask.shape != (q_len, seq_len) or mask.dtype != torch.bool:
             raise ValueError(

