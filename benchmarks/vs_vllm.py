@@ -5,7 +5,8 @@ requests with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ig
 token ids as ``throughput_vs_transformers.py`` (same seeds). vLLM cannot share this
 environment (it pins its own torch and transformers), so it runs offline
 (``vllm.LLM`` + ``LLM.generate`` on token-id prompts) in a subprocess with its own venv's
-python; only ``generate`` is timed, after a warm-up ``generate``. vLLM runs first, then
+python; only ``generate`` is timed, after a warm-up ``generate`` of the largest batch
+(the engine gets the same warm-up). vLLM runs first, then
 the engine, on the same machine in one invocation; at concurrency 1 each keeps the best
 of ``--repeats`` runs, since speed on these shared machines drifts.
 
@@ -152,8 +153,12 @@ def main() -> None:
     peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
-    warmup = mixed_workload(tok, 2, seed=99, min_new=4, max_new=8)
     workloads = {batch: workload_for(tok, batch) for batch in args.batches}
+    # Both sides run the largest batch once, untimed, before timing anything: a server's
+    # steady state (KV pages touched, allocator warm; vLLM also profiles a full batch at
+    # start-up). With two tiny warm-up requests, Tessera's first large batch measured
+    # 30-40% below the same batch run again.
+    warmup = workloads[max(args.batches)]
 
     start = time.perf_counter()
     theirs = run_vllm(
