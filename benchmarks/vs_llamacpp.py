@@ -12,9 +12,10 @@ best run is the headline (such work only ever adds time), the median is kept bes
 
 Tessera runs in this process, ``Engine.add_request`` / ``step`` (prefix caching off, so
 every run computes its whole prompt), once per mode in ``MODES``: ``exact`` (float32,
-packed GGUF weights: the default), ``dense-fp32`` (``packed_weights=False``: every
-weight dequantised at load, the old path) and ``fast`` (``dtype="bfloat16"``: bf16
-activations, the Q4 matrices at 4 bits through the native bf16 kernel). llama.cpp runs
+packed GGUF weights), ``dense-fp32`` (``packed_weights=False``: every weight
+dequantised at load, the old path), ``fast`` (``dtype="auto"``, ``tessera serve``'s
+default: float32 with bf16 inputs to the Q4 matmuls and the Q8_0 head, an fp16 KV cache)
+and ``bfloat16`` (bf16 activations and KV as well). llama.cpp runs
 through llama-cpp-python in a subprocess with its own venv's python, two ways, both
 timed per run:
 
