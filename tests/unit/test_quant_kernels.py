@@ -241,6 +241,21 @@ def test_native_q4_bf16_matmul_keeps_the_files_weights(native, qtype, rows):
     assert (y.float() - ref).abs().mean() < (torch_int4 - ref).abs().mean()
 
 
+def check_bf16_rows_product(weight, dense: torch.Tensor, rows: int):
+    """``weight.matmul`` of ``rows`` random float32 rows: float32, the product of their
+    bf16 rounding with ``dense`` to 2^-16 of sum |x w| (float32 sums), and the first
+    row's numbers the same alone. Returns (x, y)."""
+    x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
+    y = weight.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, dense.shape[0])
+    rounded = x.to(torch.bfloat16).double()
+    ref = rounded @ dense.double().T
+    bound = 2**-16 * (rounded.abs() @ dense.abs().double().T) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
+    assert torch.equal(y[:1], weight.matmul(x[:1]))  # a row's numbers never depend on T
+    return x, y
+
+
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
 @pytest.mark.parametrize("rows", ROWS)
 def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf16_rounding(
@@ -252,16 +267,8 @@ def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf1
     if not native.q4_bf16_available():
         pytest.skip("no AVX512_BF16 on this CPU: the fast mode is not offered there")
     packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
-    weight = fast_q4_weight(packed)
-    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
-    y = weight.matmul(x)
-    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
-    rounded = x.to(torch.bfloat16).float()
-    ref = rounded.double() @ dense.double().T
-    bound = 2**-16 * (rounded.abs().double() @ dense.abs().double().T) + 1e-30
-    assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
+    x, y = check_bf16_rows_product(fast_q4_weight(packed), dense, rows)
     assert not torch.equal(y, x @ dense.T)  # it did round x
-    assert torch.equal(y[:1], weight.matmul(x[:1]))  # a row's numbers never depend on T
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -275,15 +282,8 @@ def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_
         pytest.skip("no AVX512_BF16 on this CPU: the heads stay on the float32 kernel")
     packed, dense = random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)
     weight = Q8Weight.from_packed(packed)
-    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
-    y = weight.matmul(x)
-    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
-    rounded = x.to(torch.bfloat16).float()
-    ref = rounded.double() @ dense.double().T
-    bound = 2**-16 * (rounded.abs().double() @ dense.abs().double().T) + 1e-30
-    assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
+    x, y = check_bf16_rows_product(weight, dense, rows)
     assert torch.equal(weight.matmul(x.to(torch.bfloat16)), y.to(torch.bfloat16))
-    assert torch.equal(y[:1], weight.matmul(x[:1]))
     with pytest.raises(ValueError, match=r"Q8Weight: Q4_1 \[112, 224\] needs Q8_0"):
         Q8Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD)[0])
 
