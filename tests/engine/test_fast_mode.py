@@ -196,6 +196,10 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
 
     def run(others: int) -> list[int]:
         engine = Engine(EngineConfig(dtype=contract.dtype, num_kv_blocks=256), loaded=loaded)
+        # the mode's KV cache and block hash keys (a block of one precision is not another's)
+        expected_kv = torch.float16 if contract.dtype == "auto" else torch.bfloat16
+        assert engine.runner.kv_cache.dtype == expected_kv
+        assert engine.hash_keys[1] == ("fast" if contract.dtype == "auto" else "bfloat16")
         engine.add_request("seeded", prompt, sampled)
         for index in range(others):
             engine.add_request(

@@ -74,7 +74,7 @@ class Linear(nn.Module):
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
-    - a bfloat16 model (the fast mode) keeps Q4 weights at 4 bits: where the CPU has
+    - a bfloat16 model (the bfloat16 mode) keeps Q4 weights at 4 bits: where the CPU has
       AVX512_BF16, only as the native ``Q4Weight`` (the file's numbers, every batch
       size; ~15% slower than a dense bf16 GEMM for long prompts, twice torch's int4 at
       16-64 rows); else as torch's ``Int4Weight`` for batches of at most ``int4_rows``

@@ -43,9 +43,10 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     config: ModelConfig
     model_id: str  # where it came from; part of the prefix-cache hash key
-    #: What the model computes in: ``FAST`` (float32, its Q4 matmuls taking bf16-rounded
-    #: inputs) or a dtype name (float32: the exact mode). Part of the prefix-cache hash
-    #: key: the K/V of one precision is not another's.
+    #: What the model computes in: ``FAST`` (float32, its Q4 matmuls and Q8_0 head
+    #: taking bf16-rounded inputs, a float16 KV cache) or a dtype name (float32: the
+    #: exact mode). Part of the prefix-cache hash key: the K/V of one precision is not
+    #: another's.
     precision: str = "float32"
 
     @property
