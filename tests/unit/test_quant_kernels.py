@@ -217,6 +217,9 @@ def test_native_argmax_rows_equals_torch_argmax(native):
 
 
 Q4_ODD = (16 * 7, 32 * 7)  # the bf16 kernel takes whole tiles of 16 outputs; 7 blocks
+# and 300 rows: with 224 inputs, two passes of the bf16 kernels' rows over the tiles
+# (rows_per_pass in csrc/q4_bf16.cpp: 288 rows of x per pass)
+BF16_ROWS = (*ROWS, 300)
 
 
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
@@ -244,7 +247,7 @@ def test_native_q4_bf16_matmul_keeps_the_files_weights(native, qtype, rows):
 def check_bf16_rows_product(weight, dense: torch.Tensor, rows: int):
     """``weight.matmul`` of ``rows`` random float32 rows: float32, the product of their
     bf16 rounding with ``dense`` to 2^-16 of sum |x w| (float32 sums), and the first
-    row's numbers the same alone. Returns (x, y)."""
+    and last rows' numbers the same alone. Returns (x, y)."""
     x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
     y = weight.matmul(x)
     assert y.dtype == torch.float32 and y.shape == (rows, dense.shape[0])
@@ -253,11 +256,12 @@ def check_bf16_rows_product(weight, dense: torch.Tensor, rows: int):
     bound = 2**-16 * (rounded.abs() @ dense.abs().double().T) + 1e-30
     assert ((y.double() - ref).abs() <= bound).all(), float(((y.double() - ref) / bound).max())
     assert torch.equal(y[:1], weight.matmul(x[:1]))  # a row's numbers never depend on T
+    assert torch.equal(y[-1:], weight.matmul(x[-1:]))
     return x, y
 
 
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", BF16_ROWS)
 def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf16_rounding(
     native, qtype, rows
 ):
@@ -271,7 +275,7 @@ def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf1
     assert not torch.equal(y, x @ dense.T)  # it did round x
 
 
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", BF16_ROWS)
 def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_weights(
     native, rows
 ):

@@ -20,8 +20,9 @@
 //           pair (8s + 2p, 8s + 2p + 1) as two 16-bit integers.
 //   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
 // Up to kDirectRows rows, each block is expanded in registers and used at once; for more
-// rows each output tile is expanded once into an L1/L2 buffer of bf16 pairs, then every
-// group of up to kRows rows of x runs through it (x pairs broadcast from memory). Both
+// rows each output tile is expanded into an L1/L2 buffer of bf16 pairs, then every group
+// of up to kRows rows of x runs through it (x pairs broadcast from memory), in passes of
+// ~128 KB of x (the tile expanded again for each pass). Both
 // make the same products in the same order, so a row's result never depends on T.
 
 #include <torch/extension.h>
@@ -29,6 +30,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -48,9 +50,17 @@ constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
 
 #if TESSERA_Q4_BF16
-constexpr int kRows = 12;  // rows of x a micro-kernel holds: 2 accumulators each
+constexpr int kRows = 8;  // rows of x a micro-kernel holds: 3 zmm each (sum, block, chain)
+constexpr int64_t kPassBytes = 128 * 1024;  // x per pass over the tiles (see rows_per_pass)
 
 constexpr int64_t kDirectRows = 4;  // up to this many rows: no expanded buffer
+
+// Rows of x per pass over a thread's tiles: a pass's rows (bf16) stay in L2 while each
+// tile, expanded again for every pass, goes through them. One pass over all rows streamed
+// x from L3 once per tile: at 2048 rows (a prompt chunk) the kernel ran ~15% slower.
+inline int64_t rows_per_pass(int64_t K) {
+  return std::max<int64_t>(kRows, kPassBytes / (K * 2) / kRows * kRows);
+}
 
 // Pair p (0..3) of a zmm of nibbles, as bf16 (q + 128) pairs: (v >> 4p) & low | bias.
 inline __m512i expand_pair(__m512i v, int p) {
@@ -125,15 +135,18 @@ inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 part[R];
-    for (int s = 0; s < 4; ++s) {  // as tile_direct: four chains of 4 pairs, then summed
+    // as tile_direct: four chains of 4 pairs, then summed; the R rows' chains advance
+    // together (one weight load serves R products, and R chains hide the latency)
+    for (int s = 0; s < 4; ++s) {
       const __m512i* ws = pairs + b * 16 + s * 4;
-      for (int r = 0; r < R; ++r) {
-        __m512 step = _mm512_setzero_ps();
-        for (int p = 0; p < 4; ++p)
-          step = _mm512_dpbf16_ps(step, x_pair(x + r * K + b * kBlock + 8 * s + 2 * p),
-                                  reinterpret_cast<__m512bh>(_mm512_load_si512(ws + p)));
-        part[r] = s == 0 ? step : _mm512_add_ps(part[r], step);
+      __m512 step[R];
+      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
+      for (int p = 0; p < 4; ++p) {
+        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_load_si512(ws + p));
+        for (int r = 0; r < R; ++r)
+          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 8 * s + 2 * p), w);
       }
+      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
     }
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(part[r], dq[b], acc[r]);
@@ -188,23 +201,27 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
     });
     return;
   }
+  const int64_t pass = rows_per_pass(K);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
     std::vector<__m512> dq(nb), corr(nb);
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const uint8_t* nt = np + tile * nb * 256;
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int s = 0; s < 4; ++s) {
-          const __m512i v = _mm512_loadu_si512(nt + (b * 4 + s) * 64);
-          for (int p = 0; p < 4; ++p) pairs[b * 16 + s * 4 + p] = expand_pair(v, p);
+    for (int64_t first = 0; first < T; first += pass) {
+      const int64_t last = std::min(T, first + pass);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const uint8_t* nt = np + tile * nb * 256;
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int s = 0; s < 4; ++s) {
+            const __m512i v = _mm512_loadu_si512(nt + (b * 4 + s) * 64);
+            for (int p = 0; p < 4; ++p) pairs[b * 16 + s * 4 + p] = expand_pair(v, p);
+          }
+          block_scales(dp + (tile * nb + b) * 16, mp ? mp + (tile * nb + b) * 16 : nullptr,
+                       dq[b], corr[b]);
         }
-        block_scales(dp + (tile * nb + b) * 16, mp ? mp + (tile * nb + b) * 16 : nullptr,
-                     dq[b], corr[b]);
+        for (int64_t r0 = first; r0 < last; r0 += kRows)
+          rows_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, pairs.data(), dq.data(),
+                              corr.data(), yp + r0 * N + tile * 16, N,
+                              std::min<int64_t>(kRows, last - r0));
       }
-      for (int64_t r0 = 0; r0 < T; r0 += kRows)
-        rows_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, pairs.data(), dq.data(),
-                            corr.data(), yp + r0 * N + tile * 16, N,
-                            std::min<int64_t>(kRows, T - r0));
     }
   });
 }
