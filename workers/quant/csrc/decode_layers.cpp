@@ -53,6 +53,12 @@ constexpr int64_t kInt4 = 2;   // torch's int4 layout up to int4_rows rows, else
 constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scales_zeros: d,
                                // mins: m) up to int4_rows rows, else dense
 
+// Rows of the stack's row-wise steps (norms, RoPE and the cache writes, SwiGLU; residual
+// adds: this many thousand values) a thread takes at least: a step's few rows run inline,
+// a prompt's thousands in parallel (serial, they left the other thread idle for an
+// eighth of a 2048-token step). A row's numbers never depend on the split.
+constexpr int64_t kRowGrain = 16;
+
 // One projection, as workers/model/llama.py's Linear holds it.
 struct Linear {
   int64_t kind = kDense;
@@ -203,16 +209,18 @@ inline float sum_squares(const float* x, int64_t n) {
 // y[r] = weight * to_T(x[r] / sqrt(mean(x[r]^2) + eps)), rows of `hidden` floats
 template <typename T>
 void rms_norm(const float* x, const T* weight, T* y, int64_t rows, int64_t hidden, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * hidden;
-    T* yr = y + r * hidden;
-    const float mean = sum_squares(xr, hidden) / static_cast<float>(hidden);
-    const float inv = 1.f / std::sqrt(mean + eps);
-    for (int64_t i = 0; i < hidden; ++i) {
-      const T normed = round_to<T>(xr[i] * inv);
-      yr[i] = round_to<T>(f32(weight[i]) * f32(normed));
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * hidden;
+      T* yr = y + r * hidden;
+      const float mean = sum_squares(xr, hidden) / static_cast<float>(hidden);
+      const float inv = 1.f / std::sqrt(mean + eps);
+      for (int64_t i = 0; i < hidden; ++i) {
+        const T normed = round_to<T>(xr[i] * inv);
+        yr[i] = round_to<T>(f32(weight[i]) * f32(normed));
+      }
     }
-  }
+  });
 }
 
 // x [heads, D] rotated in place by cos/sin [D] (rotate-half layout)
@@ -463,12 +471,14 @@ class DecodeLayers {
                   "'s qkv projection gives ", qkv.size(1), " features, not ", q_size + 2 * kv_size);
       T* qkv_p = qkv.data_ptr<T>();
       const int64_t row = qkv.size(1);
-      for (int64_t b = 0; b < B; ++b) {
-        T* r = qkv_p + b * row;
-        rotate<T>(r, num_heads_ + num_kv_heads_, D, cos_p + b * D, sin_p + b * D);
-        store_kv(r + q_size, k_cache + slots[b] * kv_size, kv_size);
-        store_kv(r + q_size + kv_size, v_cache + slots[b] * kv_size, kv_size);
-      }
+      at::parallel_for(0, B, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {  // each token its own cache row
+          T* r = qkv_p + b * row;
+          rotate<T>(r, num_heads_ + num_kv_heads_, D, cos_p + b * D, sin_p + b * D);
+          store_kv(r + q_size, k_cache + slots[b] * kv_size, kv_size);
+          store_kv(r + q_size + kv_size, v_cache + slots[b] * kv_size, kv_size);
+        }
+      });
       attend<T, C>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, B,
                    attn.data_ptr<T>());
       add_residual<T>(h, layer.o(attn), B * H);
@@ -479,10 +489,12 @@ class DecodeLayers {
                   2 * intermediate_);
       const T* gu = gate_up.data_ptr<T>();
       T* s = swiglu.data_ptr<T>();
-      for (int64_t b = 0; b < B; ++b) {
-        const T* gate = gu + b * 2 * intermediate_;
-        swiglu_row<T>(gate, gate + intermediate_, s + b * intermediate_, intermediate_);
-      }
+      at::parallel_for(0, B, kRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const T* gate = gu + b * 2 * intermediate_;
+          swiglu_row<T>(gate, gate + intermediate_, s + b * intermediate_, intermediate_);
+        }
+      });
       add_residual<T>(h, layer.down(swiglu), B * H);
     }
   }
@@ -493,7 +505,9 @@ class DecodeLayers {
                 y.numel(), " values, not ", n);
     const auto yc = y.contiguous();
     const T* p = yc.data_ptr<T>();
-    for (int64_t i = 0; i < n; ++i) h[i] += f32(p[i]);
+    at::parallel_for(0, n, kRowGrain * 1024, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) h[i] += f32(p[i]);
+    });
   }
 
   // out[b, head] = softmax(q . K^T * scale) V over the sequence's seq_len cached tokens,

@@ -173,16 +173,18 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
   const int64_t nb = K / kBlock, N = tiles * 16;
   // block sums of x, float32 [T, nb]
   std::vector<float> sx(T * nb);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock))), 16));
-      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock + 16))), 16));
-      sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-    }
+  at::parallel_for(0, T, 64, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock))), 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock + 16))), 16));
+        sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      }
+  });
   if (T <= kDirectRows) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t tile = begin; tile < end; ++tile) {
