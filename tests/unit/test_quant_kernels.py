@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from tessera.workers.model.loader import builtin_model_path
 from tessera.workers.quant import PackedWeight, QuantType, int4, kernels, quant_matmul
-from tessera.workers.quant.int4 import Int4Weight, Q4Weight, Q8Weight, fast_q4_weight
+from tessera.workers.quant.int4 import Int4Weight, Q4Weight, Q8Weight, bf16_q4_weight
 
 ROWS = (1, 7, 16, 64)
 ODD = (97, 32 * 7)  # [out, in]: neither a multiple of the kernel's 4-row tiles nor of 16 blocks
@@ -225,13 +225,13 @@ BF16_ROWS = (*ROWS, 300)
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
 @pytest.mark.parametrize("rows", ROWS)
 def test_native_q4_bf16_matmul_keeps_the_files_weights(native, qtype, rows):
-    """The fast mode's 4-bit kernel: bf16 x times the file's own weights (fp16 d and m,
+    """The bfloat16 mode's 4-bit kernel: bf16 x times the file's own weights (fp16 d and m,
     not rounded to bf16 as torch's int4 layout has them), summed in float32 and rounded
     once to bf16; more accurate than torch's int4 kernel on the same weights."""
     if not native.q4_bf16_available():
         pytest.skip("no AVX512_BF16 on this CPU: torch's int4 layout runs (Int4Weight)")
     packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
-    weight = fast_q4_weight(packed)
+    weight = bf16_q4_weight(packed)
     assert isinstance(weight, Q4Weight)
     x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
     x = x.to(torch.bfloat16)
@@ -271,7 +271,7 @@ def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf1
     if not native.q4_bf16_available():
         pytest.skip("no AVX512_BF16 on this CPU: the fast mode is not offered there")
     packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
-    x, y = check_bf16_rows_product(fast_q4_weight(packed), dense, rows)
+    x, y = check_bf16_rows_product(bf16_q4_weight(packed), dense, rows)
     assert not torch.equal(y, x @ dense.T)  # it did round x
 
 
@@ -292,17 +292,17 @@ def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_
         Q8Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD)[0])
 
 
-def test_fast_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
+def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     """Without the native kernel torch's int4 layout; neither takes Q8_0 or outputs that
     are not whole tiles of 16 (the model keeps those dense)."""
     packed, _ = random_packed(QuantType.Q4_1, ODD)  # 97 outputs
-    assert fast_q4_weight(packed) is None
-    assert fast_q4_weight(random_packed(QuantType.Q8_0, Q4_ODD)[0]) is None
+    assert bf16_q4_weight(packed) is None
+    assert bf16_q4_weight(random_packed(QuantType.Q8_0, Q4_ODD)[0]) is None
     with pytest.raises(ValueError, match=r"Q4Weight: Q4_1 \[97, 224\] needs a 4-bit type"):
         Q4Weight.from_packed(packed)
     monkeypatch.setattr(int4, "native_kernels", lambda: None)
     packed, dense = random_packed(QuantType.Q4_1, Q4_ODD)
-    weight = fast_q4_weight(packed)
+    weight = bf16_q4_weight(packed)
     assert isinstance(weight, Int4Weight)
     x = torch.randn(5, Q4_ODD[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     ref = x.float() @ dense.T

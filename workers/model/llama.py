@@ -26,7 +26,7 @@ from tessera.workers.quant.int4 import (
     Int4Weight,
     Q4Weight,
     Q8Weight,
-    fast_q4_weight,
+    bf16_q4_weight,
     int4_row_limit,
 )
 from tessera.workers.quant.kernels import native_kernels
@@ -122,7 +122,7 @@ class Linear(nn.Module):
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
             if self.weight.dtype == torch.bfloat16:
-                self.int4 = fast_q4_weight(packed)
+                self.int4 = bf16_q4_weight(packed)
                 if isinstance(self.int4, Q4Weight):
                     # every row count, no dense copy: a row's numbers never depend on
                     # how many rows share its step (seeded sampling stays batch-invariant)

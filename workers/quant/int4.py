@@ -1,7 +1,10 @@
-"""The fast mode's weights: GGUF Q4_0 / Q4_1 matrices kept at 4 bits, with bf16
-activations, and the row count from which a dense bf16 matmul wins.
+"""GGUF matrices for bf16 products: Q4_0 / Q4_1 kept at 4 bits, the tied Q8_0 head
+(``Q8Weight``), and the row count from which a dense bf16 matmul wins.
 
-Two layouts; ``fast_q4_weight`` picks the first this CPU and shape can run:
+The fast mode (a float32 model) multiplies through ``Q4Weight`` and ``Q8Weight`` only,
+its float32 inputs rounded to bf16 inside the kernels. The bfloat16 mode (bf16
+activations) takes two Q4 layouts; ``bf16_q4_weight`` picks the first this CPU and shape
+can run:
 
 - ``Q4Weight``: the native AVX512_BF16 kernel (``csrc/q4_bf16.cpp``). It keeps the
   file's fp16 ``d`` and ``m`` and sums each block in float32, so its weights are the
@@ -17,7 +20,7 @@ Two layouts; ``fast_q4_weight`` picks the first this CPU and shape can run:
   but torch keeps ``scale`` and ``zero`` in bf16, so these weights differ from the
   file's by bf16 rounding of those two numbers.
 
-The fast mode's quality contract is tested against the exact mode
+Both modes' quality contracts are tested against the exact mode
 (``tests/engine/test_fast_mode.py``). One row of activations reads the packed ~0.5 byte
 per weight; many rows can be faster as a dense bf16 GEMM. ``int4_row_limit`` measures
 where the two cross on this CPU, once per weight shape and process.
@@ -180,8 +183,8 @@ class Q8Weight:
         return native_kernels().q8_bf16_mm(x, self.qs, self.d)
 
 
-def fast_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:
-    """The fast mode's 4-bit form of ``weight``: ``Q4Weight`` where this CPU and shape
+def bf16_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:
+    """The bfloat16 mode's 4-bit form of ``weight``: ``Q4Weight`` where this CPU and shape
     run it, else torch's ``Int4Weight``; ``None`` where neither holds it (Q8_0, or
     outputs not a multiple of 16): the caller keeps a dense weight."""
     if Q4Weight.supports(weight):

@@ -42,6 +42,8 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("gguf_mm.cpp", "decode_layers.cpp", "rows.cpp", "q4_bf16.cpp", "q8_bf16.cpp")
 )
+#: Included by the sources: not compiled alone, but part of the cache key.
+HEADERS = (Path(__file__).parent / "csrc" / "bf16_blocks.h",)
 EXTENSION_NAME = "tessera_kernels"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -146,10 +148,11 @@ def native_kernels() -> ModuleType | None:
 
 
 def kernel_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/tessera/kernels/<hash of sources, torch, CPU flags, flags>``."""
+    """``$XDG_CACHE_HOME/tessera/kernels/<hash of sources and headers, torch, CPU flags,
+    flags>``."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     digest = hashlib.sha256()
-    parts = [source.read_bytes() for source in SOURCES]
+    parts = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     for part in (*parts, torch.__version__.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")

@@ -22,15 +22,15 @@
 // Up to kDirectRows rows, each block is expanded in registers and used at once; for more
 // rows each output tile is expanded into an L1/L2 buffer of bf16 pairs, then every group
 // of up to kRows rows of x runs through it (x pairs broadcast from memory), in passes of
-// ~128 KB of x (the tile expanded again for each pass). Both
-// make the same products in the same order, so a row's result never depends on T.
+// ~128 KB of x (the tile expanded again for each pass). Both sum through block_sums
+// (bf16_blocks.h, shared with the Q8_0 kernel), so a row's result never depends on T.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -50,17 +50,7 @@ constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
 
 #if TESSERA_Q4_BF16
-constexpr int kRows = 8;  // rows of x a micro-kernel holds: 3 zmm each (sum, block, chain)
-constexpr int64_t kPassBytes = 128 * 1024;  // x per pass over the tiles (see rows_per_pass)
-
-constexpr int64_t kDirectRows = 4;  // up to this many rows: no expanded buffer
-
-// Rows of x per pass over a thread's tiles: a pass's rows (bf16) stay in L2 while each
-// tile, expanded again for every pass, goes through them. One pass over all rows streamed
-// x from L3 once per tile: at 2048 rows (a prompt chunk) the kernel ran ~15% slower.
-inline int64_t rows_per_pass(int64_t K) {
-  return std::max<int64_t>(kRows, kPassBytes / (K * 2) / kRows * kRows);
-}
+#include "bf16_blocks.h"
 
 // Pair p (0..3) of a zmm of nibbles, as bf16 (q + 128) pairs: (v >> 4p) & low | bias.
 inline __m512i expand_pair(__m512i v, int p) {
@@ -78,23 +68,8 @@ inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m51
            : _mm512_mul_ps(_mm512_set1_ps(-136.f), dq);
 }
 
-// 16 outputs of a row: rounded to bf16 (bf16 x) or as summed (float32 x, see q4_bf16_mm).
-inline void store16(uint16_t* y, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
-
-inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as one bf16 pair
-  int32_t xx;
-  std::memcpy(&xx, x, sizeof xx);
-  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(xx));
-}
-
 // R <= kDirectRows rows through one tile, each block's pairs expanded in registers and
-// used at once (decode: a buffer round trip per tile cost more than the products). A
-// block's 16 pairs are summed as four independent chains of 4 (one chain of 16 waited on
-// VDPBF16PS's latency at one row), then added in order; tile_rows makes the same sums in
-// the same order, so every row count gives the same bits.
+// used at once (decode: a buffer round trip per tile cost more than the products).
 template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
                         const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y,
@@ -103,17 +78,10 @@ inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t n
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 part[R];
-    for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_loadu_si512(nibbles + (b * 4 + s) * 64);
-      __m512 step[R];
-      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
-      for (int p = 0; p < 4; ++p) {
-        const __m512bh w = reinterpret_cast<__m512bh>(expand_pair(v, p));
-        for (int r = 0; r < R; ++r)
-          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 8 * s + 2 * p), w);
-      }
-      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
-    }
+    const uint8_t* block = nibbles + b * 4 * 64;
+    block_sums<R>(x, K, b, [block](int p) {  // pair p: step p / 4's zmm, nibble pair p % 4
+      return expand_pair(_mm512_loadu_si512(block + (p / 4) * 64), p % 4);
+    }, part);
     __m512 dq, corr;
     block_scales(d + b * 16, m ? m + b * 16 : nullptr, dq, corr);
     for (int r = 0; r < R; ++r) {
@@ -135,19 +103,8 @@ inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 part[R];
-    // as tile_direct: four chains of 4 pairs, then summed; the R rows' chains advance
-    // together (one weight load serves R products, and R chains hide the latency)
-    for (int s = 0; s < 4; ++s) {
-      const __m512i* ws = pairs + b * 16 + s * 4;
-      __m512 step[R];
-      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
-      for (int p = 0; p < 4; ++p) {
-        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_load_si512(ws + p));
-        for (int r = 0; r < R; ++r)
-          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 8 * s + 2 * p), w);
-      }
-      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
-    }
+    const __m512i* tile = pairs + b * 16;
+    block_sums<R>(x, K, b, [tile](int p) { return _mm512_load_si512(tile + p); }, part);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(part[r], dq[b], acc[r]);
       acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr[b], acc[r]);

@@ -16,8 +16,8 @@
 // kDirectRows rows each block is expanded in registers and used at once; for more, each
 // tile is expanded into a buffer that every group of up to kRows rows runs through, in
 // passes of ~128 KB of x (the tile expanded again for each pass).
-// Both sum a block's 16 pairs as four chains of four, then the chains in order, so a
-// row's result never depends on T.
+// Both sum through block_sums (bf16_blocks.h, shared with the Q4 kernel), so a row's
+// result never depends on T.
 
 #include <torch/extension.h>
 
@@ -42,16 +42,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 
 #if TESSERA_Q8_BF16
-constexpr int kRows = 8;  // rows of x a many-row micro-kernel holds: 3 zmm each
-constexpr int64_t kPassBytes = 128 * 1024;  // x per pass over the tiles (see rows_per_pass)
-
-// Rows of x per pass over a thread's tiles: a pass's rows (bf16) stay in L2 while each
-// tile, expanded again for every pass, goes through them. One pass over all rows streamed
-// x from L3 once per tile: at 2048 rows the kernel ran ~15% slower.
-inline int64_t rows_per_pass(int64_t K) {
-  return std::max<int64_t>(kRows, kPassBytes / (K * 2) / kRows * kRows);
-}
-constexpr int64_t kDirectRows = 4;  // up to this many rows: no expanded buffer
+#include "bf16_blocks.h"
 
 // Pair p of block b of a tile (32 int8: 16 outputs x 2 inputs) as 16 bf16 pairs.
 inline __m512i expand_pair(const int8_t* q) {
@@ -62,21 +53,9 @@ inline __m512i expand_pair(const int8_t* q) {
   return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(fhi, flo));  // low half from flo
 }
 
-inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as one bf16 pair
-  int32_t xx;
-  std::memcpy(&xx, x, sizeof xx);
-  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(xx));
-}
-
 inline __m512 block_d(const uint16_t* d) {  // a block's 16 outputs' d, fp16 -> float32
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
 }
-
-inline void store16(uint16_t* y, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
-                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 
 // R <= kDirectRows rows through one tile, each pair expanded in registers and used at once.
 template <int R, typename Y>
@@ -86,24 +65,15 @@ inline void tile_direct(const uint16_t* x, int64_t K, int64_t nb, const int8_t* 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 part[R];
-    for (int s = 0; s < 4; ++s) {
-      __m512 step[R];
-      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        const int p = 4 * s + i;
-        const __m512bh w = reinterpret_cast<__m512bh>(expand_pair(qs + (b * 16 + p) * 32));
-        for (int r = 0; r < R; ++r)
-          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 2 * p), w);
-      }
-      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
-    }
+    const int8_t* block = qs + b * 16 * 32;
+    block_sums<R>(x, K, b, [block](int p) { return expand_pair(block + p * 32); }, part);
     const __m512 dq = block_d(d + b * 16);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], dq, acc[r]);
   }
   for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
-// R rows through one expanded tile: pairs [nb, 16] zmm, dq [nb] zmm. Same sums, same order.
+// R rows through one expanded tile: pairs [nb, 16] zmm, dq [nb] zmm. Same sums.
 template <int R, typename Y>
 inline void tile_rows(const uint16_t* x, int64_t K, int64_t nb, const __m512i* pairs,
                       const __m512* dq, Y* y, int64_t N) {
@@ -111,19 +81,8 @@ inline void tile_rows(const uint16_t* x, int64_t K, int64_t nb, const __m512i* p
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 part[R];
-    // as tile_direct: four chains of 4 pairs, then summed; the R rows' chains advance
-    // together (one weight load serves R products, and R chains hide the latency)
-    for (int s = 0; s < 4; ++s) {
-      const __m512i* ws = pairs + b * 16 + s * 4;
-      __m512 step[R];
-      for (int r = 0; r < R; ++r) step[r] = _mm512_setzero_ps();
-      for (int p = 0; p < 4; ++p) {
-        const __m512bh w = reinterpret_cast<__m512bh>(_mm512_load_si512(ws + p));
-        for (int r = 0; r < R; ++r)
-          step[r] = _mm512_dpbf16_ps(step[r], x_pair(x + r * K + b * kBlock + 2 * (4 * s + p)), w);
-      }
-      for (int r = 0; r < R; ++r) part[r] = s == 0 ? step[r] : _mm512_add_ps(part[r], step[r]);
-    }
+    const __m512i* tile = pairs + b * 16;
+    block_sums<R>(x, K, b, [tile](int p) { return _mm512_load_si512(tile + p); }, part);
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], dq[b], acc[r]);
   }
   for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
