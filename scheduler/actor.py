@@ -188,6 +188,17 @@ class Scheduler:
         if worker.info is not None:
             self._event(f"worker {worker.worker_id} restarted as {info.incarnation}")
         self.registry.reincarnate(worker, info)
+        if self.hash_keys is not None and info.hash_keys != self.hash_keys:
+            # e.g. dtype "auto" resolved on nodes that differ in AVX512_BF16: the front
+            # ends hash prompts with the first worker's keys, and P/D pairs refuse blocks
+            first = next(w for w in self.registry if w.info and w.info.hash_keys == self.hash_keys)
+            self._event(
+                f"worker {worker.worker_id} hashes KV blocks with {info.hash_keys}, worker "
+                f"{first.worker_id} with {self.hash_keys} (model path, precision): prefix "
+                "affinity and KV handoffs between them are off; give every node the same "
+                "model path and --dtype",
+                logging.WARNING,
+            )
         self.hash_keys = self.hash_keys or info.hash_keys
         self.start_errors.clear()
         if worker.status is not WorkerStatus.DRAINING:
@@ -519,8 +530,8 @@ class Scheduler:
         registered."""
         return next((w.info for w in self.registry if w.info is not None), None)
 
-    def _event(self, text: str) -> None:
-        logger.info("%s", text)
+    def _event(self, text: str, level: int = logging.INFO) -> None:
+        logger.log(level, "%s", text)
         self.events.append(f"{time.strftime('%H:%M:%S')} {text}")
 
     def stats(self) -> ClusterStats:

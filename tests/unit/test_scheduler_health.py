@@ -22,12 +22,12 @@ class _Silent:
             return asyncio.get_running_loop().create_future()
 
 
-def _info(incarnation: str) -> WorkerInfo:
+def _info(incarnation: str, worker_id: str = "mixed-0", precision: str = "float32") -> WorkerInfo:
     return WorkerInfo(
-        worker_id="mixed-0",
+        worker_id=worker_id,
         role="mixed",
         incarnation=incarnation,
-        hash_keys=("model", "float32"),
+        hash_keys=("model", precision),
         block_size=16,
         total_blocks=64,
         max_num_seqs=8,
@@ -35,6 +35,7 @@ def _info(incarnation: str) -> WorkerInfo:
         vocab_size=100,
         node_id="node",
         pid=1,
+        precision=precision,
     )
 
 
@@ -123,3 +124,23 @@ async def test_a_scheduler_restarted_before_it_started_any_worker_starts_the_poo
     assert scheduler.added == []
     assert list(scheduler.registry.workers) == ["prefill-0", "decode-2"]
     scheduler._monitor.cancel()
+
+
+def test_a_worker_whose_block_hash_keys_differ_from_the_clusters_is_named():
+    """dtype "auto" resolves per node: a worker on a node without AVX512_BF16 computes in
+    float32 while the others run the fast mode. Its blocks never match the front ends'
+    hashes, so the scheduler says so, naming both workers and their keys."""
+    config = scheduler_config(ClusterConfig.create(), "cpu", 0, 1)
+    scheduler = Scheduler(config)
+    for worker_id in ("mixed-0", "mixed-1"):
+        scheduler.registry.add(WorkerRecord(worker_id, "mixed", _Silent()))
+    scheduler.register(_info("a", "mixed-0", "fast"))
+    scheduler.register(_info("b", "mixed-1", "float32"))
+    assert scheduler.hash_keys == ("model", "fast")  # the front ends keep the first's
+    assert _events(scheduler)[-1] == (
+        "worker mixed-1 hashes KV blocks with ('model', 'float32'), worker mixed-0 with "
+        "('model', 'fast') (model path, precision): prefix affinity and KV handoffs between "
+        "them are off; give every node the same model path and --dtype"
+    )
+    scheduler.register(_info("c", "mixed-0", "fast"))  # a restart with the same keys: quiet
+    assert _events(scheduler)[-1] == "worker mixed-0 restarted as c"
