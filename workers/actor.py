@@ -81,8 +81,8 @@ class _Channel:
         self.keepalive_s = keepalive_s
         self.touched = time.monotonic()
 
-    def put(self, request_id: str, item: RequestOutput | StreamFailure | None) -> None:
-        self.pending.append((request_id, item))
+    def put(self, request_id: str, *items: RequestOutput | StreamFailure | None) -> None:
+        self.pending.extend((request_id, item) for item in items)
         self.ready.set()
 
     def take(self) -> list[tuple[str, RequestOutput | StreamFailure | None]]:
@@ -241,21 +241,33 @@ class WorkerActor:
         if self._channels.get(channel_id) is not channel:  # it ended meanwhile
             await stream.aclose()
             raise ChannelClosedError(f"channel {channel_id!r} closed")
+        interval = self.engine.engine.config.stream_interval
         channel.forwards[request_id] = asyncio.get_running_loop().create_task(
-            self._forward(stream, channel, request_id)
+            self._forward(stream, channel, request_id, interval)
         )
         return accepted
 
     @staticmethod
     async def _forward(
-        stream: AsyncIterator[RequestOutput], channel: _Channel, request_id: str
+        stream: AsyncIterator[RequestOutput], channel: _Channel, request_id: str, interval: int
     ) -> None:
+        """Put the request's deltas on its channel, then ``END``. With ``interval`` > 1
+        deltas are held until they carry ``interval`` tokens; the first delta, a
+        finished one and the end go at once, with whatever was held before them."""
+        held: list[RequestOutput] = []
+        tokens = 0
+        sent = False
         try:
             async for delta in stream:
-                channel.put(request_id, delta)
-            channel.put(request_id, END)
+                held.append(delta)
+                tokens += len(delta.token_ids)
+                if not sent or delta.finished or tokens >= interval:
+                    channel.put(request_id, *held)
+                    held.clear()
+                    tokens, sent = 0, True
+            channel.put(request_id, *held, END)
         except Exception as error:  # an engine step failed: the caller's stream raises
-            channel.put(request_id, StreamFailure(f"{type(error).__name__}: {error}"))
+            channel.put(request_id, *held, StreamFailure(f"{type(error).__name__}: {error}"))
         finally:
             await stream.aclose()  # aborts the request if it is not over (cancelled)
             channel.forwards.pop(request_id, None)

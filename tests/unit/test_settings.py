@@ -38,6 +38,7 @@ OTHER_VALUES = {
     "max_num_batched_tokens": 512,
     "max_num_seqs": 8,
     "max_model_len": 256,
+    "stream_interval": 2,
     "enable_prefix_caching": False,
     "packed_weights": False,
     "cuda_graphs": False,
