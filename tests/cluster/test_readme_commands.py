@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tessera.cluster.server import SERVE_CONTROL_LOOP_S
+
 pytestmark = [pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +62,12 @@ def test_readme_run_command_serves_and_the_curl_example_answers(tmp_path):
         assert f"auto -> float32, {chosen}" in log.read_text(), log.read_text()[-5000:]
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] > 0
+        # the Ray it started runs Serve's controller loop at SERVE_CONTROL_LOOP_S
+        (controller,) = [
+            p for p in descendants(process.pid) if cmdline(p).startswith("ray::ServeController")
+        ]
+        environ = Path(f"/proc/{controller}/environ").read_bytes().split(b"\0")
+        assert f"RAY_SERVE_CONTROL_LOOP_INTERVAL_S={SERVE_CONTROL_LOOP_S}".encode() in environ
     finally:
         for pid in children(process.pid):  # Ctrl-C for `tessera serve` (the shell's child)
             os.kill(pid, signal.SIGINT)
@@ -84,3 +92,15 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [d for child in found for d in descendants(child)]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

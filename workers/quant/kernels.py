@@ -5,10 +5,11 @@ The extension (``csrc/gguf_mm.cpp``, the packed matmul; ``csrc/decode_layers.cpp
 every decoder layer of a decode step in one call; ``csrc/rows.cpp``, the sampler's row
 argmax) is compiled on first use with
 ``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
-(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and the CPU
-flags in /proc/cpuinfo: the kernel is built with ``-march=native``, so a machine with
-other flags builds its own. cpp_extension's file lock in that directory lets several
-processes start at once (one compiles, the others wait and load it).
+(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and
+directory (each environment builds its own) and the CPU flags in /proc/cpuinfo: the
+kernel is built with ``-march=native``, so a machine with other flags builds its own.
+cpp_extension's file lock in that directory lets several processes start at once (one
+compiles, the others wait and load it).
 
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
 path runs instead: each call dequantises the weight in row chunks and multiplies.
@@ -148,12 +149,16 @@ def native_kernels() -> ModuleType | None:
 
 
 def kernel_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/tessera/kernels/<hash of sources and headers, torch, CPU flags,
-    flags>``."""
+    """``$XDG_CACHE_HOME/tessera/kernels/<hash of sources and headers, torch's version and
+    directory, CPU flags, flags>``."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     digest = hashlib.sha256()
     parts = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
-    for part in (*parts, torch.__version__.encode(), _cpu_flags().encode()):
+    # torch's directory too: the build's include paths name it, so two environments
+    # sharing one entry (the README test's fresh venv beside the suite's) would each
+    # rebuild it (ninja sees a new command line) and take turns
+    torch_dir = str(Path(torch.__file__).resolve().parent).encode()
+    for part in (*parts, torch.__version__.encode(), torch_dir, _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
