@@ -14,6 +14,7 @@ def cluster_config(**fields):
     from tessera.cluster.config import ClusterConfig
 
     fields.setdefault("dtype", "float32")  # the exact mode (the entry points pick auto)
+    fields.setdefault("stream_interval", 1)  # a delta per step, as the tests count them
     fields.setdefault("num_kv_blocks", 256)
     fields.setdefault("report_interval_s", 0.1)
     fields.setdefault("namespace", RAY_NAMESPACE)
