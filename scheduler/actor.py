@@ -191,10 +191,15 @@ class Scheduler:
         if self.hash_keys is not None and info.hash_keys != self.hash_keys:
             # e.g. dtype "auto" resolved on nodes that differ in AVX512_BF16: the front
             # ends hash prompts with the first worker's keys, and P/D pairs refuse blocks
-            first = next(w for w in self.registry if w.info and w.info.hash_keys == self.hash_keys)
+            # the worker that set the keys may be this one, restarted with other keys
+            first = next(
+                (w for w in self.registry if w.info and w.info.hash_keys == self.hash_keys),
+                None,
+            )
+            others = f"worker {first.worker_id}" if first else "the cluster's first worker"
             self._event(
-                f"worker {worker.worker_id} hashes KV blocks with {info.hash_keys}, worker "
-                f"{first.worker_id} with {self.hash_keys} (model path, precision): prefix "
+                f"worker {worker.worker_id} hashes KV blocks with {info.hash_keys}, "
+                f"{others} with {self.hash_keys} (model path, precision): prefix "
                 "affinity and KV handoffs between them are off; give every node the same "
                 "model path and --dtype",
                 logging.WARNING,

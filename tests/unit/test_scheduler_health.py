@@ -144,3 +144,16 @@ def test_a_worker_whose_block_hash_keys_differ_from_the_clusters_is_named():
     )
     scheduler.register(_info("c", "mixed-0", "fast"))  # a restart with the same keys: quiet
     assert _events(scheduler)[-1] == "worker mixed-0 restarted as c"
+
+
+def test_the_only_worker_with_the_first_keys_restarting_with_others_is_named():
+    config = scheduler_config(ClusterConfig.create(), "cpu", 0, 1)
+    scheduler = Scheduler(config)
+    scheduler.registry.add(WorkerRecord("mixed-0", "mixed", _Silent()))
+    scheduler.register(_info("a", "mixed-0", "fast"))
+    scheduler.register(_info("b", "mixed-0", "float32"))  # restarted on another node
+    assert _events(scheduler)[-1] == (
+        "worker mixed-0 hashes KV blocks with ('model', 'float32'), the cluster's first "
+        "worker with ('model', 'fast') (model path, precision): prefix affinity and KV "
+        "handoffs between them are off; give every node the same model path and --dtype"
+    )
