@@ -22,8 +22,17 @@ def _native_kernels_built_first() -> None:
 @pytest.fixture(scope="session")
 def ray_session():
     """One real local Ray cluster (``num_cpus=2``, GPUs as detected) for the whole
-    session; ``ray.shutdown`` stops the local cluster it started, nothing else."""
+    session, with the Serve settings of a Ray that `tessera serve` starts (HAProxy mode
+    where it runs), so the HTTP and gRPC tests go through a user's front door;
+    ``ray.shutdown`` stops the local cluster it started, nothing else."""
+    import os
+
     import ray
+
+    from tessera.cluster.server import local_ray_env
+
+    for name, value in local_ray_env().items():
+        os.environ.setdefault(name, value)
 
     ray.init(
         num_cpus=2,

@@ -62,12 +62,16 @@ def test_readme_run_command_serves_and_the_curl_example_answers(tmp_path):
         assert f"auto -> float32, {chosen}" in log.read_text(), log.read_text()[-5000:]
         assert body["choices"][0]["message"]["content"]
         assert body["usage"]["completion_tokens"] > 0
-        # the Ray it started runs Serve's controller loop at SERVE_CONTROL_LOOP_S
+        # the Ray it started runs Serve's controller loop at SERVE_CONTROL_LOOP_S, and
+        # HAProxy, not Serve's proxy, listens on the port
         (controller,) = [
             p for p in descendants(process.pid) if cmdline(p).startswith("ray::ServeController")
         ]
         environ = Path(f"/proc/{controller}/environ").read_bytes().split(b"\0")
         assert f"RAY_SERVE_CONTROL_LOOP_INTERVAL_S={SERVE_CONTROL_LOOP_S}".encode() in environ
+        assert b"RAY_SERVE_ENABLE_HA_PROXY=1" in environ
+        assert "behind HAProxy (Ray Serve's HAProxy mode)" in log.read_text()
+        assert "haproxy" in [comm(p) for p in descendants(process.pid)]
     finally:
         for pid in children(process.pid):  # Ctrl-C for `tessera serve` (the shell's child)
             os.kill(pid, signal.SIGINT)
@@ -102,5 +106,13 @@ def descendants(pid: int) -> list[int]:
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def comm(pid: int) -> str:
+    """The process's command name (``/proc/<pid>/comm``)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""

@@ -4,7 +4,10 @@ gguf's own dequantisation and ``x @ dequantised.T``."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,6 +197,22 @@ def test_kernel_cache_key_follows_the_cpu_and_xdg(monkeypatch, tmp_path):
     assert first.parent == tmp_path / "tessera" / "kernels"
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "another cpu")
     assert kernels.kernel_cache_dir() != first
+
+
+def test_the_build_runs_the_ninja_package_even_after_another_ninja_on_path(monkeypatch, tmp_path):
+    """A ninja of another version earlier on PATH (a system one) hashes build commands
+    differently and rebuilt the shared cache entry in turns with the package's."""
+    import ninja
+
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.11.1\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    kernels._ninja_on_path()
+    assert Path(shutil.which("ninja")).parent.resolve() == Path(ninja.BIN_DIR).resolve()
+    path = os.environ["PATH"]
+    kernels._ninja_on_path()  # once is enough: PATH does not grow
+    assert os.environ["PATH"] == path
 
 
 def test_native_argmax_rows_equals_torch_argmax(native):

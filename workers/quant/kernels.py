@@ -93,15 +93,17 @@ def _torch_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 
 def _ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; the ``ninja`` package (a dependency) has
-    it in the environment's bin folder, which is not on PATH when nobody activated it."""
-    if shutil.which("ninja") is not None:
-        return
+    """cpp_extension runs ``ninja`` from PATH: put the ``ninja`` package's (a dependency)
+    first. A system ninja of another version hashes the build commands differently, so
+    the two rebuilt the same cache entry in turns (~75 s each): an activated environment
+    found the package's, an unactivated one ``/usr/bin/ninja``."""
     try:
         import ninja
     except ImportError:
-        return  # the build fails and the torch path runs, with its warning
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        return  # PATH's ninja if there is one; else the build fails and the torch path runs
+    binary = shutil.which("ninja")
+    if binary is None or Path(binary).parent.resolve() != Path(ninja.BIN_DIR).resolve():
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def native_available() -> bool:
