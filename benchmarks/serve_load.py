@@ -501,8 +501,9 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
         runs, cpu, phases = {}, {}, {}
         for i, (rate, schedule) in enumerate(schedules.items()):
             for target in targets if i % 2 == 0 else targets[::-1]:
-                if runs:
-                    await asyncio.sleep(args.cooldown_s)  # let the last run's streams settle
+                # let the last run's streams (or the warm-ups) settle: right after the
+                # peer's warm-ups, our first request took ~950 ms three runs in a row
+                await asyncio.sleep(args.cooldown_s)
                 before = server_cpu(args.server_pid if target.role == "ours" else None)
                 if target.role == "ours":
                     phases_before = await phase_totals(client, target)
