@@ -343,7 +343,24 @@ def test_a_grpc_port_in_use_fails_at_start(capsys):
 
 
 # ------------------------------------------------------------------ health (last: it kills)
-def test_health_is_not_serving_while_no_worker_is_healthy(server, client):
+def test_health_is_not_serving_while_no_worker_is_healthy(server, client, make_engine):
+    """Also: a stream cut by the kill resumes on the restarted worker with the same
+    tokens. The server streams 4 tokens at a time, so the worker holds up to 3 of them
+    when it dies; the resumed request recomputes from those delivered."""
+    long = {"max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    _, ids, _ = engine_output(make_engine, PROMPT, **long)
+    cut: list = []
+    two_deltas = threading.Event()
+
+    def stream() -> None:
+        for delta in client.generate(PROMPT, timeout=240, **long):
+            cut.append(delta)
+            if len(cut) == 2:
+                two_deltas.set()
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert two_deltas.wait(60)
     assert client.health() == "SERVING"
     assert client.health("tessera.v1.Generation") == "SERVING"
     error = _error(lambda: client.health("no.such.Service"))
@@ -368,6 +385,7 @@ def test_health_is_not_serving_while_no_worker_is_healthy(server, client):
     watcher.start()
     assert watching.wait(30)
     worker = ray.get(server.scheduler().worker_handle.remote("mixed-0"))
+    assert cut[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED, "the kill must come mid-stream"
     ray.kill(worker, no_restart=False)  # Ray restarts it; until it reports, none is healthy
     deadline = time.monotonic() + 30
     while client.health() == "SERVING":
@@ -379,3 +397,7 @@ def test_health_is_not_serving_while_no_worker_is_healthy(server, client):
         time.sleep(0.2)
     watcher.join(30)
     assert seen[0] == "SERVING" and seen[-2:] == ["NOT_SERVING", "SERVING"]
+    streamer.join(240)
+    assert not streamer.is_alive()
+    assert [t for d in cut for t in d.token_ids] == ids
+    assert [d.finish_reason for d in cut].count(pb.FINISH_REASON_LENGTH) == 1
