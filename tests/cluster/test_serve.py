@@ -809,6 +809,30 @@ def _closed(received: bytes) -> bytes:
     raise AssertionError(f"the server closed the connection mid-response: {received!r}")
 
 
+def test_stalled_uploads_get_503_past_the_cap_and_408(server):
+    """70 uploads that never send their bodies (the replica waits for at most 64 slow
+    bodies at once, body_timeout_s is 3 here): the 6 past the cap get 503 at once,
+    /health and real requests are served meanwhile, and each stalled one gets 408."""
+    socks = [_stalled_upload(server) for _ in range(70)]
+    try:
+        time.sleep(1.0)
+        started = time.monotonic()
+        health = httpx.get(f"{server.url}/health", timeout=10)
+        assert health.status_code == 200 and time.monotonic() - started < 2
+        ok = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200, ok.text
+        answers = [_response(sock) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    statuses = sorted(answer.split(b" ", 2)[1].decode() for answer in answers)
+    assert statuses.count("503") >= 6 and set(statuses) == {"408", "503"}, statuses
+    timed_out = next(a for a in answers if a.startswith(b"HTTP/1.1 408"))
+    assert b"did not arrive within 3 s (body_timeout_s): 0 of 4096 bytes came" in timed_out
+    busy = next(a for a in answers if a.startswith(b"HTTP/1.1 503"))
+    assert b"max_pending_bodies" in busy
+
+
 def test_a_huge_prompt_is_refused_before_tokenizing_while_streams_go_on(server):
     """A 3.9 MB prompt is over any context by its size alone: 400 at once, and a
     stream running meanwhile never stalls."""
