@@ -59,8 +59,8 @@ def local_ray_env() -> dict[str, str]:
     - HAProxy mode, where the binary runs (``ray[serve]`` bundles it on Linux): HAProxy
       listens on ``host:port`` (and ``grpc_port``) and forwards each connection to the
       replica's own HTTP (gRPC) server, so no token crosses Serve's Python proxy. Over
-      HTTP it gave 281 tok/s at 64 concurrent against 217-228 through the proxy, and at
-      1 concurrent a TTFT of 84 against 101-155 ms (docs/architecture.md).
+      HTTP it gave 247-281 tok/s at 64 concurrent (four runs) against 217-228 through
+      the proxy, and at 1 concurrent a p50 TTFT of 66-118 against 101-155 ms (README).
     - A replica behind HAProxy stays up this long after it is told to stop, for load
       balancers on other nodes to drop it (Serve's default, 30 s, made every Ctrl-C
       wait 30 s): 0, since this Ray's one HAProxy stops first. Ongoing requests still
