@@ -442,8 +442,8 @@ class ServeConfig(ClusterConfig):
         ge=1,
         le=65535,
         description="serve the gRPC API (tessera.v1.Generation, grpc.health.v1) on this "
-        "port, on every interface (Ray Serve's gRPC proxy has no host setting); off when "
-        "unset",
+        "port (behind HAProxy on host; Ray Serve's gRPC proxy, and the replica's own gRPC "
+        "server behind HAProxy, listen on every interface); off when unset",
     )
     api_key: str | None = Field(
         None,
