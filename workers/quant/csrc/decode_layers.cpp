@@ -261,73 +261,143 @@ inline void axpy(float p, const float* v, float* acc, int64_t n) {
   for (; i < n; ++i) acc[i] += p * v[i];
 }
 
-// One (sequence, KV head) attention task: the `group` query heads q [group, D] (float32)
-// sharing this KV head attend over the sequence's n cached tokens (in the cache's dtype
-// C); out [group, D] in T.
-// k_cache / v_cache point at this KV head's first element of block 0; a token's row is
-// kv_size apart from the next in its block. Two passes: scores (q . k * scale, stored in
-// scores [group, n]) and, per head, softmax and the weighted sum of V. Every lane sums in
-// the same order as the generic path below, so the two give the same bits.
-//
-// NV > 0 (AVX-512, D == 16 * NV): a row lives in NV zmm registers and each head's
-// accumulator stays in registers over the whole sequence (no stack copies, no
-// store/reload per token: the generic path's per-token traffic took a third of a
-// 16-sequence decode step at 512 tokens of context).
-template <typename T, typename C, int NV>
+#if TESSERA_DECODE_AVX512
+// Lane t of the result: the sum of v[t]'s 16 lanes, by a tree of unpacks, shuffles and
+// adds (15 adds for 16 vectors, instead of one horizontal reduction per vector).
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i + 1] folded to pairs
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i .. 4i + 3]'s partial sums
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // the four 128-bit lanes of each x summed in pairs
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                       _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+// Asks for the cache lines of a K or V row of `values` elements (into L1).
+template <typename C>
+inline void prefetch_row(const C* row, int64_t values) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < values * static_cast<int64_t>(sizeof(C)); byte += 64)
+    _mm_prefetch(p + byte, _MM_HINT_T0);
+}
+
+// G query heads q [G, D] (float32, D == 16 * NV) sharing one KV head attend over a
+// sequence's n cached tokens (in the cache's dtype C); out [G, D] in T. k_cache / v_cache
+// point at this KV head's first element of block 0; a token's row is kv_size apart from
+// the next in its block. Each K and V row is read once for the G heads and kept in NV
+// registers; each head's V accumulator stays in registers over the whole sequence.
+// Scores (q . k * scale, into scores [G, n]) go 16 tokens at a time: each token's NV
+// products are one vector of 16 partial sums, and lane_sums16 folds 16 tokens' vectors
+// at once. A row's numbers depend only on its own q and cache, never on the batch.
+template <typename T, typename C, int NV, int G>
+void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int64_t* table,
+                  int64_t n, int64_t block_size, int64_t kv_size, float scale, float* scores,
+                  T* out) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t block_stride = block_size * kv_size;
+  __m512 part[G][16];
+  int64_t first = 0;  // the token of part[.][0]
+  int filled = 0;
+  const auto flush = [&]() {
+    const __mmask16 mask = static_cast<__mmask16>((1u << filled) - 1u);
+    for (int g = 0; g < G; ++g) {
+      for (int j = filled; j < 16; ++j) part[g][j] = _mm512_setzero_ps();
+      const __m512 s = _mm512_mul_ps(lane_sums16(part[g]), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(scores + g * n + first, mask, s);
+    }
+    first += filled;
+    filled = 0;
+  };
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  for (int64_t j = 0, t = 0; t < n; ++j) {
+    const C* k = k_cache + table[j] * block_stride;
+    // the same row of the next block, fetched a block ahead: a block's rows are too few
+    // for the hardware prefetcher to follow the jump to the next (scattered) block
+    const C* ahead = j + 1 < blocks ? k_cache + table[j + 1] * block_stride : k;
+    for (const int64_t stop = std::min(n, t + block_size); t < stop;
+         ++t, k += kv_size, ahead += kv_size) {
+      prefetch_row(ahead, D);
+      __m512 kv[NV];
+      for (int i = 0; i < NV; ++i) kv[i] = load16<C>(k + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), kv[i], a);
+        part[g][filled] = a;
+      }
+      if (++filled == 16) flush();
+    }
+  }
+  if (filled) flush();
+  float sums[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    float mx = sg[0];
+    int64_t t = 0;
+    if (n >= 16) {
+      __m512 m = _mm512_loadu_ps(sg);
+      for (t = 16; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
+      mx = _mm512_reduce_max_ps(m);
+    }
+    for (; t < n; ++t) mx = std::max(mx, sg[t]);
+    sums[g] = exp_shifted(sg, n, mx);
+  }
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = 0, t = 0; t < n; ++j) {
+    const C* v = v_cache + table[j] * block_stride;
+    const C* ahead = j + 1 < blocks ? v_cache + table[j + 1] * block_stride : v;
+    for (const int64_t stop = std::min(n, t + block_size); t < stop;
+         ++t, v += kv_size, ahead += kv_size) {
+      prefetch_row(ahead, D);
+      __m512 vv[NV];
+      for (int i = 0; i < NV; ++i) vv[i] = load16<C>(v + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * n + t]);
+        for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
+    T* o = out + g * D;
+    for (int i = 0; i < NV; ++i) {
+      const __m512 r = _mm512_mul_ps(acc[g][i], inv);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_storeu_ps(o + 16 * i, r);
+      } else {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, r);
+        for (int e = 0; e < 16; ++e) o[16 * i + e] = round_to<T>(lanes[e]);
+      }
+    }
+  }
+}
+
+// Query heads attend_heads takes at once: their V accumulators (G * NV zmm) stay in
+// registers.
+constexpr int heads_at_once(int nv) { return nv <= 4 ? 4 : nv <= 8 ? 2 : 1; }
+#endif
+
+// One (sequence, KV head) attention task on any CPU and head_dim D: the `group` query
+// heads q [group, D] (float32) sharing this KV head attend over the sequence's n cached
+// tokens (in the cache's dtype C); out [group, D] in T. Laid out as attend_heads above;
+// scores go to scores [group, n], acc [group, D] and buf [D + group] are scratch.
+template <typename T, typename C>
 void attend_task(const float* q, int64_t group, int64_t D, const C* k_cache, const C* v_cache,
                  const int64_t* table, int64_t n, int64_t block_size, int64_t kv_size,
                  float scale, float* scores, float* acc, float* buf, T* out) {
   const int64_t block_stride = block_size * kv_size;
   float* sums = buf + D;  // [group] after the D floats of row scratch
-#if TESSERA_DECODE_AVX512
-  if constexpr (NV > 0) {
-    for (int64_t j = 0, t = 0; t < n; ++j) {
-      const C* k = k_cache + table[j] * block_stride;
-      for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, k += kv_size) {
-        __m512 kv[NV];
-        for (int i = 0; i < NV; ++i) kv[i] = load16<C>(k + 16 * i);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = q + g * D;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-          for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), kv[i], a);
-          scores[g * n + t] = _mm512_reduce_add_ps(a) * scale;
-        }
-      }
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * n;
-      float mx = sg[0];
-      int64_t t = 0;
-      if (n >= 16) {
-        __m512 m = _mm512_loadu_ps(sg);
-        for (t = 16; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
-        mx = _mm512_reduce_max_ps(m);
-      }
-      for (; t < n; ++t) mx = std::max(mx, sg[t]);
-      sums[g] = exp_shifted(sg, n, mx);
-      __m512 a[NV];
-      for (int i = 0; i < NV; ++i) a[i] = _mm512_setzero_ps();
-      for (int64_t j = 0, t2 = 0; t2 < n; ++j) {
-        const C* v = v_cache + table[j] * block_stride;
-        for (const int64_t stop = std::min(n, t2 + block_size); t2 < stop; ++t2, v += kv_size) {
-          const __m512 p = _mm512_set1_ps(sg[t2]);
-          for (int i = 0; i < NV; ++i) a[i] = _mm512_fmadd_ps(p, load16<C>(v + 16 * i), a[i]);
-        }
-      }
-      const float inv = 1.f / sums[g];
-      T* o = out + g * D;
-      for (int i = 0; i < NV; ++i) {
-        if constexpr (std::is_same_v<T, float>) {
-          _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(a[i], _mm512_set1_ps(inv)));
-        } else {
-          _mm512_storeu_ps(buf, a[i]);
-          for (int e = 0; e < 16; ++e) o[16 * i + e] = round_to<T>(buf[e] * inv);
-        }
-      }
-    }
-    return;
-  }
-#endif
   for (int64_t j = 0, t = 0; t < n; ++j) {
     const C* k = k_cache + table[j] * block_stride;
     for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, k += kv_size) {
@@ -549,9 +619,32 @@ class DecodeLayers {
         const int64_t n = seq_lens[b];
         to_float<T>(qkv + b * row + kvh * group * D, q.data(), group * D);
         if (static_cast<int64_t>(scores.size()) < group * n) scores.resize(group * n);
-        attend_task<T, C, NV>(q.data(), group, D, k_cache + kvh * D, v_cache + kvh * D,
-                           tables + b * width, n, block_size, kv_size, scale_, scores.data(),
-                           acc.data(), buf.data(), out + b * num_heads_ * D + kvh * group * D);
+        const C* k = k_cache + kvh * D;
+        const C* v = v_cache + kvh * D;
+        T* o = out + b * num_heads_ * D + kvh * group * D;
+#if TESSERA_DECODE_AVX512
+        if constexpr (NV > 0) {
+          for (int64_t g = 0; g < group; g += heads_at_once(NV)) {
+            const float* qg = q.data() + g * D;
+            const int64_t* table = tables + b * width;
+            switch (std::min<int64_t>(heads_at_once(NV), group - g)) {
+#define TESSERA_HEADS(G)                                                                        \
+  case G:                                                                                       \
+    attend_heads<T, C, NV, G>(qg, k, v, table, n, block_size, kv_size, scale_, scores.data(), \
+                              o + g * D);                                                       \
+    break;
+              TESSERA_HEADS(1)
+              TESSERA_HEADS(2)
+              TESSERA_HEADS(3)
+              TESSERA_HEADS(4)
+#undef TESSERA_HEADS
+            }
+          }
+          continue;
+        }
+#endif
+        attend_task<T, C>(q.data(), group, D, k, v, tables + b * width, n, block_size, kv_size,
+                          scale_, scores.data(), acc.data(), buf.data(), o);
       }
     });
   }
