@@ -59,6 +59,10 @@ constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scale
 // eighth of a 2048-token step). A row's numbers never depend on the split.
 constexpr int64_t kRowGrain = 16;
 
+// What splitting attention between threads counts for a row besides its context tokens
+// (its query heads' setup and output), in tokens.
+constexpr int64_t kRowCost = 8;
+
 // One projection, as workers/model/llama.py's Linear holds it.
 struct Linear {
   int64_t kind = kDense;
@@ -612,8 +616,22 @@ class DecodeLayers {
                   int64_t block_size, int64_t B, T* out) const {
     const int64_t D = head_dim_, group = num_heads_ / num_kv_heads_;
     const int64_t kv_size = num_kv_heads_ * D;
-    at::parallel_for(0, B * num_kv_heads_, 1, [&](int64_t begin, int64_t end) {
+    // Rows split into one part per thread by their cost (a row's context, plus a fixed
+    // share): split evenly by count, a prompt's rows (contexts 1 .. n, in order) left the
+    // thread with the first half idle for most of the region.
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+    std::vector<int64_t> bounds(parts + 1, B);
+    bounds[0] = 0;
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) total += seq_lens[b] + kRowCost;
+    for (int64_t b = 0, part = 1, sum = 0; b < B && part < parts; ++b) {
+      sum += seq_lens[b] + kRowCost;
+      if (sum * parts >= total * part) bounds[part++] = b + 1;
+    }
+    at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
       std::vector<float> q(group * D), acc(group * D), buf(D + group), scores;
+      const int64_t begin = bounds[first_part] * num_kv_heads_;
+      const int64_t end = bounds[last_part] * num_kv_heads_;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / num_kv_heads_, kvh = task % num_kv_heads_;
         const int64_t n = seq_lens[b];
