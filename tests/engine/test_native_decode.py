@@ -93,6 +93,17 @@ def odd_head_llama(tmp_path_factory, smollm2):
 
 
 @pytest.fixture(scope="module")
+def wide_group_llama(tmp_path_factory, smollm2):
+    """A tiny random Llama whose KV head serves 6 query heads: more than the register
+    kernel takes at once (4), so its heads go in two sets over the same K/V."""
+    path = tmp_path_factory.mktemp("wide-group-llama")
+    save_random_llama(
+        path, smollm2.tokenizer, hidden_size=96, num_attention_heads=6, num_key_value_heads=1
+    )
+    return load_model(path, "float32")
+
+
+@pytest.fixture(scope="module")
 def smollm2_auto(smollm2_path):
     """The fast mode: float32, the Q4 matrices through the bf16 kernel."""
     if not fast_mode_available():
@@ -102,10 +113,11 @@ def smollm2_auto(smollm2_path):
     return loaded
 
 
-@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "odd_head_llama"])
+@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama"])
 def test_native_float32_step_equals_the_op_by_op_step(request, which):
-    """Packed GGUF (SmolLM2, head_dim 64) and dense (tiny random Llamas, head_dim 16 and
-    24) float32 weights: the two paths differ only in the order of float sums."""
+    """Packed GGUF (SmolLM2, head_dim 64, 3 query heads a KV head) and dense (tiny random
+    Llamas, head_dim 16 with 2 or 6 query heads a KV head, and 24) float32 weights: the
+    two paths differ only in the order of float sums."""
     loaded = request.getfixturevalue(which)
     if which == "tiny_llama":
         loaded = load_model(loaded[0], "float32")
