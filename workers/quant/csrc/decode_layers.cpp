@@ -265,6 +265,30 @@ inline void axpy(float p, const float* v, float* acc, int64_t n) {
   for (; i < n; ++i) acc[i] += p * v[i];
 }
 
+// Calls row(p, t) for each token t = 0 .. n-1 of a sequence in a paged cache, p its
+// `values` elements of this head: `cache` points at this head's first element of block
+// 0, block j of the sequence is table[j], and a token's row is kv_size apart from the
+// next in its block. Each token's row of the next block is fetched a block ahead: a
+// block's rows are too few for the hardware prefetcher to follow the jump to the next
+// (scattered) block.
+template <typename C, typename Row>
+inline void for_each_row(const C* cache, const int64_t* table, int64_t n, int64_t block_size,
+                         int64_t kv_size, int64_t values, const Row& row) {
+  const int64_t block_stride = block_size * kv_size;
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  const int64_t bytes = values * static_cast<int64_t>(sizeof(C));
+  for (int64_t j = 0, t = 0; t < n; ++j) {
+    const C* p = cache + table[j] * block_stride;
+    const char* ahead = reinterpret_cast<const char*>(
+        j + 1 < blocks ? cache + table[j + 1] * block_stride : p);
+    for (const int64_t stop = std::min(n, t + block_size); t < stop;
+         ++t, p += kv_size, ahead += kv_size * sizeof(C)) {
+      for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(ahead + byte);
+      row(p, t);
+    }
+  }
+}
+
 #if TESSERA_DECODE_AVX512
 // Lane t of the result: the sum of v[t]'s 16 lanes, by a tree of unpacks, shuffles and
 // adds (15 adds for 16 vectors, instead of one horizontal reduction per vector).
@@ -285,14 +309,6 @@ inline __m512 lane_sums16(const __m512* v) {
                        _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-// Asks for the cache lines of a K or V row of `values` elements (into L1).
-template <typename C>
-inline void prefetch_row(const C* row, int64_t values) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t byte = 0; byte < values * static_cast<int64_t>(sizeof(C)); byte += 64)
-    _mm_prefetch(p + byte, _MM_HINT_T0);
-}
-
 // G query heads q [G, D] (float32, D == 16 * NV) sharing one KV head attend over a
 // sequence's n cached tokens (in the cache's dtype C); out [G, D] in T. k_cache / v_cache
 // point at this KV head's first element of block 0; a token's row is kv_size apart from
@@ -306,7 +322,6 @@ void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int6
                   int64_t n, int64_t block_size, int64_t kv_size, float scale, float* scores,
                   T* out) {
   constexpr int64_t D = 16 * NV;
-  const int64_t block_stride = block_size * kv_size;
   __m512 part[G][16];
   int64_t first = 0;  // the token of part[.][0]
   int filled = 0;
@@ -320,26 +335,17 @@ void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int6
     first += filled;
     filled = 0;
   };
-  const int64_t blocks = (n + block_size - 1) / block_size;
-  for (int64_t j = 0, t = 0; t < n; ++j) {
-    const C* k = k_cache + table[j] * block_stride;
-    // the same row of the next block, fetched a block ahead: a block's rows are too few
-    // for the hardware prefetcher to follow the jump to the next (scattered) block
-    const C* ahead = j + 1 < blocks ? k_cache + table[j + 1] * block_stride : k;
-    for (const int64_t stop = std::min(n, t + block_size); t < stop;
-         ++t, k += kv_size, ahead += kv_size) {
-      prefetch_row(ahead, D);
-      __m512 kv[NV];
-      for (int i = 0; i < NV; ++i) kv[i] = load16<C>(k + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), kv[i], a);
-        part[g][filled] = a;
-      }
-      if (++filled == 16) flush();
+  for_each_row(k_cache, table, n, block_size, kv_size, D, [&](const C* k, int64_t) {
+    __m512 kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = load16<C>(k + 16 * i);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), kv[i], a);
+      part[g][filled] = a;
     }
-  }
+    if (++filled == 16) flush();
+  });
   if (filled) flush();
   float sums[G];
   for (int g = 0; g < G; ++g) {
@@ -357,20 +363,14 @@ void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int6
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t j = 0, t = 0; t < n; ++j) {
-    const C* v = v_cache + table[j] * block_stride;
-    const C* ahead = j + 1 < blocks ? v_cache + table[j + 1] * block_stride : v;
-    for (const int64_t stop = std::min(n, t + block_size); t < stop;
-         ++t, v += kv_size, ahead += kv_size) {
-      prefetch_row(ahead, D);
-      __m512 vv[NV];
-      for (int i = 0; i < NV; ++i) vv[i] = load16<C>(v + 16 * i);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * n + t]);
-        for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
-      }
+  for_each_row(v_cache, table, n, block_size, kv_size, D, [&](const C* v, int64_t t) {
+    __m512 vv[NV];
+    for (int i = 0; i < NV; ++i) vv[i] = load16<C>(v + 16 * i);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * n + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
     }
-  }
+  });
   for (int g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
     T* o = out + g * D;
@@ -400,18 +400,14 @@ template <typename T, typename C>
 void attend_task(const float* q, int64_t group, int64_t D, const C* k_cache, const C* v_cache,
                  const int64_t* table, int64_t n, int64_t block_size, int64_t kv_size,
                  float scale, float* scores, float* acc, float* buf, T* out) {
-  const int64_t block_stride = block_size * kv_size;
   float* sums = buf + D;  // [group] after the D floats of row scratch
-  for (int64_t j = 0, t = 0; t < n; ++j) {
-    const C* k = k_cache + table[j] * block_stride;
-    for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, k += kv_size) {
-      for (int64_t g = 0; g < group; ++g) {
-        float sum = 0.f;
-        for (int64_t i = 0; i < D; ++i) sum += q[g * D + i] * f32(k[i]);
-        scores[g * n + t] = sum * scale;
-      }
+  for_each_row(k_cache, table, n, block_size, kv_size, D, [&](const C* k, int64_t t) {
+    for (int64_t g = 0; g < group; ++g) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < D; ++i) sum += q[g * D + i] * f32(k[i]);
+      scores[g * n + t] = sum * scale;
     }
-  }
+  });
   std::fill(acc, acc + group * D, 0.f);
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * n;
@@ -419,13 +415,10 @@ void attend_task(const float* q, int64_t group, int64_t D, const C* k_cache, con
     for (int64_t t = 1; t < n; ++t) mx = std::max(mx, sg[t]);
     sums[g] = exp_shifted(sg, n, mx);
   }
-  for (int64_t j = 0, t = 0; t < n; ++j) {
-    const C* v = v_cache + table[j] * block_stride;
-    for (const int64_t stop = std::min(n, t + block_size); t < stop; ++t, v += kv_size) {
-      to_float<C>(v, buf, D);
-      for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], buf, acc + g * D, D);
-    }
-  }
+  for_each_row(v_cache, table, n, block_size, kv_size, D, [&](const C* v, int64_t t) {
+    to_float<C>(v, buf, D);
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], buf, acc + g * D, D);
+  });
   for (int64_t g = 0; g < group; ++g) {
     const float inv = 1.f / sums[g];
     for (int64_t i = 0; i < D; ++i) out[g * D + i] = round_to<T>(acc[g * D + i] * inv);
