@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from tessera.scheduler.placement import POLICIES
-from tessera.workers.config import AUTO_DTYPE, FAST, PRECISION_TEXT, EngineConfig
+from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT, EngineConfig
 from tessera.workers.protocol import DECODE, MIXED, PREFILL
 
 if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
@@ -329,16 +329,17 @@ class ClusterConfig(EngineSettings):
         ready line. ``precision``: what a worker's model computes in
         (``LoadedModel.precision``), which ``dtype="auto"`` resolves on the worker."""
         resolved = precision or self.dtype
+        on_gpu = self.device.startswith("cuda")
+        computes = "float32" if resolved in (FAST, AUTO_DTYPE) else resolved
         packed = (
             self.packed_weights
-            and resolved in (FAST, AUTO_DTYPE, "float32", "bfloat16")
-            and self.device != "cuda"
+            and computes in PACKED_DTYPES["cuda" if on_gpu else "cpu"]
             and (self.model is None or self.model.endswith(".gguf"))
         )
         text = PRECISION_TEXT.get(resolved, resolved)
         if self.dtype == AUTO_DTYPE and precision:
             text = f"auto -> {text}"
-        weights = ", packed GGUF weights on the CPU" if packed else ""
+        weights = f", packed GGUF weights on the {'GPU' if on_gpu else 'CPU'}" if packed else ""
         return f"{text}{weights}; {worker_num_cpus:g} CPU(s) and torch threads per worker"
 
     def _check_common(self) -> ClusterConfig:

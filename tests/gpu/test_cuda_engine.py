@@ -37,6 +37,38 @@ def test_greedy_on_cuda_matches_transformers(smollm2_path, hf_reference):
         assert_greedy_matches(tokens_of(outputs[f"r{i}"]), hf_reference.greedy(prompt, 32))
 
 
+def test_packed_weights_on_cuda_give_the_dense_weights_outputs(smollm2_path):
+    """A float32 model on CUDA keeps the file's Q4_1 / Q8_0 matrices packed (the
+    default), multiplying with them in the fused kernel (``triton_mm``): its weights
+    take under a third of the dense model's GPU memory, and it gives the dense model's
+    tokens and prompt logprobs (the same weights; float32 sums in another order)."""
+    import gc
+
+    from tessera.workers.engine import Engine
+    from tessera.workers.model.loader import load_model
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    prompt = "The history of the Roman empire is long. " * 4
+    results, resident = [], []
+    for packed in (True, False):
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loaded = load_model(smollm2_path, "float32", "cuda", packed_weights=packed)
+        resident.append(torch.cuda.memory_allocated() - before)
+        qkv = loaded.model.layers[0].qkv_proj.packed
+        assert (qkv is not None and qkv.device.type == "cuda") == packed
+        engine = Engine(EngineConfig(device="cuda", num_kv_blocks=64), loaded=loaded)
+        engine.add_request("p", prompt, params)
+        deltas = run_engine(engine)["p"]
+        logprobs = [e.logprob for e in deltas[0].prompt_logprobs[1:]]
+        results.append((tokens_of(deltas), logprobs))
+        del engine, loaded
+    assert resident[0] < resident[1] / 3, f"packed {resident[0]} B vs dense {resident[1]} B"
+    assert results[0][0] == results[1][0]
+    assert results[0][1] == pytest.approx(results[1][1], abs=1e-3)
+
+
 def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine):
     """n > 1 (copy-on-write on the GPU pool), prefix hits and beam search on CUDA give
     what the CPU engine gives."""

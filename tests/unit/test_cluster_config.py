@@ -61,6 +61,15 @@ def test_the_ready_line_names_the_precision_mode():
     )
     dense = ClusterConfig.create(dtype="float32", packed_weights=False, model="/m/hf-dir")
     assert dense.precision_text(1) == "float32, exact mode; 1 CPU(s) and torch threads per worker"
+    gpu = ClusterConfig.create(device="cuda")  # auto is float32 there, packed in Triton
+    assert gpu.precision_text(1, "float32") == (
+        "auto -> float32, exact mode, packed GGUF weights on the GPU; "
+        "1 CPU(s) and torch threads per worker"
+    )
+    gpu_bf16 = ClusterConfig.create(device="cuda", dtype="bfloat16")
+    assert gpu_bf16.precision_text(1, "bfloat16") == (
+        "bfloat16 activations and KV cache; 1 CPU(s) and torch threads per worker"
+    )
     half = ClusterConfig.create(dtype="float16")
     assert half.precision_text(1) == (
         "float16 activations and KV cache; 1 CPU(s) and torch threads per worker"

@@ -162,6 +162,16 @@ def test_validation_names_the_problem():
         quant_matmul(torch.randn(2, 64), packed)
     with pytest.raises(ValueError, match="multiple of 32"):
         PackedWeight.from_raw(np.zeros((1, 20), np.uint8), QuantType.Q4_1, (1, 16))
+    elsewhere = packed.to("meta")  # a device without data: enough to misplace the weight
+    assert elsewhere.device.type == "meta" and elsewhere.shape == packed.shape
+    assert packed.to("cpu") is packed
+    with pytest.raises(ValueError, match=r"^quant_matmul: x is on cpu, the weight on meta$"):
+        quant_matmul(torch.randn(2, ODD[1]), elsewhere)
+    x = torch.randn(2, ODD[1], device="meta")
+    with pytest.raises(
+        RuntimeError, match=r"^quant_matmul: the native GGUF kernel runs on the CPU, not meta$"
+    ):
+        quant_matmul(x, elsewhere, backend="native")
 
 
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):

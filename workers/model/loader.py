@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tessera.workers.config import AUTO_DTYPE, FAST, PRECISION_TEXT
+from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel, Weight
@@ -141,8 +141,8 @@ def load_model(
     """Load weights and tokenizer. ``packed_weights``: a float32 or bfloat16 model on the
     CPU keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed (float32: multiplied
     directly, dequantised exactly inside the kernel; bfloat16: Q4 at 4 bits, see
-    ``Linear``); otherwise every tensor is dequantised to a dense
-    one at load.
+    ``Linear``), and so does a float32 model on CUDA (``triton_mm``: dequantised in
+    registers); otherwise every tensor is dequantised to a dense one at load.
 
     ``dtype="auto"``: the fast mode (``LoadedModel.precision == "fast"``) where
     ``fast_mode_available`` and the file has packed Q4 matrices or a tied Q8_0 head: a
@@ -155,9 +155,10 @@ def load_model(
     fast = dtype == AUTO_DTYPE and packed_weights and fast_mode_available(device)
     if dtype == AUTO_DTYPE:
         dtype = "float32"
-    packed = packed_weights and dtype in ("float32", "bfloat16") and device.type == "cpu"
+    packed = packed_weights and dtype in PACKED_DTYPES.get(device.type, ())
     if resolved.suffix == ".gguf":
         config, state = _read_gguf(resolved, packed)
+        state = {k: v.to(device) if isinstance(v, PackedWeight) else v for k, v in state.items()}
     else:
         config, state = _read_hf_dir(resolved)
     tokenizer = load_tokenizer(resolved)

@@ -123,6 +123,18 @@ class PackedWeight:
         tensors = (self.qs, self.scales, self.mins)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    def to(self, device: torch.device | str) -> PackedWeight:
+        """The same packed weight on ``device`` (itself where it is there already)."""
+        device = torch.device(device)
+        if self.qs.device == device:
+            return self
+        mins = None if self.mins is None else self.mins.to(device)
+        return PackedWeight(self.qtype, self.qs.to(device), self.scales.to(device), mins)
+
     # ------------------------------------------------------------------ row operations
 
     def select_rows(self, index: torch.Tensor | slice | Sequence[int]) -> PackedWeight:

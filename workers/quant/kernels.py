@@ -12,7 +12,10 @@ cpp_extension's file lock in that directory lets several processes start at once
 compiles, the others wait and load it).
 
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
-path runs instead: each call dequantises the weight in row chunks and multiplies.
+path runs instead: each call dequantises the weight in row chunks and multiplies. On
+CUDA, ``triton_mm`` multiplies with the packed blocks in one kernel where Triton is
+there, else the torch path runs (its dequantised rows are bit for bit the dense
+weights). Both are captured in the decode steps' CUDA graphs.
 ``backend="torch"`` forces that path; ``backend="native"`` raises if the kernel is
 missing.
 """
@@ -34,6 +37,7 @@ from typing import Literal
 
 import torch
 
+from tessera.workers.quant import triton_mm
 from tessera.workers.quant.blocks import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -61,13 +65,20 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
         )
     if x.dtype != torch.float32:
         raise TypeError(f"quant_matmul: x must be float32, got {x.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"quant_matmul: x is on {x.device}, the weight on {weight.device}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features).contiguous()
-    module = None if backend == "torch" else native_kernels()
+    on_cpu = x.device.type == "cpu"
+    module = None if backend == "torch" or not on_cpu else native_kernels()
+    if not on_cpu and backend == "native":
+        raise RuntimeError(f"quant_matmul: the native GGUF kernel runs on the CPU, not {x.device}")
     if module is None and backend == "native":
         raise RuntimeError("quant_matmul: the native GGUF kernel could not be built")
     if module is not None:
         y = module.gguf_mm(x2, weight.qs, weight.scales, weight.mins, int(weight.qtype))
+    elif not on_cpu and backend == "auto" and triton_mm.available():
+        y = triton_mm.gguf_mm(x2, weight)
     else:
         y = _torch_matmul(x2, weight)
     return y.view(*lead, weight.out_features)

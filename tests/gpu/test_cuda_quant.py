@@ -1,0 +1,44 @@
+"""Packed GGUF weights on CUDA: dequantised there bit for bit as gguf does on the CPU,
+and ``quant_matmul`` on CUDA (the fused Triton kernel, and the torch path) the product
+with those rows. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.workers.quant import QuantType, quant_matmul, triton_mm
+from tests.unit.test_quant_kernels import ODD, ROWS, random_packed
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_dequantize_on_cuda_equals_gguf_bit_for_bit(qtype):
+    packed, reference = random_packed(qtype, ODD)
+    on_gpu = packed.to("cuda")
+    assert on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.dequantize().cpu(), reference)
+    ids = torch.tensor([[3, 0], [96, 3]], device="cuda")
+    assert torch.equal(on_gpu.embedding(ids).cpu(), reference[ids.cpu()])
+
+
+def test_cuda_builds_of_torch_bring_the_fused_kernel():
+    assert triton_mm.available()  # else quant_matmul dequantises in torch (slower)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # auto: the Triton kernel
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("rows", (*ROWS, 100))
+def test_quant_matmul_on_cuda_is_the_product_with_the_dequantised_rows(backend, qtype, rows):
+    packed, reference = random_packed(qtype, ODD, seed=rows)
+    x = torch.randn(rows, ODD[1], generator=torch.Generator().manual_seed(rows)).cuda()
+    y = quant_matmul(x, packed.to("cuda"), backend=backend)
+    assert y.device.type == "cuda" and y.shape == (rows, ODD[0])
+    # float32 sums in another order than cuBLAS's (auto); the same product (torch)
+    torch.testing.assert_close(y, x @ reference.cuda().t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"^quant_matmul: x is on cpu, the weight on cuda:0$"):
+        quant_matmul(x.cpu(), packed.to("cuda"))
