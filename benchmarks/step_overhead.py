@@ -12,6 +12,7 @@ and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
     python benchmarks/step_overhead.py --dtype bfloat16      # bf16 activations and KV
     python benchmarks/step_overhead.py --device cuda         # on a GPU (CUDA graphs)
     python benchmarks/step_overhead.py --device cuda --no-cuda-graphs
+    python benchmarks/step_overhead.py --device cuda --no-packed-weights   # dense weights
     python benchmarks/step_overhead.py --no-native-decode    # CPU decodes op by op (before)
 
 On CUDA the forward is timed up to a device synchronisation, so that host time is not
@@ -25,6 +26,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,6 +47,7 @@ def measure(loaded, args: argparse.Namespace, running: int) -> dict:
         device=args.device,
         cuda_graphs=args.cuda_graphs,
         native_decode=args.native_decode,
+        packed_weights=args.packed_weights,
         num_kv_blocks=running * 24 + 16,
     )
     engine = Engine(config, loaded=loaded)
@@ -90,8 +94,16 @@ def main() -> None:
         default=True,
         help="on the CPU, run steps of decodes through the native layer stack (the default)",
     )
+    parser.add_argument(
+        "--packed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the GGUF's matrices packed (the engine's default); off: dense weights",
+    )
     args = parser.parse_args()
-    loaded = load_model(None, args.dtype, args.device)
+    loaded = load_model(None, args.dtype, args.device, args.packed_weights)
+    on_gpu = torch.device(args.device).type == "cuda"
+    weights_mib = torch.cuda.memory_allocated() / 2**20 if on_gpu else None
     rows = [measure(loaded, args, n) for n in args.running]
     at_64 = next((r["host_ms"] for r in rows if r["running"] == 64), None)
 
@@ -112,7 +124,8 @@ def main() -> None:
         f"step_overhead_{args.dtype}"
         + ("" if args.device == "cpu" else f"_{args.device}")
         + ("" if args.device == "cpu" or args.cuda_graphs else "_eager")
-        + ("" if args.device != "cpu" or args.native_decode else "_op_by_op"),
+        + ("" if args.device != "cpu" or args.native_decode else "_op_by_op")
+        + ("" if args.packed_weights else "_dense"),
         rows,
         {
             "peer": "the same step's model forward (host / step is the ratio)",
@@ -121,6 +134,8 @@ def main() -> None:
             "device": args.device,
             "cuda_graphs": args.device != "cpu" and args.cuda_graphs,
             "native_decode": args.device == "cpu" and args.native_decode,
+            "packed_weights": args.packed_weights,
+            "cuda_weights_mib": weights_mib,  # GPU memory the loaded model holds
             "steps": args.steps,
             "target": f"host overhead <= {TARGET_HOST_MS_AT_64} ms at 64 running sequences",
             "target_met": None if at_64 is None else at_64 <= TARGET_HOST_MS_AT_64,
