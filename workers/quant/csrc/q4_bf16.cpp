@@ -19,11 +19,14 @@
 //           bits 16 + 4p .. 16 + 4p + 3 (p = 0..3), so (lane >> 4p) & 0x000F000F is the
 //           pair (8s + 2p, 8s + 2p + 1) as two 16-bit integers.
 //   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
-// Up to kDirectRows rows, each block is expanded in registers and used at once; for more
-// rows each output tile is expanded into an L1/L2 buffer of bf16 pairs, then every group
-// of up to kRows rows of x runs through it (x pairs broadcast from memory), in passes of
-// ~128 KB of x (the tile expanded again for each pass). Both sum through block_sums
-// (bf16_blocks.h, shared with the Q8_0 kernel), so a row's result never depends on T.
+// Each block is expanded in registers and used at once by up to kQ4DirectGroup rows of
+// x (a nibble pair is one AND-OR away from bf16, cheaper than a round trip through a
+// buffer), in passes of ~128 KB of x over the tiles (a pass's rows stay in L2). An
+// expanded-tile buffer that every group of rows ran through measured slower at every row
+// count: one step's 120 projections of SmolLM2, 2 threads, 8 / 16 / 64 / 256 rows:
+// 6.3-6.6 / 11.2-11.8 / 38.8-39.8 / 148-150 ms against 9.3-10.8 / 13.9-18.3 / 41.4-45.5 /
+// 163-173 (3 alternating runs each). All sums go through block_sums (bf16_blocks.h,
+// shared with the Q8_0 kernel), so a row's result never depends on T.
 
 #include <torch/extension.h>
 
@@ -48,6 +51,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
+constexpr int kQ4DirectGroup = 8;  // rows of x per expanded block (3 zmm each in flight)
 
 #if TESSERA_Q4_BF16
 #include "bf16_blocks.h"
@@ -68,8 +72,8 @@ inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m51
            : _mm512_mul_ps(_mm512_set1_ps(-136.f), dq);
 }
 
-// R <= kDirectRows rows through one tile, each block's pairs expanded in registers and
-// used at once (decode: a buffer round trip per tile cost more than the products).
+// R <= kQ4DirectGroup rows through one tile, each block's pairs expanded in registers and
+// used at once.
 template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
                         const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y,
@@ -92,34 +96,14 @@ inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t n
   for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
-// R rows of x [R, K] (bf16 bits) through one expanded tile: pairs [nb, 16] zmm, dq and
-// corr [nb] zmm (16 outputs' d and correction); sx [R, nb] the block sums of x. Writes
-// y[r, 0..16).
+// rows (1..R) of x through one tile directly (tile_direct<rows>).
 template <int R, typename Y>
-inline void tile_rows(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
-                      const __m512i* pairs, const __m512* dq, const __m512* corr, Y* y,
-                      int64_t N) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 part[R];
-    const __m512i* tile = pairs + b * 16;
-    block_sums<R>(x, K, b, [tile](int p) { return _mm512_load_si512(tile + p); }, part);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(part[r], dq[b], acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr[b], acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
-}
-
-template <int R, typename Y>
-void rows_through(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
-                  const __m512i* pairs, const __m512* dq, const __m512* corr, Y* y, int64_t N,
-                  int64_t rows) {
+void direct_through(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
+                    const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y, int64_t N,
+                    int64_t rows) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_rows<R>(x, K, sx, nb, pairs, dq, corr, y, N);
-    return rows_through<R - 1>(x, K, sx, nb, pairs, dq, corr, y, N, rows);
+    if (rows == R) return tile_direct<R>(x, K, sx, nb, nibbles, d, m, y, N);
+    return direct_through<R - 1>(x, K, sx, nb, nibbles, d, m, y, N, rows);
   }
 }
 
@@ -142,44 +126,20 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
         sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       }
   });
-  if (T <= kDirectRows) {
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const uint8_t* nt = np + tile * nb * 256;
-        const uint16_t* dt = dp + tile * nb * 16;
-        const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
-        Y* yt = yp + tile * 16;
-        switch (T) {
-          case 0: break;
-          case 1: tile_direct<1>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
-          case 2: tile_direct<2>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
-          case 3: tile_direct<3>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
-          default: tile_direct<4>(xp, K, sx.data(), nb, nt, dt, mt, yt, N); break;
-        }
-      }
-    });
-    return;
-  }
+  // Passes of rows over the tiles: a pass's rows of x stay in L2 while the tiles go
+  // through them, kQ4DirectGroup rows at a time.
   const int64_t pass = rows_per_pass(K);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
-    std::vector<__m512> dq(nb), corr(nb);
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
         const uint8_t* nt = np + tile * nb * 256;
-        for (int64_t b = 0; b < nb; ++b) {
-          for (int s = 0; s < 4; ++s) {
-            const __m512i v = _mm512_loadu_si512(nt + (b * 4 + s) * 64);
-            for (int p = 0; p < 4; ++p) pairs[b * 16 + s * 4 + p] = expand_pair(v, p);
-          }
-          block_scales(dp + (tile * nb + b) * 16, mp ? mp + (tile * nb + b) * 16 : nullptr,
-                       dq[b], corr[b]);
-        }
-        for (int64_t r0 = first; r0 < last; r0 += kRows)
-          rows_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, pairs.data(), dq.data(),
-                              corr.data(), yp + r0 * N + tile * 16, N,
-                              std::min<int64_t>(kRows, last - r0));
+        const uint16_t* dt = dp + tile * nb * 16;
+        const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
+        for (int64_t r0 = first; r0 < last; r0 += kQ4DirectGroup)
+          direct_through<kQ4DirectGroup>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
+                                         yp + r0 * N + tile * 16, N,
+                                         std::min<int64_t>(kQ4DirectGroup, last - r0));
       }
     }
   });
