@@ -26,6 +26,7 @@ import argparse
 import functools
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,7 +51,13 @@ def random_weight(qtype: QuantType, shape: tuple[int, int], gen: torch.Generator
     return PackedWeight(qtype, qs, scales, mins).to("cuda")
 
 
-def one_step(name, params, x, packed, dense) -> list[torch.Tensor]:
+def one_step(
+    name: str,
+    params: tuple[int, int, int] | None,
+    x: dict[int, torch.Tensor],
+    packed: list[PackedWeight],
+    dense: list[torch.Tensor],
+) -> list[torch.Tensor]:
     """One step's 121 products, the way ``name`` computes them."""
     if name == "dense":
         return [torch.mm(x[d.shape[0]], d) for d in dense]
@@ -59,7 +66,7 @@ def one_step(name, params, x, packed, dense) -> list[torch.Tensor]:
     return [triton_mm.gguf_mm(x[w.in_features], w, *params) for w in packed]
 
 
-def graph_time(step, repeat: int) -> float:
+def graph_time(step: Callable[[], object], repeat: int) -> float:
     """Median ms of ``step`` replayed from a CUDA graph."""
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):

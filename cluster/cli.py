@@ -454,7 +454,7 @@ async def _run_cluster(config, sampling: SamplingParams, args: argparse.Namespac
         print(
             f"cluster ready in {time.perf_counter() - start:.1f} s: "
             f"{len(stats.workers)} workers, placement {stats.policy}, "
-            f"{config.precision_text(cluster.worker_num_cpus, cluster.precision)}",
+            f"{config.precision_text(cluster.worker_num_cpus, cluster.precision, cluster.device)}",
             file=sys.stderr,
             flush=True,
         )

@@ -324,12 +324,15 @@ class ClusterConfig(EngineSettings):
             return f"{self.prefill_workers} prefill + {self.decode_workers} decode worker(s)"
         return f"{self.workers} worker(s)"
 
-    def precision_text(self, worker_num_cpus: float, precision: str | None = None) -> str:
+    def precision_text(
+        self, worker_num_cpus: float, precision: str | None = None, device: str | None = None
+    ) -> str:
         """The precision mode and each worker's CPUs (as resolved) in words, for the
         ready line. ``precision``: what a worker's model computes in
-        (``LoadedModel.precision``), which ``dtype="auto"`` resolves on the worker."""
+        (``LoadedModel.precision``), which ``dtype="auto"`` resolves on the worker;
+        ``device``: the workers' device, which ``device="auto"`` resolves at start."""
         resolved = precision or self.dtype
-        on_gpu = self.device.startswith("cuda")
+        on_gpu = (device or self.device).startswith("cuda")
         computes = "float32" if resolved in (FAST, AUTO_DTYPE) else resolved
         packed = (
             self.packed_weights

@@ -113,6 +113,8 @@ class Cluster:
         self.owns_scheduler = owns_scheduler
         #: CPUs (and torch threads) each worker got (``resolve_worker_cpus``).
         self.worker_num_cpus = config.worker_num_cpus
+        #: The workers' torch device (``resolve_device``: cpu or cuda once started).
+        self.device = config.device
         #: What a worker's model computes in (``LoadedModel.precision``: "fast" or a
         #: dtype's name; ``dtype="auto"`` resolved), None before any worker registered.
         self.precision: str | None = None
@@ -160,7 +162,8 @@ class Cluster:
         logger.info("cluster ready: %d workers", len(stats.workers))
         client = ClusterClient(scheduler, load_tokenizer(config.model))
         cluster = cls(config, scheduler, client, owns_ray, owns_scheduler)
-        cluster.worker_num_cpus = (await scheduler.get_config.remote()).worker_num_cpus
+        resolved = await scheduler.get_config.remote()
+        cluster.worker_num_cpus, cluster.device = resolved.worker_num_cpus, resolved.engine.device
         info = await scheduler.model_info.remote()
         cluster.precision = None if info is None else info.precision
         return cluster

@@ -178,7 +178,9 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         )
         url = f"http://{config.host}:{config.port}"
         grpc = f", gRPC on port {config.grpc_port}" if config.grpc_port is not None else ""
-        precision = config.precision_text(cluster.worker_num_cpus, cluster.precision)
+        precision = config.precision_text(
+            cluster.worker_num_cpus, cluster.precision, cluster.device
+        )
         door = f", behind {front_door_text()}" if local_ray else ""
         _say(
             f"ready at {url}{grpc}{door} in {time.perf_counter() - start:.1f} s: model "

@@ -42,3 +42,17 @@ def test_quant_matmul_on_cuda_is_the_product_with_the_dequantised_rows(backend, 
     torch.testing.assert_close(y, x @ reference.cuda().t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=r"^quant_matmul: x is on cpu, the weight on cuda:0$"):
         quant_matmul(x.cpu(), packed.to("cuda"))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_one_hot_rows_give_ggufs_dequantised_weights_bit_for_bit(backend, qtype):
+    """A row of the identity picks one weight per output, so every sum is exact (the
+    split-K partial sums too): the product is gguf's dequantisation bit for bit, which
+    pins the nibble order and Q4_1's two roundings (no fused multiply-add)."""
+    packed, reference = random_packed(qtype, ODD)
+    weight, eye = packed.to("cuda"), torch.eye(ODD[1], device="cuda")
+    for start in range(0, ODD[1], 32):  # 32 rows at a time: the split-K path
+        got = quant_matmul(eye[start : start + 32], weight, backend=backend)
+        assert torch.equal(got.cpu(), reference.t()[start : start + 32])
+    assert quant_matmul(eye[:0], weight, backend=backend).shape == (0, ODD[0])

@@ -61,8 +61,8 @@ def test_the_ready_line_names_the_precision_mode():
     )
     dense = ClusterConfig.create(dtype="float32", packed_weights=False, model="/m/hf-dir")
     assert dense.precision_text(1) == "float32, exact mode; 1 CPU(s) and torch threads per worker"
-    gpu = ClusterConfig.create(device="cuda")  # auto is float32 there, packed in Triton
-    assert gpu.precision_text(1, "float32") == (
+    gpu = ClusterConfig.create()  # device auto, resolved to a GPU: float32, packed there
+    assert gpu.precision_text(1, "float32", "cuda") == (
         "auto -> float32, exact mode, packed GGUF weights on the GPU; "
         "1 CPU(s) and torch threads per worker"
     )

@@ -247,7 +247,7 @@ def test_native_argmax_rows_equals_torch_argmax(native):
 
 Q4_ODD = (16 * 7, 32 * 7)  # the bf16 kernel takes whole tiles of 16 outputs; 7 blocks
 # and 300 rows: with 224 inputs, two passes of the bf16 kernels' rows over the tiles
-# (rows_per_pass in csrc/q4_bf16.cpp: 288 rows of x per pass)
+# (rows_per_pass in csrc/bf16_blocks.h: 288 rows of x per pass)
 BF16_ROWS = (*ROWS, 300)
 
 

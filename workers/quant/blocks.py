@@ -128,7 +128,8 @@ class PackedWeight:
         return self.qs.device
 
     def to(self, device: torch.device | str) -> PackedWeight:
-        """The same packed weight on ``device`` (itself where it is there already)."""
+        """The same packed weight on ``device`` (itself where ``device`` names its tensors'
+        device exactly)."""
         device = torch.device(device)
         if self.qs.device == device:
             return self

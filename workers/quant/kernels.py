@@ -17,7 +17,7 @@ CUDA, ``triton_mm`` multiplies with the packed blocks in one kernel where Triton
 there, else the torch path runs (its dequantised rows are bit for bit the dense
 weights). Both are captured in the decode steps' CUDA graphs.
 ``backend="torch"`` forces that path; ``backend="native"`` raises if the kernel is
-missing.
+missing or ``x`` is not on the CPU.
 """
 
 from __future__ import annotations

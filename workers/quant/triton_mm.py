@@ -24,12 +24,15 @@ import torch
 from tessera.workers.quant.blocks import BLOCK_SIZE, PackedWeight
 
 #: The tiling ``gguf_mm`` uses unless told: 2 blocks of 32 per loop step, 16 output
-#: features per program, each output's blocks shared by 4 programs. The best of the
+#: features per program, each output's blocks shared by up to 4 programs. The best of the
 #: variants ``benchmarks/cuda_quant_matmul.py`` times, at 1, 16 and 64 rows alike (an
 #: H100, one SmolLM2 step's 121 matmuls: 1.61 / 1.65 / 3.27 ms, against 2.60 / 2.62 /
 #: 4.78 with 1 block, 32 features and no split, and 3.66 / 4.72 / 4.94 for the torch
 #: path; cuBLAS on dense float32 weights 0.82 / 1.24 / 1.51 ms).
 KB, TILE_N, SPLIT = 2, 16, 4
+#: Rows up to which the blocks are split (measured there): more rows fill the GPU with
+#: programs anyway, and the partial sums would take ``splits`` times the output's memory.
+SPLIT_ROWS = 64
 
 
 @functools.cache
@@ -75,7 +78,8 @@ def _kernel() -> Any | None:
                 else:  # Q4_0: w = d * (q - 8)
                     w = d * (q - 8.0)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        y_at = y_ptr + tl.program_id(2) * stride_split + rows[:, None] * stride_y + cols[None, :]
+        split_at = tl.program_id(2).to(tl.int64) * stride_split  # past 2**31 elements
+        y_at = y_ptr + split_at + rows[:, None] * stride_y + cols[None, :]
         tl.store(y_at, acc, row_ok & (cols[None, :] < N))
 
     return gguf_mm
@@ -92,9 +96,10 @@ def gguf_mm(
     """``x [M, in]`` float32 (contiguous, on the weight's CUDA device) @ ``dequant(weight).T``
     -> ``[M, out]`` float32; the caller (``quant_matmul``) checks shapes and devices.
     ``kb``: blocks of 32 per loop step; ``split``: programs sharing each output's blocks
-    (split-K), their partial sums added after in a fixed order (deterministic)."""
+    (split-K, up to ``SPLIT_ROWS`` rows), their partial sums added after in a fixed order
+    (deterministic)."""
     rows, nb, out = x.shape[0], weight.in_features // BLOCK_SIZE, weight.out_features
-    per = -(-nb // split)
+    per = -(-nb // (split if rows <= SPLIT_ROWS else 1))
     per = -(-per // kb) * kb  # blocks per split, a multiple of kb
     splits = -(-nb // per)
     y = x.new_empty(splits, rows, out)
@@ -102,11 +107,13 @@ def gguf_mm(
         return y[0]
     tile_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     grid = (-(-out // tile_n), -(-rows // tile_m), splits)
-    mins = weight.mins if weight.mins is not None else weight.scales  # unread unless Q4_1
+    # the kernel indexes rows by stride and mins by the scales' offsets
+    qs, scales = weight.qs.contiguous(), weight.scales.contiguous()
+    mins = scales if weight.mins is None else weight.mins.contiguous()  # read for Q4_1 only
     _kernel()[grid](
-        x, weight.qs, weight.scales, mins, y,
+        x, qs, scales, mins, y,
         rows, out, nb, per,
-        x.stride(0), weight.qs.stride(0), weight.scales.stride(0), y.stride(1), y.stride(0),
+        x.stride(0), qs.stride(0), scales.stride(0), y.stride(1), y.stride(0),
         QTYPE=int(weight.qtype), TILE_M=tile_m, TILE_N=tile_n, KB=kb,
         enable_fp_fusion=False,
     )  # fmt: skip

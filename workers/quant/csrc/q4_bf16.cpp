@@ -19,11 +19,11 @@
 //           bits 16 + 4p .. 16 + 4p + 3 (p = 0..3), so (lane >> 4p) & 0x000F000F is the
 //           pair (8s + 2p, 8s + 2p + 1) as two 16-bit integers.
 //   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
-// Each block is expanded in registers and used at once by up to kQ4DirectGroup rows of
-// x (a nibble pair is one AND-OR away from bf16, cheaper than a round trip through a
-// buffer), in passes of ~128 KB of x over the tiles (a pass's rows stay in L2). An
-// expanded-tile buffer that every group of rows ran through measured slower at every row
-// count: one step's 120 projections of SmolLM2, 2 threads, 8 / 16 / 64 / 256 rows:
+// Each block is expanded in registers and used at once by up to kRows rows of x (a
+// nibble pair is one AND-OR away from bf16, cheaper than a round trip through a buffer),
+// in passes of ~128 KB of x over the tiles (a pass's rows stay in L2). An expanded-tile
+// buffer that every group of rows ran through (above 4 rows) measured slower at every
+// row count: one step's 120 projections of SmolLM2, 2 threads, 8 / 16 / 64 / 256 rows:
 // 6.3-6.6 / 11.2-11.8 / 38.8-39.8 / 148-150 ms against 9.3-10.8 / 13.9-18.3 / 41.4-45.5 /
 // 163-173 (3 alternating runs each). All sums go through block_sums (bf16_blocks.h,
 // shared with the Q8_0 kernel), so a row's result never depends on T.
@@ -51,7 +51,6 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
-constexpr int kQ4DirectGroup = 8;  // rows of x per expanded block (3 zmm each in flight)
 
 #if TESSERA_Q4_BF16
 #include "bf16_blocks.h"
@@ -72,7 +71,7 @@ inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m51
            : _mm512_mul_ps(_mm512_set1_ps(-136.f), dq);
 }
 
-// R <= kQ4DirectGroup rows through one tile, each block's pairs expanded in registers and
+// R <= kRows rows through one tile, each block's pairs expanded in registers and
 // used at once.
 template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
@@ -127,7 +126,7 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
       }
   });
   // Passes of rows over the tiles: a pass's rows of x stay in L2 while the tiles go
-  // through them, kQ4DirectGroup rows at a time.
+  // through them, kRows rows at a time.
   const int64_t pass = rows_per_pass(K);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < T; first += pass) {
@@ -136,10 +135,9 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
         const uint8_t* nt = np + tile * nb * 256;
         const uint16_t* dt = dp + tile * nb * 16;
         const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
-        for (int64_t r0 = first; r0 < last; r0 += kQ4DirectGroup)
-          direct_through<kQ4DirectGroup>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
-                                         yp + r0 * N + tile * 16, N,
-                                         std::min<int64_t>(kQ4DirectGroup, last - r0));
+        for (int64_t r0 = first; r0 < last; r0 += kRows)
+          direct_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
+                                yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, last - r0));
       }
     }
   });
