@@ -37,11 +37,12 @@ def test_greedy_on_cuda_matches_transformers(smollm2_path, hf_reference):
         assert_greedy_matches(tokens_of(outputs[f"r{i}"]), hf_reference.greedy(prompt, 32))
 
 
-def test_packed_weights_on_cuda_give_the_dense_weights_outputs(smollm2_path):
+def test_packed_weights_on_cuda_give_the_dense_weights_outputs(smollm2_path, hf_reference):
     """A float32 model on CUDA keeps the file's Q4_1 / Q8_0 matrices packed (the
     default), multiplying with them in the fused kernel (``triton_mm``): its weights
-    take under a third of the dense model's GPU memory, and it gives the dense model's
-    tokens and prompt logprobs (the same weights; float32 sums in another order)."""
+    take under a third of the dense model's GPU memory, its greedy tokens are
+    transformers', and it gives the dense model's tokens and prompt logprobs (the same
+    weights; float32 sums in another order)."""
     import gc
 
     from tessera.workers.engine import Engine
@@ -63,8 +64,10 @@ def test_packed_weights_on_cuda_give_the_dense_weights_outputs(smollm2_path):
         deltas = run_engine(engine)["p"]
         logprobs = [e.logprob for e in deltas[0].prompt_logprobs[1:]]
         results.append((tokens_of(deltas), logprobs))
+        ids = tuple(loaded.tokenizer(prompt).input_ids)
         del engine, loaded
     assert resident[0] < resident[1] / 3, f"packed {resident[0]} B vs dense {resident[1]} B"
+    assert_greedy_matches(results[0][0], hf_reference.greedy(ids, 24))
     assert results[0][0] == results[1][0]
     assert results[0][1] == pytest.approx(results[1][1], abs=1e-3)
 

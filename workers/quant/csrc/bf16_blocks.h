@@ -1,15 +1,17 @@
 // What the bf16 x Q4 and bf16 x Q8_0 kernels (q4_bf16.cpp, q8_bf16.cpp) share: the rows
 // of x a micro-kernel holds, the passes of rows over the tiles, and the sums of one block
-// of 32 inputs, whose order makes every row count give the same bits. Included inside each file's anonymous namespace where the CPU has
-// AVX512_BF16, after <immintrin.h> and the file's kBlock (32 inputs per GGUF block).
+// of 32 inputs, whose order makes every row count give the same bits. Included inside
+// each file's anonymous namespace where the CPU has AVX512_BF16, after <immintrin.h> and
+// the file's kBlock (32 inputs per GGUF block).
 
 constexpr int64_t kDirectRows = 4;  // Q8_0: up to this many rows, no expanded buffer
 constexpr int kRows = 8;  // rows of x one micro-kernel holds: 3 zmm each
 constexpr int64_t kPassBytes = 128 * 1024;  // x per pass over the tiles (see rows_per_pass)
 
 // Rows of x per pass over a chunk of tiles: a pass's rows (bf16) stay in L2 while each
-// tile, read (Q8_0: expanded) again for every pass, goes through them. One pass over all rows streamed
-// x from L3 once per tile: at 2048 rows (a prompt chunk) the kernels ran ~15% slower.
+// tile, read (Q8_0: expanded) again for every pass, goes through them. One pass over all
+// rows streamed x from L3 once per tile: at 2048 rows (a prompt chunk) the kernels ran
+// ~15% slower.
 inline int64_t rows_per_pass(int64_t K) {
   return std::max<int64_t>(kRows, kPassBytes / (K * 2) / kRows * kRows);
 }
