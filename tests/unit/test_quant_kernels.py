@@ -321,6 +321,65 @@ def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_
         Q8Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD)[0])
 
 
+#: 9 rows take csrc/tiled_f32.cpp's buffered tile loop with a 1-row remainder; 600 rows two
+#: passes (584 rows of 224 inputs a pass)
+F32_ROWS = (*ROWS, 9, 600)
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
+@pytest.mark.parametrize("rows", F32_ROWS)
+def test_native_q4_f32_matmul_is_the_float32_product_with_the_files_weights(native, qtype, rows):
+    """The exact mode's Q4 kernel: each weight dequantised as gguf does (bit for bit, as
+    ``Q4Weight.dequantize`` shows), float32 products and sums, so equal to x @ dense.T to
+    float32 rounding; a row's numbers are the same alone."""
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+    packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
+    weight = Q4Weight.from_packed(packed, exact=True)
+    assert torch.equal(weight.dequantize(), dense)
+    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
+    y = weight.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
+    assert_product(y, x, dense)
+    assert torch.equal(y[:1], weight.matmul(x[:1]))
+    assert torch.equal(y[-1:], weight.matmul(x[-1:]))
+    with pytest.raises(RuntimeError, match=r"q4_f32_mm: x must be a float32 \[T, K\] CPU tensor"):
+        weight.matmul(x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", F32_ROWS)
+def test_native_q8_f32_matmul_is_the_float32_product_with_the_files_weights(native, rows):
+    """The exact mode's tied head: Q8_0 weights (d * q, as gguf) times float32 x in
+    float32, equal to x @ dense.T to float32 rounding; batch-invariant."""
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+    packed, dense = random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)
+    weight = Q8Weight.from_packed(packed, exact=True)
+    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
+    y = weight.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
+    assert_product(y, x, dense)
+    assert torch.equal(y[:1], weight.matmul(x[:1]))
+    assert torch.equal(y[-1:], weight.matmul(x[-1:]))
+
+
+#: The model's Q4 layer shapes at every row count; its tied Q8_0 head up to 16 rows.
+F32_MODEL_CASES = [(n, r) for n in LAYER_SHAPES for r in ROWS] + [
+    (HEAD, rows) for rows in ROWS if rows <= 16
+]
+
+
+@pytest.mark.parametrize(("names", "rows"), F32_MODEL_CASES)
+def test_native_tiled_f32_matmul_model_shapes(native, model_tensors, names, rows):
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+    packed = PackedWeight.cat([PackedWeight.from_gguf(model_tensors[n]) for n in names])
+    tiled = Q8Weight if packed.qtype is QuantType.Q8_0 else Q4Weight
+    weight = tiled.from_packed(packed, exact=True)
+    x = torch.randn(rows, packed.in_features)
+    assert_product(weight.matmul(x), x, packed.dequantize())
+
+
 def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     """Without the native kernel torch's int4 layout; neither takes Q8_0 or outputs that
     are not whole tiles of 16 (the model keeps those dense)."""

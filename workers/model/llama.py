@@ -35,7 +35,7 @@ from tessera.workers.quant.kernels import native_kernels
 Weight = torch.Tensor | PackedWeight
 
 #: ``Linear`` kinds of the native decode stack (``csrc/decode_layers.cpp``).
-NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4 = 0, 1, 2, 3
+NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT = 0, 1, 2, 3, 4
 #: Model dtypes the native decode stack has kernels for.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: ``Linear.int4_rows`` of a weight whose 4-bit kernel takes any number of rows.
@@ -70,7 +70,9 @@ class Linear(nn.Module):
 
     - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
-      SmolLM2's weights instead of 538 MB;
+      SmolLM2's weights instead of 538 MB. On a CPU with AVX-512 its Q4 matrices are
+      an exact ``Q4Weight`` instead: the same numbers and arithmetic in a layout with
+      one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` up to 64 rows);
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
@@ -117,6 +119,10 @@ class Linear(nn.Module):
                 self.int4, self.int4_rows = Q4Weight.from_packed(packed), ALL_ROWS
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
+            if self.weight.dtype == torch.float32 and Q4Weight.supports(packed, exact=True):
+                self.int4, self.int4_rows = Q4Weight.from_packed(packed, exact=True), ALL_ROWS
+                self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                return
             if self.weight.dtype == torch.float32:
                 self.packed = packed
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -144,8 +150,9 @@ class Linear(nn.Module):
                 None, None, 0, self.bias,
             )  # fmt: skip
         if isinstance(int4, Q4Weight):
+            kind = NATIVE_Q4_EXACT if int4.exact else NATIVE_Q4
             return kernels.make_linear(
-                NATIVE_Q4, weight, None, None, int4.m, int(int4.qtype), int4.nibbles, int4.d,
+                kind, weight, None, None, int4.m, int(int4.qtype), int4.nibbles, int4.d,
                 self.int4_rows, self.bias,
             )  # fmt: skip
         if isinstance(int4, Int4Weight):
@@ -160,7 +167,7 @@ class Linear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
         if isinstance(self.int4, Q4Weight):
-            raise ValueError("Linear.dense_weight: a fast-mode Q4Weight has no dense copy")
+            return self.int4.dequantize().t()
         return self.weight if self.packed is None else self.packed.dequantize().t()
 
 
@@ -231,8 +238,9 @@ class LlamaModel(nn.Module):
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(config, dtype, device)
         # The embedding table kept packed (then embed_tokens.weight is empty); tied, it is
-        # also the LM head, which the fast and bfloat16 modes multiply through the bf16
-        # Q8_0 kernel where the CPU has it (``head_q8``, a second copy of the table).
+        # also the LM head, multiplied through a Q8_0 kernel of the tiled layout where the
+        # CPU has it (``head_q8``, a second copy of the table): the fast and bfloat16
+        # modes' bf16 kernel, the exact mode's float32 one.
         self.packed_embedding: PackedWeight | None = None
         self.head_q8: Q8Weight | None = None
         self._native_layers: Any = _UNBUILT
@@ -324,7 +332,7 @@ class LlamaModel(nn.Module):
         hidden = self.norm(hidden.index_select(0, logits_indices))
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.head_q8 is not None:  # bf16-rounded inputs, float32 sums and logits
+        if self.head_q8 is not None:  # float32 sums and logits (inputs bf16-rounded unless exact)
             return self.head_q8.matmul(hidden.float())
         if self.packed_embedding is not None:  # float32 in and out, whatever the model's dtype
             return quant_matmul(hidden.float(), self.packed_embedding)
@@ -341,7 +349,8 @@ class LlamaModel(nn.Module):
             for layer in self.layers
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         )
-        return self.head_q8 is not None or any(isinstance(x.int4, Q4Weight) for x in linears)
+        fast = (isinstance(x.int4, Q4Weight) and not x.int4.exact for x in linears)
+        return (self.head_q8 is not None and not self.head_q8.exact) or any(fast)
 
     def load_hf_state_dict(self, state: dict[str, Weight], bf16_matmuls: bool = False) -> None:
         """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v
@@ -367,8 +376,9 @@ class LlamaModel(nn.Module):
                 self.packed_embedding = embedding
                 self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 reduced = bf16_matmuls or self.norm.weight.dtype == torch.bfloat16
-                if self.lm_head is None and reduced and Q8Weight.supports(embedding):
-                    self.head_q8 = Q8Weight.from_packed(embedding)
+                exact = not reduced
+                if self.lm_head is None and Q8Weight.supports(embedding, exact):
+                    self.head_q8 = Q8Weight.from_packed(embedding, exact)
             else:
                 _put(self.embed_tokens.weight, embedding, "embed_tokens")
             _put(self.norm.weight, _dense(take("model.norm.weight")), "model.norm.weight")

@@ -88,9 +88,13 @@ class Int4Weight:
 
 @dataclass(frozen=True, slots=True)
 class Q4Weight:
-    """A Q4 matrix ``[out, in]`` in the native AVX512_BF16 kernel's layout (described in
+    """A Q4 matrix ``[out, in]`` in the native kernels' layout (described in
     ``csrc/q4_bf16.cpp``): 4-bit ``nibbles`` arranged per 16 outputs, the file's fp16
-    ``d`` and ``m`` as ``[out / 16, in / 32, 16]``."""
+    ``d`` and ``m`` as ``[out / 16, in / 32, 16]``.
+
+    ``exact``: the exact mode's weight, multiplied in float32 (``csrc/tiled_f32.cpp``: each
+    weight dequantised as gguf does, needs AVX-512); else the fast and bfloat16 modes',
+    its inputs rounded to bf16 (``csrc/q4_bf16.cpp``, needs AVX512_BF16)."""
 
     nibbles: torch.Tensor  # uint8 [out / 16 * in / 32 * 256]
     d: torch.Tensor  # fp16 [out / 16, in / 32, 16]
@@ -98,19 +102,23 @@ class Q4Weight:
     qtype: QuantType
     out_features: int
     in_features: int
+    exact: bool = False
 
     @staticmethod
-    def supports(weight: PackedWeight) -> bool:
-        """What ``Int4Weight`` takes, and the kernel built for this CPU."""
-        kernels = native_kernels()
-        return Int4Weight.supports(weight) and kernels is not None and kernels.q4_bf16_available()
+    def supports(weight: PackedWeight, exact: bool = False) -> bool:
+        """What ``Int4Weight`` takes, on the CPU, and the kernel built for this CPU."""
+        kernels = native_kernels() if weight.device.type == "cpu" else None
+        if not Int4Weight.supports(weight) or kernels is None:
+            return False
+        return kernels.tiled_f32_available() if exact else kernels.q4_bf16_available()
 
     @classmethod
-    def from_packed(cls, weight: PackedWeight) -> Q4Weight:
-        if not cls.supports(weight):
+    def from_packed(cls, weight: PackedWeight, exact: bool = False) -> Q4Weight:
+        if not cls.supports(weight, exact):
             raise ValueError(
                 f"Q4Weight: {weight.qtype.name} [{weight.out_features}, {weight.in_features}] "
-                "needs a 4-bit type, out_features % 16 == 0 and the AVX512_BF16 kernel"
+                "needs a 4-bit type, out_features % 16 == 0, the CPU and the "
+                + ("AVX-512 float32 kernel" if exact else "AVX512_BF16 kernel")
             )
         out, in_features = weight.shape
         nb = in_features // BLOCK_SIZE
@@ -118,8 +126,7 @@ class Q4Weight:
         q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).to(torch.int32)  # [out, nb, 32]
         # [tile, c, b, s, p, e] -> [tile, b, s, c, p, e]: input 8s + 2p + e of block b
         q = q.view(out // 16, 16, nb, 4, 4, 2).permute(0, 2, 3, 1, 4, 5)
-        shifts = torch.tensor([[4 * p + 16 * e for e in range(2)] for p in range(4)])
-        words = (q << shifts.to(torch.int32)).sum((-1, -2), dtype=torch.int32).contiguous()
+        words = (q << _NIBBLE_SHIFTS).sum((-1, -2), dtype=torch.int32).contiguous()
 
         def tiled(t: torch.Tensor) -> torch.Tensor:  # [out, nb] -> [out / 16, nb, 16]
             return t.view(out // 16, 16, nb).permute(0, 2, 1).contiguous()
@@ -132,54 +139,85 @@ class Q4Weight:
             weight.qtype,
             out,
             in_features,
+            exact,
         )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, in]`` bf16 -> ``[T, out]`` bf16; float32 ``x`` (the fast mode) is
-        rounded to bf16 inside the kernel and gives the float32 sums."""
-        return native_kernels().q4_bf16_mm(x, self.nibbles, self.d, self.m, int(self.qtype))
+        """``x [T, in]`` -> ``[T, out]``. Exact: float32 in and out. Else bf16 ``x`` gives
+        bf16; float32 ``x`` is rounded to bf16 inside the kernel and gives the float32
+        sums."""
+        kernel = native_kernels().q4_f32_mm if self.exact else native_kernels().q4_bf16_mm
+        return kernel(x, self.nibbles, self.d, self.m, int(self.qtype))
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense float32 ``[out, in]`` weights, as ``gguf`` dequantises the file's."""
+        out, nb = self.out_features, self.in_features // BLOCK_SIZE
+        words = self.nibbles.view(torch.int32).view(out // 16, nb, 4, 16, 1, 1)
+        q = (words >> _NIBBLE_SHIFTS) & 0x0F  # [tile, b, s, c, p, e]
+        q = q.permute(0, 3, 1, 2, 4, 5).reshape(out, nb, BLOCK_SIZE).float()
+
+        def untiled(t: torch.Tensor) -> torch.Tensor:  # [out / 16, nb, 16] -> [out, nb, 1]
+            return t.permute(0, 2, 1).reshape(out, nb, 1).float()
+
+        d = untiled(self.d)
+        # two roundings (a product, then a sum), as gguf's numpy
+        w = d * (q - 8) if self.m is None else d * q + untiled(self.m)
+        return w.reshape(out, self.in_features)
+
+
+#: ``Q4Weight``'s packing: input 8s + 2p + e of a block sits at bit 4p + 16e of its word.
+_NIBBLE_SHIFTS = torch.tensor([[4 * p + 16 * e for e in range(2)] for p in range(4)]).to(
+    torch.int32
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Q8Weight:
-    """A Q8_0 matrix ``[out, in]`` in the native AVX512_BF16 kernel's layout (described in
+    """A Q8_0 matrix ``[out, in]`` in the native kernels' layout (described in
     ``csrc/q8_bf16.cpp``): ``qs`` int8 ``[out / 16, in / 32, 16, 16, 2]`` (per output
     tile and block, each pair of inputs for the tile's 16 outputs), the file's fp16 ``d``
-    as ``[out / 16, in / 32, 16]``. The fast and bfloat16 modes' LM head."""
+    as ``[out / 16, in / 32, 16]``. A tied LM head.
+
+    ``exact``: the exact mode's head, multiplied in float32 (``csrc/tiled_f32.cpp``, needs
+    AVX-512); else the fast and bfloat16 modes', its inputs rounded to bf16
+    (``csrc/q8_bf16.cpp``, needs AVX512_BF16)."""
 
     qs: torch.Tensor
     d: torch.Tensor
     out_features: int
     in_features: int
+    exact: bool = False
 
     @staticmethod
-    def supports(weight: PackedWeight) -> bool:
-        """Q8_0 with whole tiles of 16 outputs, and the kernel built for this CPU."""
-        kernels = native_kernels()
-        return (
-            weight.qtype is QuantType.Q8_0
-            and weight.out_features % 16 == 0
-            and kernels is not None
-            and kernels.q8_bf16_available()
-        )
+    def supports(weight: PackedWeight, exact: bool = False) -> bool:
+        """Q8_0 with whole tiles of 16 outputs, on the CPU, and the kernel built for this
+        CPU."""
+        kernels = native_kernels() if weight.device.type == "cpu" else None
+        if weight.qtype is not QuantType.Q8_0 or weight.out_features % 16 or kernels is None:
+            return False
+        return kernels.tiled_f32_available() if exact else kernels.q8_bf16_available()
 
     @classmethod
-    def from_packed(cls, weight: PackedWeight) -> Q8Weight:
-        if not cls.supports(weight):
+    def from_packed(cls, weight: PackedWeight, exact: bool = False) -> Q8Weight:
+        if not cls.supports(weight, exact):
             raise ValueError(
                 f"Q8Weight: {weight.qtype.name} [{weight.out_features}, {weight.in_features}] "
-                "needs Q8_0, out_features % 16 == 0 and the AVX512_BF16 kernel"
+                "needs Q8_0, out_features % 16 == 0, the CPU and the "
+                + ("AVX-512 float32 kernel" if exact else "AVX512_BF16 kernel")
             )
         out, in_features = weight.shape
         nb = in_features // BLOCK_SIZE
         # [tile, c, b, p, e] -> [tile, b, p, c, e]: output 16 tile + c, input 2p + e of block b
         q = weight.qs.view(out // 16, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
         d = weight.scales.view(out // 16, 16, nb).permute(0, 2, 1).contiguous()
-        return cls(q.view(-1), d, out, in_features)
+        return cls(q.view(-1), d, out, in_features, exact)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, in]`` bf16 -> ``[T, out]`` bf16; float32 ``x`` is rounded to bf16
-        inside the kernel and gives the float32 sums."""
+        """``x [T, in]`` -> ``[T, out]``. Exact: float32 in and out. Else bf16 ``x`` gives
+        bf16; float32 ``x`` is rounded to bf16 inside the kernel and gives the float32
+        sums."""
+        if self.exact:
+            return native_kernels().q8_f32_mm(x, self.qs, self.d)
         return native_kernels().q8_bf16_mm(x, self.qs, self.d)
 
 

@@ -45,7 +45,14 @@ logger = logging.getLogger(__name__)
 Backend = Literal["auto", "native", "torch"]
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("gguf_mm.cpp", "decode_layers.cpp", "rows.cpp", "q4_bf16.cpp", "q8_bf16.cpp")
+    for name in (
+        "gguf_mm.cpp",
+        "decode_layers.cpp",
+        "rows.cpp",
+        "q4_bf16.cpp",
+        "q8_bf16.cpp",
+        "tiled_f32.cpp",
+    )
 )
 #: Included by the sources: not compiled alone, but part of the cache key.
 HEADERS = (Path(__file__).parent / "csrc" / "bf16_blocks.h",)

@@ -6,7 +6,7 @@
 // The Python layer loop spends most of a small-batch decode step dispatching ~40 eager
 // ops per layer (norms, RoPE, the K/V scatter, the attention tiles, SwiGLU, residuals);
 // here those are plain loops, and only the four matmuls of a layer go through ATen
-// (or through gguf_mm and q4_bf16_mm, this extension's packed GGUF kernels).
+// (or through gguf_mm, q4_f32_mm and q4_bf16_mm, this extension's packed GGUF kernels).
 //
 // Numerics follow tessera/workers/model/llama.py step for step, in the model's dtype T
 // (float32: the exact and fast modes; bfloat16), with the residual stream float32 and
@@ -44,6 +44,9 @@ torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
 torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                          const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
                          int64_t qtype);
+torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
+                        const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                        int64_t qtype);
 
 namespace {
 
@@ -52,6 +55,7 @@ constexpr int64_t kGguf = 1;   // packed GGUF blocks, float32 activations (gguf_
 constexpr int64_t kInt4 = 2;   // torch's int4 layout up to int4_rows rows, else dense
 constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scales_zeros: d,
                                // mins: m) up to int4_rows rows, else dense
+constexpr int64_t kQ4Exact = 4;  // that layout in float32, every row count (q4_f32_mm)
 
 // Rows of the stack's row-wise steps (norms, RoPE and the cache writes, SwiGLU; residual
 // adds: this many thousand values) a thread takes at least: a step's few rows run inline,
@@ -81,6 +85,10 @@ struct Linear {
     }
     if (kind == kQ4 && x.size(0) <= int4_rows) {
       auto y = q4_bf16_mm(x, int4, int4_scales_zeros, mins, qtype);
+      return bias ? y.add_(*bias) : y;
+    }
+    if (kind == kQ4Exact) {
+      auto y = q4_f32_mm(x, int4, int4_scales_zeros, mins, qtype);
       return bias ? y.add_(*bias) : y;
     }
     if (kind == kInt4 && x.size(0) <= int4_rows) {
@@ -674,7 +682,8 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
                    const c10::optional<torch::Tensor>& bias) {
   Linear linear;
   linear.kind = kind;
-  TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4 || kind == kQ4,
+  TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4 || kind == kQ4 ||
+                  kind == kQ4Exact,
               "make_linear: kind ", kind);
   if (weight) linear.weight = *weight;
   if (kind == kGguf) {
@@ -684,17 +693,19 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
     linear.mins = mins;
     linear.qtype = qtype;
   }
-  if (kind == kInt4 || kind == kQ4) {
+  const bool q4 = kind == kQ4 || kind == kQ4Exact;
+  if (kind == kInt4 || q4) {
     TORCH_CHECK(int4 && int4_scales_zeros, "make_linear: a 4-bit weight needs its tensors");
     linear.int4 = *int4;
     linear.int4_scales_zeros = *int4_scales_zeros;
     linear.int4_rows = int4_rows;
   }
-  if (kind == kQ4) {
+  if (q4) {
     linear.mins = mins;
     linear.qtype = qtype;
   }
-  TORCH_CHECK(kind == kGguf || weight || int4_rows > 0, "make_linear: no dense weight");
+  TORCH_CHECK(kind == kGguf || kind == kQ4Exact || weight || int4_rows > 0,
+              "make_linear: no dense weight");
   linear.bias = bias;
   return linear;
 }

@@ -292,6 +292,7 @@ void register_decode_layers(pybind11::module& m);  // decode_layers.cpp
 void register_rows(pybind11::module& m);           // rows.cpp
 void register_q4_bf16(pybind11::module& m);        // q4_bf16.cpp
 void register_q8_bf16(pybind11::module& m);        // q8_bf16.cpp
+void register_tiled_f32(pybind11::module& m);      // tiled_f32.cpp
 
 torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
@@ -343,4 +344,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   tessera::register_rows(m);
   tessera::register_q4_bf16(m);
   tessera::register_q8_bf16(m);
+  tessera::register_tiled_f32(m);
 }
