@@ -72,7 +72,7 @@ class Linear(nn.Module):
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
       SmolLM2's weights instead of 538 MB. On a CPU with AVX-512 its Q4 matrices are
       an exact ``Q4Weight`` instead: the same numbers and arithmetic in a layout with
-      one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` up to 64 rows);
+      one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` at 1-16 rows);
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
@@ -341,7 +341,8 @@ class LlamaModel(nn.Module):
 
     def has_bf16_matmuls(self) -> bool:
         """Whether this float32 model is in the fast mode: some projection multiplies
-        bf16-rounded inputs with Q4 weights (``Linear``), or its head is ``head_q8``."""
+        bf16-rounded inputs with Q4 weights (``Linear``), or its head does (a ``head_q8``
+        that is not ``exact``)."""
         if self.norm.weight.dtype != torch.float32:
             return False
         linears = (

