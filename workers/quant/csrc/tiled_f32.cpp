@@ -58,7 +58,9 @@ struct Q4Tile {
   const uint16_t* d;
   const uint16_t* m;
   Q4Tile(const uint8_t* np, const uint16_t* dp, const uint16_t* mp, int64_t tile, int64_t nb)
-      : nibbles(np + tile * nb * 256), d(dp + tile * nb * 16), m(Q41 ? mp + tile * nb * 16 : nullptr) {}
+      : nibbles(np + tile * nb * 256),
+        d(dp + tile * nb * 16),
+        m(Q41 ? mp + tile * nb * 16 : nullptr) {}
 
   static inline __m512 weights(__m512i v, int shift, __m512 dq, __m512 mq) {
     const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF));
