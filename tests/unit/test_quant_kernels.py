@@ -326,6 +326,19 @@ def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_
 F32_ROWS = (*ROWS, 9, 600)
 
 
+def check_f32_rows_product(weight, dense: torch.Tensor, rows: int):
+    """``weight.matmul`` of ``rows`` random float32 rows: float32, equal to x @ dense.T to
+    float32 rounding, and the first and last rows' numbers the same alone. Returns
+    (x, y)."""
+    x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
+    y = weight.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, dense.shape[0])
+    assert_product(y, x, dense)
+    assert torch.equal(y[:1], weight.matmul(x[:1]))  # a row's numbers never depend on T
+    assert torch.equal(y[-1:], weight.matmul(x[-1:]))
+    return x, y
+
+
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
 @pytest.mark.parametrize("rows", F32_ROWS)
 def test_native_q4_f32_matmul_is_the_float32_product_with_the_files_weights(native, qtype, rows):
@@ -337,12 +350,7 @@ def test_native_q4_f32_matmul_is_the_float32_product_with_the_files_weights(nati
     packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
     weight = Q4Weight.from_packed(packed, exact=True)
     assert torch.equal(weight.dequantize(), dense)
-    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
-    y = weight.matmul(x)
-    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
-    assert_product(y, x, dense)
-    assert torch.equal(y[:1], weight.matmul(x[:1]))
-    assert torch.equal(y[-1:], weight.matmul(x[-1:]))
+    x, _ = check_f32_rows_product(weight, dense, rows)
     with pytest.raises(RuntimeError, match=r"q4_f32_mm: x must be a float32 \[T, K\] CPU tensor"):
         weight.matmul(x.to(torch.bfloat16))
 
@@ -354,13 +362,38 @@ def test_native_q8_f32_matmul_is_the_float32_product_with_the_files_weights(nati
     if not native.tiled_f32_available():
         pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
     packed, dense = random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)
-    weight = Q8Weight.from_packed(packed, exact=True)
-    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
-    y = weight.matmul(x)
-    assert y.dtype == torch.float32 and y.shape == (rows, Q4_ODD[0])
-    assert_product(y, x, dense)
-    assert torch.equal(y[:1], weight.matmul(x[:1]))
-    assert torch.equal(y[-1:], weight.matmul(x[-1:]))
+    check_f32_rows_product(Q8Weight.from_packed(packed, exact=True), dense, rows)
+
+
+def test_tiled_kernels_name_what_is_wrong(native):
+    """The layout checks every tiled kernel shares (``csrc/tiled_layouts.h``), each message
+    naming the kernel, the tensor and what it needed."""
+    packed, _ = random_packed(QuantType.Q4_1, Q4_ODD)
+    q4 = Q4Weight.from_packed(packed, exact=True) if native.tiled_f32_available() else None
+    if q4 is None:
+        pytest.skip("no AVX-512 on this CPU")
+    q8 = Q8Weight.from_packed(random_packed(QuantType.Q8_0, Q4_ODD)[0], exact=True)
+    x = torch.randn(2, Q4_ODD[1])
+    kernels = [("q4_f32_mm", native.q4_f32_mm)]
+    if native.q4_bf16_available():
+        kernels.append(("q4_bf16_mm", native.q4_bf16_mm))
+    for name, kernel in kernels:
+        with pytest.raises(
+            RuntimeError, match=rf"{name}: x has 100 features, the weight takes 224"
+        ):
+            kernel(torch.randn(2, 100), q4.nibbles, q4.d, q4.m, int(q4.qtype))
+        with pytest.raises(RuntimeError, match=rf"{name}: qtype 8 is not Q4_0/Q4_1"):
+            kernel(x, q4.nibbles, q4.d, q4.m, 8)
+        with pytest.raises(RuntimeError, match=rf"{name}: mins go with Q4_1 only"):
+            kernel(x, q4.nibbles, q4.d, None, int(q4.qtype))
+        with pytest.raises(
+            RuntimeError, match=rf"{name}: nibbles must be contiguous uint8 with 12544 bytes"
+        ):
+            kernel(x, q4.nibbles[:-1], q4.d, q4.m, int(q4.qtype))
+    with pytest.raises(RuntimeError, match=r"q8_f32_mm: qs must be contiguous int8 with 25088"):
+        native.q8_f32_mm(x, q8.qs[:-1], q8.d)
+    with pytest.raises(RuntimeError, match=r"q8_f32_mm: d must be a contiguous fp16 \[N / 16"):
+        native.q8_f32_mm(x, q8.qs, q8.d.float())
 
 
 #: The model's Q4 layer shapes at every row count; its tied Q8_0 head up to 16 rows.

@@ -37,6 +37,8 @@
 #include <cstring>
 #include <vector>
 
+#include "tiled_layouts.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TESSERA_Q4_BF16 1
@@ -48,9 +50,9 @@ namespace tessera {
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int kQ4_0 = 2;
-constexpr int kQ4_1 = 3;
+using tiled::kBlock;
+using tiled::kQ4_0;
+using tiled::kQ4_1;
 
 #if TESSERA_Q4_BF16
 #include "bf16_blocks.h"
@@ -151,23 +153,12 @@ bool q4_bf16_available() { return TESSERA_Q4_BF16 != 0; }
 torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                          const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
                          int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "q4_bf16_mm: qtype ", qtype, " is not Q4_0/Q4_1");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
               "q4_bf16_mm: x must be a bfloat16 or float32 [T, K] CPU tensor");
-  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
-                  d.is_contiguous(),
-              "q4_bf16_mm: d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
-  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, N = tiles * 16;
-  const int64_t T = x.size(0);
-  TORCH_CHECK(x.size(1) == K, "q4_bf16_mm: x has ", x.size(1), " features, the weight takes ", K);
-  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
-                  nibbles.numel() == tiles * nb * 256,
-              "q4_bf16_mm: nibbles must be contiguous uint8 with ", tiles * nb * 256, " bytes");
-  TORCH_CHECK((qtype == kQ4_1) == m.has_value(), "q4_bf16_mm: mins go with Q4_1 only");
-  if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == torch::kHalf &&
-                         m->is_contiguous(),
-                     "q4_bf16_mm: m must be shaped like d");
+  const tiled::Shape s = tiled::check_x_and_d("q4_bf16_mm", x, d);
+  tiled::check_q4("q4_bf16_mm", s, nibbles, d, m, qtype);
+  [[maybe_unused]] const int64_t tiles = s.tiles, K = s.K, N = s.N, T = s.T;
   auto y = torch::empty({T, N}, x.options());
 #if TESSERA_Q4_BF16
   // float32 x is rounded to bf16 (nearest even) once here; its y keeps the float32 sums.

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "tiled_layouts.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TESSERA_Q8_BF16 1
@@ -39,7 +41,7 @@ namespace tessera {
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using tiled::kBlock;
 
 #if TESSERA_Q8_BF16
 #include "bf16_blocks.h"
@@ -147,15 +149,9 @@ torch::Tensor q8_bf16_mm(const torch::Tensor& x, const torch::Tensor& qs, const 
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
               "q8_bf16_mm: x must be a bfloat16 or float32 [T, K] CPU tensor");
-  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
-                  d.is_contiguous(),
-              "q8_bf16_mm: d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
-  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, N = tiles * 16;
-  const int64_t T = x.size(0);
-  TORCH_CHECK(x.size(1) == K, "q8_bf16_mm: x has ", x.size(1), " features, the weight takes ", K);
-  TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() &&
-                  qs.numel() == tiles * nb * 512,
-              "q8_bf16_mm: qs must be contiguous int8 with ", tiles * nb * 512, " values");
+  const tiled::Shape s = tiled::check_x_and_d("q8_bf16_mm", x, d);
+  tiled::check_q8("q8_bf16_mm", s, qs);
+  [[maybe_unused]] const int64_t tiles = s.tiles, K = s.K, N = s.N, T = s.T;
   auto y = torch::empty({T, N}, x.options());
 #if TESSERA_Q8_BF16
   const auto xc = (x.scalar_type() == torch::kFloat32 ? x.to(torch::kBFloat16) : x).contiguous();

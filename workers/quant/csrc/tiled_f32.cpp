@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "tiled_layouts.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TESSERA_TILED_F32 1
@@ -37,9 +39,7 @@ namespace tessera {
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int kQ4_0 = 2;
-constexpr int kQ4_1 = 3;
+using tiled::kBlock;
 constexpr int kRowsF32 = 8;  // rows of x one micro-kernel holds: 2 accumulators each
 constexpr int64_t kPassBytesF32 = 512 * 1024;
 
@@ -146,11 +146,16 @@ void tile_rows(const float* x, int64_t K, int64_t nb, const Weights& weights, fl
   }
 }
 
-// y [T, tiles * 16] = x [T, K] @ W^T, tile(t) giving tile t's weights (Q4Tile, Q8Tile).
+// y [T, N] = x [T, K] @ W^T (float32), make_tile(t) giving tile t's weights (Q4Tile,
+// Q8Tile).
 template <typename MakeTile>
-void tiled_rows(const float* xp, int64_t T, int64_t K, int64_t tiles, float* yp,
+void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
                 const MakeTile& make_tile) {
-  const int64_t nb = K / kBlock, N = tiles * 16;
+  if (s.T == 0) return;
+  const auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t T = s.T, K = s.K, nb = s.nb, N = s.N, tiles = s.tiles;
   const int64_t pass =
       std::max<int64_t>(kRowsF32, kPassBytesF32 / (K * 4) / kRowsF32 * kRowsF32);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -180,17 +185,6 @@ void tiled_rows(const float* xp, int64_t T, int64_t K, int64_t tiles, float* yp,
 }
 #endif
 
-// The checks both entries share: float32 x [T, K] on the CPU, d fp16 [N / 16, K / 32, 16].
-void check_x_and_d(const char* name, const torch::Tensor& x, const torch::Tensor& d) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
-              name, ": x must be a float32 [T, K] CPU tensor");
-  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
-                  d.is_contiguous(),
-              name, ": d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
-  TORCH_CHECK(x.size(1) == d.size(1) * kBlock, name, ": x has ", x.size(1),
-              " features, the weight takes ", d.size(1) * kBlock);
-}
-
 }  // namespace
 
 bool tiled_f32_available() { return TESSERA_TILED_F32 != 0; }
@@ -198,29 +192,21 @@ bool tiled_f32_available() { return TESSERA_TILED_F32 != 0; }
 torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
                         int64_t qtype) {
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "q4_f32_mm: qtype ", qtype, " is not Q4_0/Q4_1");
-  check_x_and_d("q4_f32_mm", x, d);
-  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, T = x.size(0);
-  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
-                  nibbles.numel() == tiles * nb * 256,
-              "q4_f32_mm: nibbles must be contiguous uint8 with ", tiles * nb * 256, " bytes");
-  TORCH_CHECK((qtype == kQ4_1) == m.has_value(), "q4_f32_mm: mins go with Q4_1 only");
-  if (m) TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == torch::kHalf &&
-                         m->is_contiguous(),
-                     "q4_f32_mm: m must be shaped like d");
-  auto y = torch::empty({T, tiles * 16}, x.options());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32,
+              "q4_f32_mm: x must be a float32 [T, K] CPU tensor");
+  const tiled::Shape s = tiled::check_x_and_d("q4_f32_mm", x, d);
+  tiled::check_q4("q4_f32_mm", s, nibbles, d, m, qtype);
+  auto y = torch::empty({s.T, s.N}, x.options());
 #if TESSERA_TILED_F32
-  if (T == 0) return y;
-  const auto xc = x.contiguous();
   const uint8_t* np = nibbles.data_ptr<uint8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const int64_t nb = s.nb;
   if (m) {
     const uint16_t* mp = reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>());
-    tiled_rows(xc.data_ptr<float>(), T, K, tiles, y.data_ptr<float>(),
-               [&](int64_t tile) { return Q4Tile<true>(np, dp, mp, tile, nb); });
+    tiled_rows(x, s, y, [=](int64_t tile) { return Q4Tile<true>(np, dp, mp, tile, nb); });
   } else {
-    tiled_rows(xc.data_ptr<float>(), T, K, tiles, y.data_ptr<float>(),
-               [&](int64_t tile) { return Q4Tile<false>(np, dp, nullptr, tile, nb); });
+    tiled_rows(x, s, y,
+               [=](int64_t tile) { return Q4Tile<false>(np, dp, nullptr, tile, nb); });
   }
 #else
   TORCH_CHECK(false, "q4_f32_mm: this build has no AVX-512 kernel (tiled_f32_available())");
@@ -229,19 +215,16 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
 }
 
 torch::Tensor q8_f32_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
-  check_x_and_d("q8_f32_mm", x, d);
-  const int64_t tiles = d.size(0), nb = d.size(1), K = nb * kBlock, T = x.size(0);
-  TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() &&
-                  qs.numel() == tiles * nb * 512,
-              "q8_f32_mm: qs must be contiguous int8 with ", tiles * nb * 512, " bytes");
-  auto y = torch::empty({T, tiles * 16}, x.options());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32,
+              "q8_f32_mm: x must be a float32 [T, K] CPU tensor");
+  const tiled::Shape s = tiled::check_x_and_d("q8_f32_mm", x, d);
+  tiled::check_q8("q8_f32_mm", s, qs);
+  auto y = torch::empty({s.T, s.N}, x.options());
 #if TESSERA_TILED_F32
-  if (T == 0) return y;
-  const auto xc = x.contiguous();
   const int8_t* qp = qs.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  tiled_rows(xc.data_ptr<float>(), T, K, tiles, y.data_ptr<float>(),
-             [&](int64_t tile) { return Q8Tile(qp, dp, tile, nb); });
+  const int64_t nb = s.nb;
+  tiled_rows(x, s, y, [=](int64_t tile) { return Q8Tile(qp, dp, tile, nb); });
 #else
   TORCH_CHECK(false, "q8_f32_mm: this build has no AVX-512 kernel (tiled_f32_available())");
 #endif

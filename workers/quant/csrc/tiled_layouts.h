@@ -1,0 +1,55 @@
+// What every kernel reading the tiled layouts checks (Q4Weight and Q8Weight in
+// tessera/workers/quant/int4.py; the layouts are described in q4_bf16.cpp and
+// q8_bf16.cpp): q4_bf16.cpp, q8_bf16.cpp and tiled_f32.cpp. Each kernel checks its own
+// x dtype first; messages start with the kernel's name.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace tessera::tiled {
+
+constexpr int64_t kBlock = 32;  // inputs per GGUF block
+constexpr int kQ4_0 = 2;        // GGML type ids (gguf.GGMLQuantizationType)
+constexpr int kQ4_1 = 3;
+
+struct Shape {
+  int64_t tiles, nb, K, N, T;  // N = 16 tiles outputs, K = 32 nb inputs, T rows of x
+};
+
+// x [T, K] (2-D, on the CPU) against d fp16 [N / 16, K / 32, 16].
+inline Shape check_x_and_d(const char* name, const torch::Tensor& x, const torch::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a [T, K] CPU tensor");
+  TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
+                  d.is_contiguous(),
+              name, ": d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
+  const Shape s{d.size(0), d.size(1), d.size(1) * kBlock, d.size(0) * 16, x.size(0)};
+  TORCH_CHECK(x.size(1) == s.K, name, ": x has ", x.size(1), " features, the weight takes ",
+              s.K);
+  return s;
+}
+
+// Q4Weight's type, nibbles (256 bytes a tile and block) and m (Q4_1 only, shaped like d).
+inline void check_q4(const char* name, const Shape& s, const torch::Tensor& nibbles,
+                     const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
+                     int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, name, ": qtype ", qtype, " is not Q4_0/Q4_1");
+  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() &&
+                  nibbles.numel() == s.tiles * s.nb * 256,
+              name, ": nibbles must be contiguous uint8 with ", s.tiles * s.nb * 256, " bytes");
+  TORCH_CHECK((qtype == kQ4_1) == m.has_value(), name, ": mins go with Q4_1 only");
+  if (m)
+    TORCH_CHECK(m->sizes() == d.sizes() && m->scalar_type() == torch::kHalf && m->is_contiguous(),
+                name, ": m must be shaped like d");
+}
+
+// Q8Weight's qs (512 int8 a tile and block).
+inline void check_q8(const char* name, const Shape& s, const torch::Tensor& qs) {
+  TORCH_CHECK(qs.scalar_type() == torch::kInt8 && qs.is_contiguous() &&
+                  qs.numel() == s.tiles * s.nb * 512,
+              name, ": qs must be contiguous int8 with ", s.tiles * s.nb * 512, " bytes");
+}
+
+}  // namespace tessera::tiled
