@@ -157,6 +157,11 @@ class _Channel:
             while await self.worker.touch.remote(self.id):
                 await asyncio.sleep(CHANNEL_KEEPALIVE_S / 3)
 
+    async def aclose(self) -> None:
+        """Stop reading (the client is closing) and wait until its tasks have ended."""
+        await _cancelled(self._task)  # its ``finally`` closes the channel
+        await _cancelled(self._keepalive)
+
     def close(self, error: Exception) -> None:
         """Forget the channel; its requests hear ``error`` (their worker is gone)."""
         if self._keepalive is not None:
@@ -333,10 +338,7 @@ class _Run:
         """The caller left early: stop reading, which aborts the request on its worker.
         A pump cancelled before its first step never runs its ``finally``, so the
         request is closed here too (``close`` is idempotent)."""
-        if not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await _cancelled(self._task)
         await self.close()
 
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
@@ -415,6 +417,17 @@ def _sampling(sampling: SamplingParams | None) -> SamplingParams:
             "sampling", f"must be a SamplingParams, got {type(sampling).__name__}"
         )
     return sampling
+
+
+async def _cancelled(task: asyncio.Task | None) -> None:
+    """Cancel ``task`` and wait until it has ended (a task of another event loop,
+    one an ``asyncio.run`` has closed, is only cancelled)."""
+    if task is None or task.done():
+        return
+    task.cancel()
+    if task.get_loop() is asyncio.get_running_loop():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _next(stream) -> Any:
@@ -571,3 +584,13 @@ class ClusterClient:
     async def stats(self) -> ClusterStats:
         """The cluster's stats; ``TimeoutError`` while the scheduler does not answer."""
         return await asyncio.wait_for(self.scheduler.stats.remote(), RELEASE_WAIT_S)
+
+    async def close(self) -> None:
+        """Stop every request of this client (each is aborted on its worker and
+        released) and close its channels, waiting for their background tasks. Call it
+        before ``ray.shutdown``: a task that calls into Ray after that ends the process
+        at once, with exit status 1 and no message."""
+        for run in list(self._runs.values()):
+            await run.stop()
+        for channel in list(self._channels.values()):
+            await channel.aclose()

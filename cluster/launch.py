@@ -186,7 +186,9 @@ class Cluster:
 
     async def shutdown(self) -> None:
         """Stop the scheduler and every worker it started if this ``Cluster`` created
-        it, and Ray if it started Ray; a shared scheduler is left running."""
+        it, and Ray if it started Ray; a shared scheduler is left running. This
+        client's requests are stopped and its channels closed first."""
+        await self.client.close()
         if self.owns_scheduler:
             await _stop(self.scheduler, self.config)
         if self.owns_ray:

@@ -74,6 +74,14 @@ async def test_overload_is_refused_at_once_and_the_rest_complete(ray_session):
         stream = await cluster.submit(Request("whole", ids, LONG))
         assert len(tokens_of([d async for d in stream])) == 32
 
+        # Closing the client stops what still runs and leaves no task of it behind:
+        # one that called into Ray after ``ray.shutdown`` would end the process.
+        await cluster.submit("unread", "Hello", LONG)
+        assert cluster.client.placement("unread") is not None
+        await cluster.client.close()
+        assert cluster.client.placement("unread") is None
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
 
 async def test_pool_scales_up_under_load_and_drains_back(ray_session):
     async with running_cluster(
