@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -599,7 +600,16 @@ def validate_body(data: dict[str, Any], model: type[_Body]) -> Any:
                 "must be a string, a list of strings, a list of token ids or a list of "
                 "lists of token ids"
             )
+        elif param is not None and _MESSAGE_CONTENT.fullmatch(param):
+            message = (
+                "must be a string or a list of text parts ({'type': 'text', 'text': ...}): "
+                "the model reads text only"
+            )
         raise invalid(param, f"{message}, got {_short(first.get('input'))}") from None
+
+
+#: A chat message's ``content``, whose errors pydantic words as a bad string's.
+_MESSAGE_CONTENT = re.compile(r"messages\.\d+\.content")
 
 
 def _is_type_name(part: str) -> bool:

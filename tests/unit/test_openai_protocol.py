@@ -195,7 +195,11 @@ def test_chat_messages_and_logprobs():
     image = error_of(
         lambda: chat(messages=[{"role": "user", "content": [{"type": "image_url", "url": "x"}]}])
     )
-    assert image.param.startswith("messages.0.content")
+    assert image.param == "messages.0.content"
+    assert str(image) == (
+        "messages.0.content: must be a string or a list of text parts ({'type': 'text', "
+        "'text': ...}): the model reads text only, got [{'type': 'image_url', 'url': 'x'}]"
+    )
 
 
 class _Tokenizer:
