@@ -441,6 +441,12 @@ class ChatCompletionRequest(_Sampling, _Conversation):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's bookkeeping, which changes no token: taken and not used (like ``user``)
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    store: Literal[False] = False
     #: The model family's call format (``tools.tool_format``); the server sets it.
     _tool_format: str = PrivateAttr("hermes")
 
@@ -600,6 +606,8 @@ def validate_body(data: dict[str, Any], model: type[_Body]) -> Any:
                 "must be a string, a list of strings, a list of token ids or a list of "
                 "lists of token ids"
             )
+        elif param == "store":
+            message = "must be false: this server keeps no completions to fetch later"
         elif param is not None and _MESSAGE_CONTENT.fullmatch(param):
             message = (
                 "must be a string or a list of text parts ({'type': 'text', 'text': ...}): "

@@ -204,17 +204,26 @@ class OpenAIServer(GenerationService):
         if front is not None:
             front.close()
 
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> JSONResponse:
-        self._authorize(request)
-        model = {
+    def _model_card(self) -> dict[str, Any]:
+        return {
             "id": self.front.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "tessera",
             "max_model_len": self.front.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    @api.get("/v1/models/{model:path}")
+    async def model(self, request: Request, model: str) -> JSONResponse:
+        """OpenAI's retrieve: the served model's card; 404 naming it for any other."""
+        self._authorize(request)
+        self.front.check_model(model)
+        return JSONResponse(self._model_card())
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -71,6 +71,10 @@ def chat_prompt(make_engine, messages) -> str:
 def test_models_and_health(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    card = server.client().models.retrieve(MODEL)
+    assert (card.id, card.owned_by) == (MODEL, "tessera")
+    with pytest.raises(openai.NotFoundError, match="model: 'gpt-4' is not served here"):
+        server.client().models.retrieve("gpt-4")
     health = httpx.get(f"{server.url}/health")  # no API key needed
     assert health.status_code == 200 and health.json()["healthy_workers"] == 1
 

@@ -202,6 +202,26 @@ def test_chat_messages_and_logprobs():
     )
 
 
+def test_chat_takes_openai_bookkeeping_fields_that_change_no_token():
+    message = [{"role": "user", "content": "x"}]
+    plain = chat(messages=message).sampling_for(4)
+    kept = chat(
+        messages=message,
+        metadata={"team": "a"},
+        service_tier="auto",
+        prompt_cache_key="k",
+        safety_identifier="s",
+        store=False,
+    )
+    assert kept.sampling_for(4) == plain
+    store = error_of(lambda: chat(messages=message, store=True))
+    assert str(store) == (
+        "store: must be false: this server keeps no completions to fetch later, got True"
+    )
+    tier = error_of(lambda: chat(messages=message, service_tier="turbo"))
+    assert tier.param == "service_tier" and "got 'turbo'" in str(tier)
+
+
 class _Tokenizer:
     def decode(self, ids):
         return "".join(f"<{i}>" for i in ids)
