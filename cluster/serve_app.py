@@ -6,8 +6,8 @@ its streams under its deadline, the metrics) is the replica's
 ``tessera.cluster.front_end.FrontEnd``; the gRPC door is ``tessera.cluster.grpc_api``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
-server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models``,
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
+server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models`` and
+``GET /v1/models/{model}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 ``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
