@@ -51,7 +51,9 @@ server (worker, Serve replica, proxy, controller, scheduler, Ray's own) spent in
 our runs: on a 2-core machine, what the front door takes from the worker. ``phase_ms``
 gives, per run, the mean milliseconds per request of each phase before its first token,
 from our server's ``/metrics`` (``tessera_request_phase_seconds``): validate, placement,
-start and relay are the front end's, engine_first_token the worker's.
+start and relay are the front end's, engine_first_token the worker's. ``client_cpu_s``
+gives this process's own CPU seconds in each run (the HTTP client, on the same cores:
+what the in-process engine's runs do not pay).
 
     python benchmarks/serve_load.py --start --rates 0.5 1 2
     python benchmarks/serve_load.py --rates 0.5 1 2 --peer-url http://127.0.0.1:8001 \\
@@ -498,7 +500,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 outcome = await send(client, target, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
                 if not outcome.ok:
                     raise SystemExit(f"warm-up request to {target.name} failed: {outcome.error}")
-        runs, cpu, phases = {}, {}, {}
+        runs, cpu, phases, client_cpu = {}, {}, {}, {}
         for i, (rate, schedule) in enumerate(schedules.items()):
             for target in targets if i % 2 == 0 else targets[::-1]:
                 # let the last run's streams (or the warm-ups) settle: right after the
@@ -507,6 +509,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 before = server_cpu(args.server_pid if target.role == "ours" else None)
                 if target.role == "ours":
                     phases_before = await phase_totals(client, target)
+                client_before = time.process_time()
                 runs[target.role, rate] = await run_schedule(
                     lambda request, target=target: send(client, target, request, args),
                     target.name,
@@ -514,6 +517,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                     rate,
                     args,
                 )
+                client_cpu[target.role, rate] = round(time.process_time() - client_before, 2)
                 if target.role == "ours":
                     await asyncio.sleep(2.5)  # every replica has published its counts
                     after = await phase_totals(client, target)
@@ -526,7 +530,13 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                     spent = server_cpu(args.server_pid)
                     spent.subtract(before)
                     cpu[rate] = {k: round(v, 2) for k, v in spent.most_common() if v >= 0.05}
-    return {"targets": targets, "runs": runs, "server_cpu_s": cpu, "phase_ms": phases}
+    return {
+        "targets": targets,
+        "runs": runs,
+        "server_cpu_s": cpu,
+        "phase_ms": phases,
+        "client_cpu_s": client_cpu,
+    }
 
 
 # ------------------------------------------------------------------ --start
@@ -690,6 +700,10 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             "token_ids": list(TOKEN_IDS),
             "started_server": shlex.join(args.serve_args) if args.start else None,
             "server_cpu_s": {str(level): spent for level, spent in result["server_cpu_s"].items()},
+            "client_cpu_s": {
+                f"{role} {level:g}": spent
+                for (role, level), spent in result["client_cpu_s"].items()
+            },
             "phase_ms": {str(level): ms for level, ms in result["phase_ms"].items()},
             "runs": runs,
         },
@@ -713,7 +727,11 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
     for level, spent in result["server_cpu_s"].items():
         wall = result["runs"]["ours", level][1]
         top = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(spent.items())[:6])
-        print(f"{key} {level:g}: CPU seconds of tessera serve's processes in {wall:.0f} s: {top}")
+        client = result["client_cpu_s"]["ours", level]
+        print(
+            f"{key} {level:g}: CPU seconds of tessera serve's processes in {wall:.0f} s: {top}; "
+            f"of this benchmark's own client, on the same cores: {client:.1f}"
+        )
 
 
 def run_record(target, rate, schedule, outcomes, wall, lag, key="rate") -> dict[str, Any]:
