@@ -162,7 +162,8 @@ def options_message(
     dict of its fields, its params dataclass or its message.
 
     Raises ``TypeError`` for an option the message lacks or a nested value of another
-    kind (protobuf raises for a value its field cannot hold)."""
+    kind, and protobuf's ``TypeError`` or ``ValueError`` for a value its field cannot
+    hold (a negative ``seed``, text for a number), with the field's name in front."""
     if isinstance(values, SamplingParams):
         values = wire_values(values, names)
     elif names is not None:
@@ -181,7 +182,15 @@ def options_message(
         elif field.message_type is not None:
             value = _nested_message(field.name, GetMessageClass(field.message_type), value)
         kwargs[field.name] = value
-    return kind(**kwargs)
+    try:
+        return kind(**kwargs)
+    except (TypeError, ValueError):
+        for name, value in kwargs.items():  # protobuf's message names no field: find it
+            try:
+                kind(**{name: value})
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"{name}: {error}") from None
+        raise
 
 
 def _nested_message(name: str, kind: type[Message], value: Any) -> Message | None:

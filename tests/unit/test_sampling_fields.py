@@ -153,6 +153,11 @@ def test_bad_values_are_refused_by_name_and_unknown_names_are_type_errors():
         sampling_params({"speculative": {"k": 2}})
     with pytest.raises(TypeError, match=r"unknown sampling option\(s\) \['temprature'\]"):
         options_message(pb.SamplingOptions, {"temprature": 0})
+    # protobuf's own words follow the field's name
+    with pytest.raises(ValueError, match=r"^seed: .*-1"):
+        options_message(pb.SamplingOptions, {"n": 2, "seed": -1})
+    with pytest.raises(TypeError, match=r"^temperature: .*str"):
+        options_message(pb.SamplingOptions, {"temperature": "hot"})
 
 
 def test_names_limit_a_mapping_to_some_fields():
