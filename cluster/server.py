@@ -154,6 +154,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
             include_dashboard=False,
             logging_level=log_level,
         )
+        signal.signal(signal.SIGTERM, _interrupt)  # ray.init put its own (exit at once)
     cluster = None
     serve_was_running = True  # until known otherwise: never shut down someone's Serve
     try:

@@ -73,8 +73,10 @@ def test_readme_run_command_serves_and_the_curl_example_answers(tmp_path):
         assert "behind HAProxy (Ray Serve's HAProxy mode)" in log.read_text()
         assert "haproxy" in [comm(p) for p in descendants(process.pid)]
     finally:
-        for pid in children(process.pid):  # Ctrl-C for `tessera serve` (the shell's child)
-            os.kill(pid, signal.SIGINT)
+        # `tessera serve` (the shell's child) stopped as `kill`, systemd or docker stop it:
+        # SIGTERM drains and stops like Ctrl-C (which every `serve_process` test sends)
+        for pid in children(process.pid):
+            os.kill(pid, signal.SIGTERM)
         try:
             process.wait(timeout=120)
         except subprocess.TimeoutExpired:
