@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from tests.helpers import RAY_NAMESPACE
 
@@ -46,3 +47,16 @@ def running_cluster_sync(**fields):
         yield cluster
     finally:
         asyncio.run(cluster.shutdown())
+
+
+async def freed_within(worker, request_id: str, seconds: float) -> float:
+    """Seconds until the request is gone from ``worker`` (a ``WorkerActor`` handle) and
+    its pool is all free (cached blocks count as free)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        stats = await worker.engine_stats.remote()
+        gone = not await worker.has_request.remote(request_id)
+        if gone and stats.free_blocks == stats.total_blocks:
+            return time.monotonic() - start
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{request_id} still on its worker after {seconds} s")

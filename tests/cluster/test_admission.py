@@ -11,7 +11,7 @@ from tessera.cluster.config import ClusterConfig, ConfigError
 from tessera.cluster.launch import Cluster
 from tessera.scheduler.api import OverloadedError, WorkerStatus
 from tessera.workers.api import FinishReason, InvalidRequestError, Request, SamplingParams
-from tests.cluster.conftest import running_cluster
+from tests.cluster.conftest import freed_within, running_cluster
 from tests.helpers import tokens_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -74,13 +74,17 @@ async def test_overload_is_refused_at_once_and_the_rest_complete(ray_session):
         stream = await cluster.submit(Request("whole", ids, LONG))
         assert len(tokens_of([d async for d in stream])) == 32
 
-        # Closing the client stops what still runs and leaves no task of it behind:
-        # one that called into Ray after ``ray.shutdown`` would end the process.
-        await cluster.submit("unread", "Hello", LONG)
-        assert cluster.client.placement("unread") is not None
+        # Closing the client aborts what still runs (4000 tokens would take minutes),
+        # frees its blocks, releases its place, and leaves no task of it behind: one
+        # that called into Ray after ``ray.shutdown`` would end the process.
+        endless = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+        await cluster.submit("unread", "Hello", endless)
+        worker = cluster.client.placement("unread").worker
         await cluster.client.close()
         assert cluster.client.placement("unread") is None
         assert asyncio.all_tasks() == {asyncio.current_task()}
+        await freed_within(worker, "unread", 10.0)
+        assert all(w.ongoing == 0 for w in (await cluster.stats()).workers)
 
 
 async def test_pool_scales_up_under_load_and_drains_back(ray_session):

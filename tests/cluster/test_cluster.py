@@ -17,7 +17,7 @@ import ray
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
 from tessera.workers.protocol import END
-from tests.cluster.conftest import running_cluster_sync
+from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -126,18 +126,6 @@ async def _worker_of(cluster) -> str:
     raise AssertionError("no worker holds the request")
 
 
-async def _freed_within(worker, request_id: str, seconds: float) -> float:
-    """Seconds until the request is gone from ``worker`` and its pool is all free."""
-    start = time.monotonic()
-    while time.monotonic() - start < seconds:
-        stats = await worker.engine_stats.remote()
-        gone = not await worker.has_request.remote(request_id)
-        if gone and stats.free_blocks == stats.total_blocks:
-            return time.monotonic() - start
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{request_id} still on its worker after {seconds} s")
-
-
 async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
     await settle(cluster)
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
@@ -150,7 +138,7 @@ async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
         if got >= 3:
             break
     await stream.aclose()  # the caller goes away
-    assert await _freed_within(worker, "leaver", 1.0) <= 1.0
+    assert await freed_within(worker, "leaver", 1.0) <= 1.0
     await worker.check_integrity.remote()
 
     # Closed straight after submit, never read: aborted, and its place freed too.
@@ -159,7 +147,7 @@ async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
     stats = await _wait_for(cluster, lambda s: not any(w.ongoing for w in s.workers), "release")
     for state in stats.workers:
         handle = await cluster.scheduler.worker_handle.remote(state.worker_id)
-        await _freed_within(handle, "unread", 5.0)
+        await freed_within(handle, "unread", 5.0)
 
     stream = await cluster.submit("stopped", "Tell me another long story.", long)
     worker_id = await _worker_of(cluster)
@@ -169,7 +157,7 @@ async def test_a_cancelled_stream_is_aborted_and_its_blocks_freed(cluster):
     rest = [d async for d in stream]
     assert rest[-1].finish_reason is FinishReason.ABORT
     assert len(tokens_of([first, *rest])) < 300
-    assert await _freed_within(worker, "stopped", 1.0) <= 1.0
+    assert await freed_within(worker, "stopped", 1.0) <= 1.0
 
 
 async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster, make_engine):
@@ -213,7 +201,7 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
     await worker.start.remote("test-channel", "ch-long", requests[0][1], long)
     await (await anext(channel))
     ray.cancel(channel)
-    assert await _freed_within(worker, "ch-long", 2.0) <= 2.0
+    assert await freed_within(worker, "ch-long", 2.0) <= 2.0
     with pytest.raises(ray.exceptions.RayTaskError, match="channel 'test-channel' is not open"):
         await worker.start.remote("test-channel", *requests[0])
 
@@ -223,7 +211,7 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
     assert await (await anext(channel)) == []
     assert await worker.touch.remote("untouched")
     await worker.start.remote("untouched", "ch-orphan", requests[0][1], long)
-    assert await _freed_within(worker, "ch-orphan", 5.0) >= 0.5
+    assert await freed_within(worker, "ch-orphan", 5.0) >= 0.5
     assert not await worker.touch.remote("untouched")
     with pytest.raises(StopAsyncIteration):
         while True:
