@@ -251,9 +251,20 @@ Q4_ODD = (16 * 7, 32 * 7)  # the bf16 kernel takes whole tiles of 16 outputs; 7 
 BF16_ROWS = (*ROWS, 300)
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def bf16_path(request, native):
+    """Each bf16 kernel test runs on both paths of the kernels where the CPU has AMX
+    (``csrc/amx_tiles.h``: every call takes it) and on the AVX512_BF16 one otherwise."""
+    if request.param == "amx" and not native.amx_available():
+        pytest.skip("no AMX-BF16 on this CPU (or Linux refused the tile state)")
+    native.use_amx(request.param == "amx")
+    yield request.param
+    native.use_amx(True)
+
+
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
-@pytest.mark.parametrize("rows", ROWS)
-def test_native_q4_bf16_matmul_keeps_the_files_weights(native, qtype, rows):
+@pytest.mark.parametrize("rows", BF16_ROWS)
+def test_native_q4_bf16_matmul_keeps_the_files_weights(native, bf16_path, qtype, rows):
     """The bfloat16 mode's 4-bit kernel: bf16 x times the file's own weights (fp16 d and m,
     not rounded to bf16 as torch's int4 layout has them), summed in float32 and rounded
     once to bf16; more accurate than torch's int4 kernel on the same weights."""
@@ -292,7 +303,7 @@ def check_bf16_rows_product(weight, dense: torch.Tensor, rows: int):
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
 @pytest.mark.parametrize("rows", BF16_ROWS)
 def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf16_rounding(
-    native, qtype, rows
+    native, bf16_path, qtype, rows
 ):
     """The fast mode's matmul: float32 x is rounded to bf16 (nearest even) inside the
     kernel, and y is float32: the product of the rounded x with the file's weights to
@@ -306,7 +317,7 @@ def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf1
 
 @pytest.mark.parametrize("rows", BF16_ROWS)
 def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_weights(
-    native, rows
+    native, bf16_path, rows
 ):
     """The fast and bfloat16 modes' head: Q8_0 weights (int8 q, exact in bf16, times the
     file's fp16 d) with x rounded to bf16, summed in float32: float32 x gives the float32

@@ -56,7 +56,8 @@ SOURCES = tuple(
 )
 #: Included by the sources: not compiled alone, but part of the cache key.
 HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("bf16_blocks.h", "tiled_layouts.h")
+    Path(__file__).parent / "csrc" / name
+    for name in ("amx_tiles.h", "bf16_blocks.h", "tiled_layouts.h")
 )
 EXTENSION_NAME = "tessera_kernels"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")

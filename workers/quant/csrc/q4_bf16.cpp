@@ -56,6 +56,7 @@ using tiled::kQ4_1;
 
 #if TESSERA_Q4_BF16
 #include "bf16_blocks.h"
+#include "amx_tiles.h"
 
 // Pair p (0..3) of a zmm of nibbles, as bf16 (q + 128) pairs: (v >> 4p) & low | bias.
 inline __m512i expand_pair(__m512i v, int p) {
@@ -127,6 +128,20 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
         sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
       }
   });
+  if (amx_on()) {
+    const auto expand = [&](int64_t tile, int64_t b, uint16_t* out) {
+      const uint8_t* block = np + (tile * nb + b) * 256;
+      for (int s = 0; s < 4; ++s) {
+        const __m512i v = _mm512_loadu_si512(block + s * 64);
+        for (int p = 0; p < 4; ++p) _mm512_store_si512(out + (4 * s + p) * 32, expand_pair(v, p));
+      }
+    };
+    const auto scales = [&](int64_t tile, int64_t b, __m512& dq, __m512& corr) {
+      const int64_t at = (tile * nb + b) * 16;
+      block_scales(dp + at, mp ? mp + at : nullptr, dq, corr);
+    };
+    return amx_rows(xp, T, K, sx.data(), tiles, yp, expand, scales);
+  }
   // Passes of rows over the tiles: a pass's rows of x stay in L2 while the tiles go
   // through them, kRows rows at a time.
   const int64_t pass = rows_per_pass(K);
@@ -149,6 +164,19 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
 }  // namespace
 
 bool q4_bf16_available() { return TESSERA_Q4_BF16 != 0; }
+
+bool amx_available() {
+#if TESSERA_Q4_BF16
+  return TESSERA_AMX && amx_granted();
+#else
+  return false;
+#endif
+}
+
+bool use_amx(bool wanted) {
+  tiled::amx_wanted().store(wanted);
+  return amx_available() && wanted;
+}
 
 torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                          const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
@@ -181,6 +209,12 @@ void register_q4_bf16(pybind11::module& m) {
   namespace py = pybind11;
   m.def("q4_bf16_available", &q4_bf16_available,
         "whether this CPU build has the AVX512_BF16 Q4 kernel");
+  m.def("amx_available", &amx_available,
+        "whether the bf16 x Q4 / Q8_0 kernels can take their AMX path here (amx_tiles.h)");
+  m.def("use_amx", &use_amx,
+        "let the bf16 x Q4 / Q8_0 kernels take their AMX path (the default) or not; returns "
+        "whether they now do",
+        py::arg("wanted"));
   m.def("q4_bf16_mm", &q4_bf16_mm,
         "y = x @ W^T for Q4_0/Q4_1 weights in the Q4Weight layout: bf16 x gives bf16 y; "
         "float32 x is rounded to bf16 and gives the float32 sums",

@@ -7,6 +7,7 @@
 
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace tessera::tiled {
@@ -14,6 +15,13 @@ namespace tessera::tiled {
 constexpr int64_t kBlock = 32;  // inputs per GGUF block
 constexpr int kQ4_0 = 2;        // GGML type ids (gguf.GGMLQuantizationType)
 constexpr int kQ4_1 = 3;
+
+// Whether the bf16 x Q4 / Q8_0 kernels take their AMX path where the CPU has one
+// (amx_tiles.h); set by use_amx(). One flag for the process (an inline function's static).
+inline std::atomic<bool>& amx_wanted() {
+  static std::atomic<bool> wanted{true};
+  return wanted;
+}
 
 struct Shape {
   int64_t tiles, nb, K, N, T;  // N = 16 tiles outputs, K = 32 nb inputs, T rows of x
