@@ -129,18 +129,18 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
       }
   });
   if (amx_on()) {
-    const auto expand = [&](int64_t tile, int64_t b, uint16_t* out) {
+    const auto expand = [np, nb](int64_t tile, int64_t b, uint16_t* out) {
       const uint8_t* block = np + (tile * nb + b) * 256;
       for (int s = 0; s < 4; ++s) {
         const __m512i v = _mm512_loadu_si512(block + s * 64);
         for (int p = 0; p < 4; ++p) _mm512_store_si512(out + (4 * s + p) * 32, expand_pair(v, p));
       }
     };
-    const auto scales = [&](int64_t tile, int64_t b, __m512& dq, __m512& corr) {
+    const auto scales = [dp, mp, nb](int64_t tile, int64_t b, __m512& dq, __m512& corr) {
       const int64_t at = (tile * nb + b) * 16;
       block_scales(dp + at, mp ? mp + at : nullptr, dq, corr);
     };
-    return amx_rows(xp, T, K, sx.data(), tiles, yp, expand, scales);
+    return amx_rows<true>(xp, T, K, sx.data(), tiles, yp, expand, scales);
   }
   // Passes of rows over the tiles: a pass's rows of x stay in L2 while the tiles go
   // through them, kRows rows at a time.
@@ -167,7 +167,7 @@ bool q4_bf16_available() { return TESSERA_Q4_BF16 != 0; }
 
 bool amx_available() {
 #if TESSERA_Q4_BF16
-  return TESSERA_AMX && amx_granted();
+  return TESSERA_AMX && tiled::amx_granted();
 #else
   return false;
 #endif

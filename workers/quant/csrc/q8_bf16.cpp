@@ -105,14 +105,14 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
              int64_t tiles, Y* yp) {
   const int64_t nb = K / kBlock, N = tiles * 16;
   if (amx_on()) {
-    const auto expand = [&](int64_t tile, int64_t b, uint16_t* out) {
+    const auto expand = [qp, nb](int64_t tile, int64_t b, uint16_t* out) {
       const int8_t* block = qp + (tile * nb + b) * 512;
       for (int p = 0; p < 16; ++p) _mm512_store_si512(out + p * 32, expand_pair(block + p * 32));
     };
-    const auto scales = [&](int64_t tile, int64_t b, __m512& dq, __m512&) {
+    const auto scales = [dp, nb](int64_t tile, int64_t b, __m512& dq, __m512&) {
       dq = block_d(dp + (tile * nb + b) * 16);
     };
-    return amx_rows(xp, T, K, nullptr, tiles, yp, expand, scales);
+    return amx_rows<false>(xp, T, K, nullptr, tiles, yp, expand, scales);
   }
   if (T <= kDirectRows) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

@@ -5,10 +5,13 @@
 
 #pragma once
 
+#include <sys/syscall.h>
 #include <torch/extension.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 
 namespace tessera::tiled {
 
@@ -21,6 +24,18 @@ constexpr int kQ4_1 = 3;
 inline std::atomic<bool>& amx_wanted() {
   static std::atomic<bool> wanted{true};
   return wanted;
+}
+
+// Whether Linux lets this process use AMX tiles (asked once): ARCH_REQ_XCOMP_PERM (0x1023)
+// for XFEATURE_XTILEDATA (18). Without the grant a tile instruction kills the process;
+// the grant covers every thread of the process.
+inline bool amx_granted() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return false;
+#endif
 }
 
 struct Shape {
