@@ -42,14 +42,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0 / 3: C (rows x 16 float32), 1 / 4: A (rows x 32 bf16), 2 / 5: B (16 x 32 bf16).
-// Set per call: a thread's configuration is its own, and oneDNN's GEMMs change it.
+// Tiles 0-3: C (rows x 16 float32; two pairs, see amx_group), 4 / 5: A (rows x 32 bf16),
+// 6 / 7: B (16 x 32 bf16). Set per call: a thread's configuration is its own, and oneDNN's
+// GEMMs change it.
 inline void configure_tiles(int rows) {
   TileConfig config;
   std::memset(&config, 0, sizeof config);
   config.palette_id = 1;
-  for (int t = 0; t < 6; ++t) {
-    config.rows[t] = t % 3 == 2 ? 16 : rows;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t >= 6 ? 16 : rows;
     config.colsb[t] = 64;
   }
   // without a use GCC drops the field stores before LDTILECFG (seen with -O3)
@@ -64,47 +65,79 @@ constexpr int64_t kTileElems = 512;  // bf16 of one expanded block (16 pairs x 1
 // kPassBytes, since a tile's expansion costs more than its TDPBF16PS here
 constexpr int64_t kAmxPassBytes = 512 * 1024;
 
+// Blocks b and b + 1 (if `two`) of up to 16 rows into C tiles C0 and C1: zeroed, then
+// one TDPBF16PS each (A: x's rows in place, B: the expanded block). Macros: GCC's tile
+// intrinsics paste their tile number into the instruction, so it must be a literal.
+#define TESSERA_AMX_PAIR(C0, C1, x, K, blocks, b, two)         \
+  do {                                                         \
+    _tile_zero(C0);                                            \
+    _tile_loadd(4, (x) + (b) * kBlock, (K) * 2);               \
+    _tile_loadd(6, (blocks) + (b) * kTileElems, 64);           \
+    _tile_dpbf16ps(C0, 4, 6);                                  \
+    if (two) {                                                 \
+      _tile_zero(C1);                                          \
+      _tile_loadd(5, (x) + ((b) + 1) * kBlock, (K) * 2);       \
+      _tile_loadd(7, (blocks) + ((b) + 1) * kTileElems, 64);   \
+      _tile_dpbf16ps(C1, 5, 7);                                \
+    }                                                          \
+  } while (0)
+#define TESSERA_AMX_STORE(C0, C1, sums, two) \
+  do {                                       \
+    _tile_stored(C0, (sums)[0], 64);         \
+    if (two) _tile_stored(C1, (sums)[1], 64); \
+  } while (0)
+
 // Up to 16 rows (x: the group's first row, sx likewise) through output tile `tile`: acc
 // += each block's scaled sums. R: the row count when known at compile time (16, full
 // groups: the accumulators stay in registers), 0 for `rows`. kCorr: Q4's sum(x) term.
 // `whole`: every block of the tile is expanded in `expanded` already; else they are
-// expanded here, kAmxChunk at a time.
+// expanded here, kAmxChunk at a time. Pipelined over pairs of blocks: pair i's products
+// run (C tiles 0-1 or 2-3, in turns) while pair i - 1's sums, stored, are scaled.
 template <int R, bool kCorr, typename Expand, typename Scales>
 __attribute__((always_inline)) inline void amx_group(
     const uint16_t* x, int64_t K, int64_t nb, const float* sx, int64_t tile, int rows,
     bool whole, uint16_t* expanded, float (*sums)[kAmxRows * 16], const Expand& expand,
     const Scales& scales, __m512* acc) {
   const int n = R ? R : rows;
-  for (int64_t c0 = 0; c0 < nb; c0 += kAmxChunk) {
-    const int64_t c1 = std::min(nb, c0 + kAmxChunk);
+  const auto scale = [&](const float* part, int64_t b) {
+    __m512 dq, corr = _mm512_setzero_ps();
+    scales(tile, b, dq, corr);
+    for (int r = 0; r < n; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_load_ps(part + r * 16), dq, acc[r]);
+      if constexpr (kCorr)
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr, acc[r]);
+    }
+  };
+  const int64_t chunk = whole ? nb : kAmxChunk;
+  for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
+    const int64_t c1 = std::min(nb, c0 + chunk);
     // a chunk expanded here goes to the buffer's start: the same 8 KB stay in L1
     const uint16_t* blocks = whole ? expanded : expanded - c0 * kTileElems;
     if (!whole)
       for (int64_t b = c0; b < c1; ++b) expand(tile, b, expanded + (b - c0) * kTileElems);
-    for (int64_t b = c0; b < c1; b += 2) {
-      const bool two = b + 1 < c1;
-      _tile_zero(0);
-      _tile_loadd(1, x + b * kBlock, K * 2);
-      _tile_loadd(2, blocks + b * kTileElems, 64);
-      if (two) {
-        _tile_zero(3);
-        _tile_loadd(4, x + (b + 1) * kBlock, K * 2);
-        _tile_loadd(5, blocks + (b + 1) * kTileElems, 64);
+    const int64_t pairs = (c1 - c0 + 1) / 2;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t b = c0 + 2 * i;
+      const bool two = b + 1 < c1;  // only the last pair can hold one block
+      float(*mine)[kAmxRows * 16] = sums + 2 * (i % 2);
+      float(*before)[kAmxRows * 16] = sums + 2 * (1 - i % 2);
+      if (i % 2 == 0)
+        TESSERA_AMX_PAIR(0, 1, x, K, blocks, b, two);
+      else
+        TESSERA_AMX_PAIR(2, 3, x, K, blocks, b, two);
+      if (i > 0) {
+        scale(before[0], b - 2);
+        scale(before[1], b - 1);
       }
-      _tile_dpbf16ps(0, 1, 2);
-      if (two) _tile_dpbf16ps(3, 4, 5);
-      _tile_stored(0, sums[0], 64);
-      if (two) _tile_stored(3, sums[1], 64);
-      for (int h = 0; h < (two ? 2 : 1); ++h) {
-        __m512 dq, corr = _mm512_setzero_ps();
-        scales(tile, b + h, dq, corr);
-        for (int r = 0; r < n; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sums[h] + r * 16), dq, acc[r]);
-          if constexpr (kCorr)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b + h]), corr, acc[r]);
-        }
-      }
+      if (i % 2 == 0)
+        TESSERA_AMX_STORE(0, 1, mine, two);
+      else
+        TESSERA_AMX_STORE(2, 3, mine, two);
     }
+    const int64_t b = c0 + 2 * (pairs - 1);
+    float(*last)[kAmxRows * 16] = sums + 2 * ((pairs - 1) % 2);
+    scale(last[0], b);
+    if (b + 1 < c1) scale(last[1], b + 1);
   }
 }
 
@@ -121,7 +154,7 @@ void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t
     // a tile's blocks, expanded (not zeroed: every block is written before it is read)
     const std::unique_ptr<__m512i[]> buffer(new __m512i[nb * kTileElems / 32]);
     uint16_t* expanded = reinterpret_cast<uint16_t*>(buffer.get());
-    alignas(64) float sums[2][kAmxRows * 16];
+    alignas(64) float sums[4][kAmxRows * 16];
     int configured = -1;
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
