@@ -17,11 +17,12 @@
 // process uses one path for every call: AMX wherever the CPU and the kernel allow it
 // (Linux grants the tile state on request), unless `use_amx(false)` (tests, benchmarks).
 //
+// Pairs of blocks are pipelined: one pair's TDPBF16PS run (C tiles 0-1 or 2-3, in turns)
+// while the pair before is scaled. At up to 16 rows a tile's blocks are expanded 8 at a
+// time just before use, into the same 8 KB (they stay in L1); above that all of them
+// once per pass of rows (512 KB of x, in L2), for every 16-row group of the pass.
 // Measured (Xeon with AMX, 2 threads, one 1536 x 576 Q4_1 product): 1 / 7 / 16 / 64 / 256
-// rows in 18 / 22 / 35 / 125 / 455 us against the AVX path's 18 / 63 / 139 / 552 / 2222.
-// Two blocks are in flight at a time (tiles 0-2 and 3-5); at up to 16 rows a tile's blocks
-// are expanded 8 at a time just before use (they stay in L1), above that all of them once
-// per pass of rows.
+// rows in 18 / 25 / 35 / 139 / 516 us against the AVX path's 18 / 65 / 142 / 583 / 2340.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TESSERA_AMX 1
