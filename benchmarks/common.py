@@ -46,12 +46,15 @@ def cpu_features() -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     """Where a benchmark ran; every report records it, CPU features included."""
+    from tessera.workers.quant.kernels import bf16_kernel_path
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_features": cpu_features(),
+        "bf16_kernels": bf16_kernel_path(),  # "amx", "avx512_bf16" or "" (none built)
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 

@@ -199,9 +199,9 @@ class Scheduler:
             others = f"worker {first.worker_id}" if first else "the cluster's first worker"
             self._event(
                 f"worker {worker.worker_id} hashes KV blocks with {info.hash_keys}, "
-                f"{others} with {self.hash_keys} (model path, precision): prefix "
-                "affinity and KV handoffs between them are off; give every node the same "
-                "model path and --dtype",
+                f"{others} with {self.hash_keys} (model path, precision, bf16 kernel "
+                "path): prefix affinity and KV handoffs between them are off; give every "
+                "node the same model path, --dtype and CPU kind (AMX or not)",
                 logging.WARNING,
             )
         self.hash_keys = self.hash_keys or info.hash_keys

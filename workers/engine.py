@@ -161,6 +161,8 @@ class Engine:
         self.handoff = BlockHandoff(self)  # KV blocks in and out (disaggregation)
         # What changes a block's K/V besides its tokens (the request's salt is added).
         self.hash_keys: tuple[str, ...] = (self.loaded.model_id, self.loaded.precision)
+        if self.loaded.kernels:
+            self.hash_keys += (self.loaded.kernels,)
         self.groups: dict[str, SequenceGroup] = {}
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._lock = threading.Lock()  # guards request-id bookkeeping across threads

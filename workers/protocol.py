@@ -37,7 +37,7 @@ class WorkerInfo:
     worker_id: str
     role: str
     incarnation: str  # new on every (re)start: the scheduler resets what it knew
-    hash_keys: tuple[str, ...]  # model id and precision: the extra keys of block hashes
+    hash_keys: tuple[str, ...]  # model id, precision (and bf16 kernel path): block hash keys
     block_size: int
     total_blocks: int
     max_num_seqs: int

@@ -222,6 +222,10 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
         expected_kv = torch.float16 if contract.dtype == "auto" else torch.bfloat16
         assert engine.runner.kv_cache.dtype == expected_kv
         assert engine.hash_keys[1] == ("fast" if contract.dtype == "auto" else "bfloat16")
+        # and the bf16 kernels' path: AMX and AVX-512 sum a block in different orders
+        kernels = native_kernels()
+        path = "amx" if kernels.amx_in_use() else "avx512_bf16"
+        assert engine.hash_keys[2] == loaded.kernels == path
         engine.add_request("seeded", prompt, sampled)
         for index in range(others):
             engine.add_request(

@@ -262,6 +262,16 @@ def bf16_path(request, native):
     native.use_amx(True)
 
 
+def test_the_bf16_kernels_take_the_amx_path_where_the_cpu_has_amx(native):
+    """Where /proc/cpuinfo lists AMX-BF16 the build has the AMX path and takes it (a build
+    or grant that silently fell back to AVX-512 would be 2-4x slower from 7 rows up)."""
+    has_amx = {"amx_bf16", "amx_tile"} <= set(kernels._cpu_flags().split())
+    assert native.amx_available() == (has_amx and native.q4_bf16_available())
+    assert kernels.bf16_kernel_path() == (
+        "amx" if native.amx_available() else "avx512_bf16" if native.q4_bf16_available() else ""
+    )
+
+
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q4_1])
 @pytest.mark.parametrize("rows", BF16_ROWS)
 def test_native_q4_bf16_matmul_keeps_the_files_weights(native, bf16_path, qtype, rows):

@@ -139,8 +139,9 @@ def test_a_worker_whose_block_hash_keys_differ_from_the_clusters_is_named():
     assert scheduler.hash_keys == ("model", "fast")  # the front ends keep the first's
     assert _events(scheduler)[-1] == (
         "worker mixed-1 hashes KV blocks with ('model', 'float32'), worker mixed-0 with "
-        "('model', 'fast') (model path, precision): prefix affinity and KV handoffs between "
-        "them are off; give every node the same model path and --dtype"
+        "('model', 'fast') (model path, precision, bf16 kernel path): prefix affinity and "
+        "KV handoffs between them are off; give every node the same model path, --dtype and "
+        "CPU kind (AMX or not)"
     )
     scheduler.register(_info("c", "mixed-0", "fast"))  # a restart with the same keys: quiet
     assert _events(scheduler)[-1] == "worker mixed-0 restarted as c"
@@ -154,6 +155,7 @@ def test_the_only_worker_with_the_first_keys_restarting_with_others_is_named():
     scheduler.register(_info("b", "mixed-0", "float32"))  # restarted on another node
     assert _events(scheduler)[-1] == (
         "worker mixed-0 hashes KV blocks with ('model', 'float32'), the cluster's first "
-        "worker with ('model', 'fast') (model path, precision): prefix affinity and KV "
-        "handoffs between them are off; give every node the same model path and --dtype"
+        "worker with ('model', 'fast') (model path, precision, bf16 kernel path): prefix "
+        "affinity and KV handoffs between them are off; give every node the same model path, "
+        "--dtype and CPU kind (AMX or not)"
     )

@@ -343,8 +343,11 @@ class LlamaModel(nn.Module):
         """Whether this float32 model is in the fast mode: some projection multiplies
         bf16-rounded inputs with Q4 weights (``Linear``), or its head does (a ``head_q8``
         that is not ``exact``)."""
-        if self.norm.weight.dtype != torch.float32:
-            return False
+        return self.norm.weight.dtype == torch.float32 and self.uses_bf16_kernels()
+
+    def uses_bf16_kernels(self) -> bool:
+        """Whether a projection or the head multiplies through the native bf16 kernels
+        (a ``Q4Weight`` or ``head_q8`` that is not ``exact``: the fast and bfloat16 modes)."""
         linears = (
             linear
             for layer in self.layers

@@ -28,7 +28,7 @@ from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel, Weight
 from tessera.workers.quant import PackedWeight
-from tessera.workers.quant.kernels import native_kernels
+from tessera.workers.quant.kernels import bf16_kernel_path, native_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ class LoadedModel:
     #: exact mode). Part of the prefix-cache hash key: the K/V of one precision is not
     #: another's.
     precision: str = "float32"
+    #: The path of the native bf16 kernels its matmuls take (``bf16_kernel_path``:
+    #: ``"amx"`` or ``"avx512_bf16"``), ``""`` if it takes none. Also part of the hash
+    #: key: the two paths sum in different orders, so their K/V differ in the last bits.
+    kernels: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -169,16 +173,18 @@ def load_model(
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
     model.load_hf_state_dict(state, bf16_matmuls=fast)
     precision = FAST if model.has_bf16_matmuls() else dtype
+    kernels = bf16_kernel_path() if model.uses_bf16_kernels() else ""
     del state
     _return_freed_heap()
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s%s",
+        "loaded %s (%s, %d layers) as %s on %s%s%s",
         resolved,
         config.architecture,
         config.num_layers,
         PRECISION_TEXT[precision],
         device,
         f", {num_packed} matrices packed as in the file" if num_packed else "",
+        f", bf16 matmuls on the {kernels} path" if kernels else "",
     )
     return LoadedModel(
         model=model,
@@ -186,6 +192,7 @@ def load_model(
         config=config,
         model_id=str(resolved),
         precision=precision,
+        kernels=kernels,
     )
 
 

@@ -105,6 +105,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=1)
 
 
+def bf16_kernel_path() -> str:
+    """Which path the native bf16 x Q4 / Q8_0 kernels (``Q4Weight``, ``Q8Weight``) take
+    in this process: ``"amx"`` (``csrc/amx_tiles.h``) or ``"avx512_bf16"``; ``""`` where
+    they cannot run. The two sum a block's products in different orders, so a K/V block
+    computed on one is not the other's (``LoadedModel.kernels``)."""
+    module = native_kernels()
+    if module is None or not module.q4_bf16_available():
+        return ""
+    return "amx" if module.amx_in_use() else "avx512_bf16"
+
+
 def _torch_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     y = x.new_empty(x.shape[0], weight.out_features)
     for start in range(0, weight.out_features, FALLBACK_CHUNK_ROWS):

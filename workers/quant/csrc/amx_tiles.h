@@ -82,9 +82,9 @@ constexpr int64_t kAmxPassBytes = 512 * 1024;
       _tile_dpbf16ps(C1, 5, 7);                                \
     }                                                          \
   } while (0)
-#define TESSERA_AMX_STORE(C0, C1, sums, two) \
-  do {                                       \
-    _tile_stored(C0, (sums)[0], 64);         \
+#define TESSERA_AMX_STORE(C0, C1, sums, two)  \
+  do {                                        \
+    _tile_stored(C0, (sums)[0], 64);          \
     if (two) _tile_stored(C1, (sums)[1], 64); \
   } while (0)
 
@@ -150,7 +150,8 @@ template <bool kCorr, typename Y, typename Expand, typename Scales>
 void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t tiles, Y* yp,
               const Expand& expand, const Scales& scales) {
   const int64_t nb = K / kBlock, N = tiles * 16;
-  const int64_t pass = std::max<int64_t>(kAmxRows, kAmxPassBytes / (K * 2) / kAmxRows * kAmxRows);
+  const int64_t pass =
+      std::max<int64_t>(kAmxRows, kAmxPassBytes / (K * 2) / kAmxRows * kAmxRows);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     // a tile's blocks, expanded (not zeroed: every block is written before it is read)
     const std::unique_ptr<__m512i[]> buffer(new __m512i[nb * kTileElems / 32]);

@@ -173,9 +173,11 @@ bool amx_available() {
 #endif
 }
 
+bool amx_in_use() { return amx_available() && tiled::amx_wanted().load(); }
+
 bool use_amx(bool wanted) {
   tiled::amx_wanted().store(wanted);
-  return amx_available() && wanted;
+  return amx_in_use();
 }
 
 torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
@@ -211,6 +213,8 @@ void register_q4_bf16(pybind11::module& m) {
         "whether this CPU build has the AVX512_BF16 Q4 kernel");
   m.def("amx_available", &amx_available,
         "whether the bf16 x Q4 / Q8_0 kernels can take their AMX path here (amx_tiles.h)");
+  m.def("amx_in_use", &amx_in_use,
+        "whether the bf16 x Q4 / Q8_0 kernels take their AMX path now (use_amx sets it)");
   m.def("use_amx", &use_amx,
         "let the bf16 x Q4 / Q8_0 kernels take their AMX path (the default) or not; returns "
         "whether they now do",
