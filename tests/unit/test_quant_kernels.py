@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import shutil
+import subprocess
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -225,6 +228,36 @@ def test_the_build_runs_the_ninja_package_even_after_another_ninja_on_path(monke
     assert os.environ["PATH"] == path
 
 
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("g++") is None,
+    reason="the AMX path exists on x86-64 only (and this check needs g++)",
+)
+def test_the_bf16_kernels_compile_for_a_cpu_without_amx():
+    """``-march=native`` on a CPU with AVX512_BF16 but no AMX (the AMD EPYC of earlier
+    sessions) leaves out amx_tiles.h's AMX path: q4_bf16.cpp and q8_bf16.cpp must still
+    compile (a stop-32 build did not, which left such machines on the torch fallback).
+    Checked here with this CPU's flags minus AMX's; the whole build would take a minute."""
+    from torch.utils.cpp_extension import include_paths
+
+    csrc = Path(kernels.__file__).parent / "csrc"
+    command = [
+        "g++",
+        "-std=c++17",
+        "-fsyntax-only",
+        "-march=native",
+        "-mno-amx-tile",
+        "-mno-amx-bf16",
+        "-mno-amx-int8",
+        *(f"-I{path}" for path in include_paths()),
+        f"-I{sysconfig.get_paths()['include']}",
+        str(csrc / "q4_bf16.cpp"),
+        str(csrc / "q8_bf16.cpp"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.returncode == 0 and not errors, "\n".join(errors[:10])
+
+
 def test_native_argmax_rows_equals_torch_argmax(native):
     """The sampler's row argmax: torch's index everywhere, ties to the first maximum,
     a NaN wins (its first one), rows of -inf or +inf, lengths off the 16-lane vector."""
@@ -235,6 +268,7 @@ def test_native_argmax_rows_equals_torch_argmax(native):
     x[5] = -math.inf
     x[6] = math.inf
     x[7, -1] = 10.0  # the maximum in the scalar tail
+    x[8, -3] = math.nan  # and a NaN there
     assert torch.equal(native.argmax_rows(x), x.argmax(dim=1))
     logits = torch.randn(64, 49152, generator=generator)
     assert torch.equal(kernels.argmax_rows(logits), logits.argmax(dim=1))

@@ -22,13 +22,34 @@
 // time just before use, into the same 8 KB (they stay in L1); above that all of them
 // once per pass of rows (512 KB of x, in L2), for every 16-row group of the pass.
 // Measured (Xeon with AMX, 2 threads, one 1536 x 576 Q4_1 product): 1 / 7 / 16 / 64 / 256
-// rows in 18 / 25 / 35 / 139 / 516 us against the AVX path's 18 / 65 / 142 / 583 / 2340.
+// rows in 19 / 22 / 34 / 114 / 402 us against the AVX path's 18 / 78 / 171 / 690 / 2394
+// (the same run; 18 / 25 / 35 / 139 / 516 while the accumulators were spilled, amx_group).
+//
+// What bounds it (benchmarks/probes/amx_overlap.cpp, one core, data in L1): the tile
+// unit and the AVX-512 FMAs did not overlap on that Xeon, and a tile store waits for the
+// product before it, so a block's work costs the sum of its parts: ~27 TSC ticks for the
+// tile loads, TDPBF16PS and store, ~12 for the 32 FMAs that scale it. Folding d into the
+// weights (d * q + m as two bf16 terms, C summed over all blocks, no store or scaling
+// per block) measured ~30 ticks a block in 2 x 2 tiles: 1.3x at many rows, and far more
+// work per block at few rows, where every row count must take the same path.
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TESSERA_AMX 1
 #else
 #define TESSERA_AMX 0
 #endif
+
+constexpr int64_t kAmxRows = 16;  // rows of x a C tile holds
+
+// Where row t's sum of block b of x is in the AMX path's layout of them: by group of 16
+// rows, then block, then row (a block's 16 sums side by side, one per row of the group);
+// amx_sums_size(T, nb) of them.
+inline int64_t amx_sums_at(int64_t t, int64_t b, int64_t nb) {
+  return ((t / kAmxRows) * nb + b) * kAmxRows + t % kAmxRows;
+}
+inline int64_t amx_sums_size(int64_t T, int64_t nb) {
+  return (T + kAmxRows - 1) / kAmxRows * kAmxRows * nb;
+}
 
 #if TESSERA_AMX
 inline bool amx_on() {
@@ -59,7 +80,6 @@ inline void configure_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
-constexpr int64_t kAmxRows = 16;   // rows of x a C tile holds
 constexpr int64_t kAmxChunk = 8;   // blocks expanded at a time for up to 16 rows (8 KB)
 constexpr int64_t kTileElems = 512;  // bf16 of one expanded block (16 pairs x 16 outputs)
 // x per pass over the tiles (in L2; each pass expands the tiles again): 4x the AVX path's
@@ -88,27 +108,41 @@ constexpr int64_t kAmxPassBytes = 512 * 1024;
     if (two) _tile_stored(C1, (sums)[1], 64); \
   } while (0)
 
-// Up to 16 rows (x: the group's first row, sx likewise) through output tile `tile`: acc
-// += each block's scaled sums. R: the row count when known at compile time (16, full
-// groups: the accumulators stay in registers), 0 for `rows`. kCorr: Q4's sum(x) term.
-// `whole`: every block of the tile is expanded in `expanded` already; else they are
-// expanded here, kAmxChunk at a time. Pipelined over pairs of blocks: pair i's products
-// run (C tiles 0-1 or 2-3, in turns) while pair i - 1's sums, stored, are scaled.
-template <int R, bool kCorr, typename Expand, typename Scales>
+// Up to 16 rows (x: the group's first row) through output tile `tile`: each block's
+// scaled sums added in order, then the rows' 16 outputs stored to y (row stride N). R: the
+// row count when known at compile time (16, full groups), 0 for `rows`. kCorr: Q4's
+// sum(x) term; sx holds the group's block sums of x block by block, 16 a block (one per
+// row; see amx_rows). `whole`: every block of the tile is expanded in `expanded` already;
+// else they are expanded here, kAmxChunk at a time. Pipelined over pairs of blocks: pair
+// i's products run (C tiles 0-1 or 2-3, in turns) while pair i - 1's sums, stored, are
+// scaled.
+//
+// The accumulators are this function's own array, its loops unrolled, so that a full
+// group's stay in registers: GCC's tile intrinsics are asm statements that clobber
+// memory, and an array whose address a caller had (stop 32) was stored and reloaded
+// around each of them, twice per row and block (2048 rows x 576 -> 3072 took 15 ms, 6.7
+// with the scaling left out).
+template <int R, bool kCorr, typename Y, typename Expand, typename Scales>
 __attribute__((always_inline)) inline void amx_group(
     const uint16_t* x, int64_t K, int64_t nb, const float* sx, int64_t tile, int rows,
-    bool whole, uint16_t* expanded, float (*sums)[kAmxRows * 16], const Expand& expand,
-    const Scales& scales, __m512* acc) {
+    bool whole, uint16_t* expanded, float (*sums)[kAmxRows * 16], Y* y, int64_t N,
+    const Expand& expand, const Scales& scales) {
   const int n = R ? R : rows;
-  const auto scale = [&](const float* part, int64_t b) {
-    __m512 dq, corr = _mm512_setzero_ps();
-    scales(tile, b, dq, corr);
-    for (int r = 0; r < n; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_load_ps(part + r * 16), dq, acc[r]);
-      if constexpr (kCorr)
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[r * nb + b]), corr, acc[r]);
-    }
-  };
+  __m512 acc[kAmxRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  // block b's sums (part) scaled into acc; a macro, not a lambda: a capture of acc by
+  // reference takes its address
+#define TESSERA_AMX_SCALE(part, b)                                                     \
+  do {                                                                                 \
+    __m512 dq, corr = _mm512_setzero_ps();                                             \
+    scales(tile, (b), dq, corr);                                                       \
+    const float* s = sx + (b) * kAmxRows;                                              \
+    _Pragma("GCC unroll 16") for (int r = 0; r < n; ++r) {                             \
+      acc[r] = _mm512_fmadd_ps(_mm512_load_ps((part) + r * 16), dq, acc[r]);           \
+      if constexpr (kCorr) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r]), corr, acc[r]); \
+    }                                                                                  \
+  } while (0)
   const int64_t chunk = whole ? nb : kAmxChunk;
   for (int64_t c0 = 0; c0 < nb; c0 += chunk) {
     const int64_t c1 = std::min(nb, c0 + chunk);
@@ -127,8 +161,8 @@ __attribute__((always_inline)) inline void amx_group(
       else
         TESSERA_AMX_PAIR(2, 3, x, K, blocks, b, two);
       if (i > 0) {
-        scale(before[0], b - 2);
-        scale(before[1], b - 1);
+        TESSERA_AMX_SCALE(before[0], b - 2);
+        TESSERA_AMX_SCALE(before[1], b - 1);
       }
       if (i % 2 == 0)
         TESSERA_AMX_STORE(0, 1, mine, two);
@@ -137,15 +171,18 @@ __attribute__((always_inline)) inline void amx_group(
     }
     const int64_t b = c0 + 2 * (pairs - 1);
     float(*last)[kAmxRows * 16] = sums + 2 * ((pairs - 1) % 2);
-    scale(last[0], b);
-    if (b + 1 < c1) scale(last[1], b + 1);
+    TESSERA_AMX_SCALE(last[0], b);
+    if (b + 1 < c1) TESSERA_AMX_SCALE(last[1], b + 1);
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < n; ++r) store16(y + r * N, acc[r]);
+#undef TESSERA_AMX_SCALE
 }
 
 // y [T, N] = x [T, K] (bf16 bits) @ W^T through AMX tiles. expand(tile, b, out) writes
 // block b of output tile `tile` as 16 rows of 16 bf16 pairs (out: 512 uint16, 64-byte
 // aligned); scales(tile, b, dq, corr) gives the block's 16 d and, with kCorr, the
-// correction that multiplies the block's sum of x (sx [T, nb]).
+// correction that multiplies the block's sum of x (sx: amx_sums_at's layout).
 template <bool kCorr, typename Y, typename Expand, typename Scales>
 void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t tiles, Y* yp,
               const Expand& expand, const Scales& scales) {
@@ -167,17 +204,15 @@ void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t
         for (int64_t r0 = first; r0 < last; r0 += kAmxRows) {
           const int rows = static_cast<int>(std::min(kAmxRows, last - r0));
           if (rows != configured) configure_tiles(configured = rows);
-          __m512 acc[kAmxRows];
-          for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
           const uint16_t* x = xp + r0 * K;
-          const float* s = kCorr ? sx + r0 * nb : nullptr;
+          const float* s = kCorr ? sx + amx_sums_at(r0, 0, nb) : nullptr;
+          Y* y = yp + r0 * N + tile * 16;
           if (rows == kAmxRows)
-            amx_group<kAmxRows, kCorr>(x, K, nb, s, tile, rows, whole, expanded, sums, expand,
-                                       scales, acc);
+            amx_group<kAmxRows, kCorr>(x, K, nb, s, tile, rows, whole, expanded, sums, y, N,
+                                       expand, scales);
           else
-            amx_group<0, kCorr>(x, K, nb, s, tile, rows, whole, expanded, sums, expand, scales,
-                                acc);
-          for (int r = 0; r < rows; ++r) store16(yp + (r0 + r) * N + tile * 16, acc[r]);
+            amx_group<0, kCorr>(x, K, nb, s, tile, rows, whole, expanded, sums, y, N, expand,
+                                scales);
         }
       }
     }
@@ -185,5 +220,10 @@ void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t
   });
 }
 #else
+// A build without AMX (-march=native on a CPU without it): never taken, but q4_rows and
+// q8_rows name it.
 inline bool amx_on() { return false; }
+template <bool kCorr, typename Y, typename Expand, typename Scales>
+void amx_rows(const uint16_t*, int64_t, int64_t, const float*, int64_t, Y*, const Expand&,
+              const Scales&) {}
 #endif

@@ -114,8 +114,9 @@ template <typename Y>
 void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const uint16_t* dp,
              const uint16_t* mp, int64_t tiles, Y* yp) {
   const int64_t nb = K / kBlock, N = tiles * 16;
-  // block sums of x, float32 [T, nb]
-  std::vector<float> sx(T * nb);
+  // block sums of x, float32: [T, nb], or in the AMX path's layout (amx_sums_at)
+  const bool amx = amx_on();
+  std::vector<float> sx(amx ? amx_sums_size(T, nb) : T * nb);
   at::parallel_for(0, T, 64, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t)
       for (int64_t b = 0; b < nb; ++b) {
@@ -125,10 +126,11 @@ void q4_rows(const uint16_t* xp, int64_t T, int64_t K, const uint8_t* np, const 
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                 reinterpret_cast<const __m256i*>(xp + t * K + b * kBlock + 16))), 16));
-        sx[t * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        sx[amx ? amx_sums_at(t, b, nb) : t * nb + b] = sum;
       }
   });
-  if (amx_on()) {
+  if (amx) {
     const auto expand = [np, nb](int64_t tile, int64_t b, uint16_t* out) {
       const uint8_t* block = np + (tile * nb + b) * 256;
       for (int s = 0; s < 4; ++s) {

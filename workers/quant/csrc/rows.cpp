@@ -2,7 +2,9 @@
 //
 // torch's argmax over the last dimension of a [64, 49152] float32 tensor took 1.35 ms on
 // 2 AVX-512 cores (amax: 0.07 ms); at 64 running sequences that was a third of a step's
-// host time. argmax_rows gives the same answer as torch.argmax(x, dim=1): the first index
+// host time. Both passes (the maximum, then its first index) run 16 floats at a time: 0.35
+// ms at 64 rows against 0.74 with a scalar second pass (one pass keeping each lane's
+// maximum and first index measured the same: the rows' reads set the time). argmax_rows gives the same answer as torch.argmax(x, dim=1): the first index
 // of each row's maximum, or of the row's first NaN where it has one.
 
 #include <torch/extension.h>
@@ -45,7 +47,18 @@ int64_t argmax_row(const float* x, int64_t n) {
     else if (x[i] > best)
       best = x[i];
   }
-  for (int64_t j = 0; j < n; ++j)
+  int64_t j = 0;
+#if TESSERA_ROWS_AVX512
+  // the first index holding the maximum (or a NaN), 16 at a time
+  const __m512 target = _mm512_set1_ps(best);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                              : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+#endif
+  for (; j < n; ++j)
     if (nan ? std::isnan(x[j]) : x[j] == best) return j;
   return 0;  // not reached: some element equals the maximum
 }
