@@ -10,7 +10,7 @@ can run:
   file's fp16 ``d`` and ``m`` and sums each block in float32, so its weights are the
   file's; about twice torch's int4 kernel at 16-64 rows (2 cores: a 16 x 576 -> 3072
   product in 176 us vs 342 us). On a CPU with AMX-BF16 it multiplies on AMX tiles
-  (``csrc/amx_tiles.h``: the same weights and block sums, 2.4-4x faster from 7 rows up;
+  (``csrc/amx_tiles.h``: the same weights and block sums, 3.5-6x faster from 7 rows up;
   the extension's ``use_amx(False)`` turns it off), and so does ``Q8Weight``.
 - ``Int4Weight``: torch's ``_weight_int4pack_mm_for_cpu`` (any CPU; vectorised for bf16
   activations). It computes, per group of 32 inputs, ``w = (q - 8) * scale + zero``;
