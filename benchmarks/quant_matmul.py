@@ -12,12 +12,16 @@ stream, 16 / 64 = a batch or a prefill chunk):
 * ``int4_bf16`` (reference): torch's ``_weight_int4pack_mm_for_cpu`` (bf16 activations,
   int4 weights with group 32 bf16 scales/zeros; the same shapes, random weights). Not
   the same arithmetic: a floor for what a 4-bit kernel costs here.
+* ``fast_avx512`` and ``fast_amx``, where the CPU has them: the fast mode's kernels
+  (``Q4Weight`` / ``Q8Weight``: fp32 x rounded to bf16, the file's weights, fp32 sums) on
+  their AVX512_BF16 path and on their AMX path (``csrc/amx_tiles.h``), each in turn.
 
 Times are the best of ``--repeat`` steps (each the sum of the 121 calls, every weight read
 once, so from memory, not cache): the best, not the median, because other work on a
 shared 2-core machine only ever adds time. The load average is recorded with them.
 
     python benchmarks/quant_matmul.py --repeat 20
+    python benchmarks/quant_matmul.py --rows 1 16 64 256 2048   # prompt-sized row counts too
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ import torch  # noqa: E402
 
 from benchmarks.common import report  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path  # noqa: E402
-from tessera.workers.quant import PackedWeight, quant_matmul  # noqa: E402
+from tessera.workers.quant import PackedWeight, QuantType, quant_matmul  # noqa: E402
+from tessera.workers.quant.int4 import Q4Weight, Q8Weight  # noqa: E402
 from tessera.workers.quant.kernels import _cpu_flags, native_kernels  # noqa: E402
 
 ROWS = (1, 16, 64)
 METHODS = ("dense_fp32", "packed_fp32", "int4_bf16")
+#: The fast mode's kernels on each path (use_amx), where the CPU runs them.
+FAST_PATHS = {"fast_avx512": False, "fast_amx": True}
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -90,13 +97,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     native = native_kernels()
+    fast_paths = {}
+    if native is not None and native.q4_bf16_available():
+        fast_paths = {m: amx for m, amx in FAST_PATHS.items() if native.amx_available() or not amx}
+    methods = (*METHODS, *fast_paths)
     weights = step_weights()
+    fast = [
+        (Q8Weight if w.qtype is QuantType.Q8_0 else Q4Weight).from_packed(w)
+        for w in (weights if fast_paths else ())
+    ]
     dense = [w.dequantize().t().contiguous() for w in weights]  # [in, out], as the model
     int4 = [int4_weight(*w.shape) for w in weights]
     mb = {
         "dense_fp32": sum(d.numel() * 4 for d in dense) / 1e6,
         "packed_fp32": sum(w.nbytes for w in weights) / 1e6,
         "int4_bf16": sum(p.numel() * p.element_size() + s.numel() * 2 for p, s in int4) / 1e6,
+        **{m: sum(w.nbytes for w in weights) / 1e6 for m in fast_paths},
     }
     rows = []
     for T in args.rows:
@@ -116,21 +132,29 @@ def main() -> None:
             ],
         }
         ms = {m: time_step(calls[m], args.repeat) for m in METHODS}
+        for m, amx in fast_paths.items():
+            native.use_amx(amx)
+            ms[m] = time_step(
+                [functools.partial(f.matmul, xs[f.in_features]) for f in fast], args.repeat
+            )
+        if fast_paths:
+            native.use_amx(True)
         rows.append(
             {
                 "rows": T,
-                **{f"{m}_ms": ms[m] for m in METHODS},
+                **{f"{m}_ms": ms[m] for m in methods},
                 "packed_speedup": ms["dense_fp32"] / ms["packed_fp32"],
             }
         )
 
     def plot(ax) -> None:
-        width = 0.27
-        for i, m in enumerate(METHODS):
-            xs_ = [j + (i - 1) * width for j in range(len(rows))]
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            xs_ = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(rows))]
             ax.bar(xs_, [r[f"{m}_ms"] for r in rows], width, label=f"{m} ({mb[m]:.0f} MB)")
         ax.set_xticks(range(len(rows)), [f"T={r['rows']}" for r in rows])
         ax.set_ylabel("ms per step (121 matmuls)")
+        ax.set_yscale("log")
         ax.legend()
 
     report(
