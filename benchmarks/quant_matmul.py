@@ -132,13 +132,14 @@ def main() -> None:
             ],
         }
         ms = {m: time_step(calls[m], args.repeat) for m in METHODS}
+        amx_before = fast_paths and native.amx_in_use()
         for m, amx in fast_paths.items():
             native.use_amx(amx)
             ms[m] = time_step(
                 [functools.partial(f.matmul, xs[f.in_features]) for f in fast], args.repeat
             )
         if fast_paths:
-            native.use_amx(True)
+            native.use_amx(amx_before)
         rows.append(
             {
                 "rows": T,

@@ -9,11 +9,14 @@
 // tiles, one TDPBF16PS into a zeroed C, store C, then scale the 16 rows' sums into their
 // accumulators (32 FMAs, half with a broadcast operand). On the Xeon of stops 32-33
 // (2 vCPUs, AMX-BF16, TSC 2.6 GHz) the parts did not overlap: the FMAs cost as much beside
-// a TDPBF16PS as alone, and a tile store waits for the product before it, so the kernel's
-// ~65 ticks per block (x from L2) are close to the sum of its parts. The other form of
-// the product (the weights' d * q + m as two bf16 terms, C summed over every block, no
-// store or scaling per block: the last line, two TDPBF16PS per block) ran ~50 ticks per
-// block: it would buy ~1.4x on prompt rows and cost far more per block at few rows.
+// a TDPBF16PS as alone, and a tile store waits for the product before it, so a block
+// costs about the sum of its parts (~39 ticks; the kernel, with x in L2 and the
+// expansions, about twice that). The other form of the product (the weights' d * q + m
+// as two bf16 terms, C summed over every block, no store or scaling per block: the last
+// line, 4 blocks of 16 rows x 16 outputs per iteration, two TDPBF16PS each) ran ~30
+// ticks per block: ~1.3x on prompt rows, at the price of far more expansion work per
+// block at few rows. (A plain loop in main, without lambdas, measured the same:
+// TDPBF16PS + 32 FMAs ~26 ticks, the FMAs alone ~12.)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -137,10 +137,10 @@ __attribute__((always_inline)) inline void amx_group(
   do {                                                                                 \
     __m512 dq, corr = _mm512_setzero_ps();                                             \
     scales(tile, (b), dq, corr);                                                       \
-    const float* s = sx + (b) * kAmxRows;                                              \
     _Pragma("GCC unroll 16") for (int r = 0; r < n; ++r) {                             \
       acc[r] = _mm512_fmadd_ps(_mm512_load_ps((part) + r * 16), dq, acc[r]);           \
-      if constexpr (kCorr) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(s[r]), corr, acc[r]); \
+      if constexpr (kCorr)                                                             \
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[(b) * kAmxRows + r]), corr, acc[r]); \
     }                                                                                  \
   } while (0)
   const int64_t chunk = whole ? nb : kAmxChunk;
@@ -187,6 +187,7 @@ template <bool kCorr, typename Y, typename Expand, typename Scales>
 void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t tiles, Y* yp,
               const Expand& expand, const Scales& scales) {
   const int64_t nb = K / kBlock, N = tiles * 16;
+  // a multiple of 16: every group starts at a multiple of 16 (amx_sums_at's groups)
   const int64_t pass =
       std::max<int64_t>(kAmxRows, kAmxPassBytes / (K * 2) / kAmxRows * kAmxRows);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
