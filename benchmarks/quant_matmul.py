@@ -132,7 +132,7 @@ def main() -> None:
             ],
         }
         ms = {m: time_step(calls[m], args.repeat) for m in METHODS}
-        amx_before = fast_paths and native.amx_in_use()
+        amx_before = bool(fast_paths) and native.amx_in_use()
         for m, amx in fast_paths.items():
             native.use_amx(amx)
             ms[m] = time_step(
@@ -145,6 +145,11 @@ def main() -> None:
                 "rows": T,
                 **{f"{m}_ms": ms[m] for m in methods},
                 "packed_speedup": ms["dense_fp32"] / ms["packed_fp32"],
+                **(
+                    {"amx_speedup": ms["fast_avx512"] / ms["fast_amx"]}
+                    if len(fast_paths) == len(FAST_PATHS)
+                    else {}
+                ),
             }
         )
 
