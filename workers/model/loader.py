@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
+from tessera.workers.hugepages import move_to_huge_pages
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel, Weight
 from tessera.workers.quant import PackedWeight
@@ -175,9 +176,11 @@ def load_model(
     precision = FAST if model.has_bf16_matmuls() else dtype
     kernels = bf16_kernel_path() if model.uses_bf16_kernels() else ""
     del state
+    # the weights a step streams, on 2 MiB pages (tessera.workers.hugepages)
+    huge = move_to_huge_pages(model) if device.type == "cpu" else 0
     _return_freed_heap()
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s%s%s",
+        "loaded %s (%s, %d layers) as %s on %s%s%s%s",
         resolved,
         config.architecture,
         config.num_layers,
@@ -185,6 +188,7 @@ def load_model(
         device,
         f", {num_packed} matrices packed as in the file" if num_packed else "",
         f", bf16 matmuls on the {kernels} path" if kernels else "",
+        f", {huge / 2**20:.0f} MiB of weights on huge pages" if huge else "",
     )
     return LoadedModel(
         model=model,

@@ -1,0 +1,100 @@
+"""Weights and KV cache on transparent huge pages (``tessera.workers.hugepages``): the
+memory is advised ``MADV_HUGEPAGE`` (the kernel's ``hg`` flag on its mapping, which
+``/proc/self/smaps`` shows), and moving tensors there keeps their values, their views
+and their identity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tessera.workers.hugepages import (
+    HUGE_PAGE,
+    huge_pages_usable,
+    huge_zeros,
+    move_to_huge_pages,
+    reachable_tensors,
+)
+from tessera.workers.kv.kv_cache import allocate_kv_cache
+
+needs_thp = pytest.mark.skipif(
+    not huge_pages_usable(), reason="transparent huge pages are off or absent here"
+)
+
+
+def vm_flags(address: int) -> set[str]:
+    """The kernel's flags of the mapping that holds ``address`` (``VmFlags`` in smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@needs_thp
+def test_huge_zeros_are_zeros_on_advised_aligned_memory():
+    cache = huge_zeros((3, 2, 5, 16, 3, 64), torch.float16)
+    assert cache.shape == (3, 2, 5, 16, 3, 64) and cache.dtype == torch.float16
+    assert cache.is_contiguous() and not cache.any()
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    assert "hg" in vm_flags(cache.data_ptr())
+    cache[2, 1, 4].fill_(1.5)  # writable, and the last element is its own
+    assert cache.sum().item() == 1.5 * 16 * 3 * 64
+
+
+@needs_thp
+def test_a_cpu_kv_cache_is_on_huge_pages(smollm2):
+    cache = allocate_kv_cache(smollm2.config, 4, 16, torch.float16, torch.device("cpu"))
+    assert "hg" in vm_flags(cache.data_ptr()) and not cache.any()
+
+
+@dataclass(eq=False)
+class Packed:  # stands for a tessera object holding tensors (tessera.* module)
+    __slots__ = ("data", "scales")
+    data: torch.Tensor
+    scales: torch.Tensor
+
+
+Packed.__module__ = "tessera.tests.hugepages"
+
+
+@needs_thp
+def test_moving_keeps_values_views_and_identity():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 1024)
+    model.requires_grad_(False)
+    base = torch.randn(64, 64)
+    model.register_buffer("table", base)
+    model.rows = base[8:16]  # a view of the buffer, held as a plain attribute
+    model.packed = Packed(torch.randint(0, 255, (4096,), dtype=torch.uint8), torch.randn(3))
+    model.small = torch.randn(4)  # below the 4 KiB a storage needs to move
+    before = {name: t.clone() for name, t in [("w", model.weight), ("table", base)]}
+    weight, packed_data = model.weight, model.packed.data
+
+    moved = move_to_huge_pages(model)
+
+    assert model.weight is weight and model.packed.data is packed_data  # the same objects
+    assert torch.equal(model.weight, before["w"]) and torch.equal(model.table, before["table"])
+    for tensor in (model.weight, model.table, model.rows, model.packed.data, model.bias):
+        assert "hg" in vm_flags(tensor.data_ptr())
+    assert "hg" not in vm_flags(model.small.data_ptr())
+    # the view still shares its buffer's storage
+    model.table[8, 0] = 123.0
+    assert model.rows[0, 0].item() == 123.0
+    expected = (512 * 1024 * 4, 1024 * 4, 64 * 64 * 4, 4096)  # weight, bias, table, packed
+    assert moved == sum(-(-n // 64) * 64 for n in expected)
+    assert torch.equal(model(torch.ones(2, 512)), torch.ones(2, 512) @ before["w"].T + model.bias)
+
+
+@needs_thp
+def test_a_loaded_models_weights_are_on_huge_pages(smollm2):
+    tensors = [t for t in reachable_tensors(smollm2.model) if t.untyped_storage().nbytes() >= 4096]
+    assert len(tensors) > 30 * 4  # every layer's packed matrices, at least
+    assert all("hg" in vm_flags(t.data_ptr()) for t in tensors)
