@@ -120,7 +120,9 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
   // block sums of x, float32: [T, nb], or in the AMX path's layout (amx_sums_at)
   const bool amx = amx_on();
   std::vector<float> sx(amx ? amx_sums_size(T, nb) : T * nb);
-  at::parallel_for(0, T, 64, [&](int64_t first, int64_t last) {
+  // 16 rows a thread at least: a decode step's 64 rows split (whole, they ran on one
+  // thread while the other waited, ~50 us a layer), a single row does not fork
+  at::parallel_for(0, T, 16, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       if (xf)  // K is a whole number of 32-input blocks
         for (int64_t k = 0; k < K; k += 16)
