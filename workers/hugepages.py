@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def huge_pages_mode() -> str:
 
 
 def huge_pages_usable() -> bool:
+    """Whether memory advised ``MADV_HUGEPAGE`` here can get huge pages (Linux, THP
+    ``always`` or ``madvise``)."""
     return (
         sys.platform == "linux"
         and hasattr(mmap, "MADV_HUGEPAGE")
@@ -58,10 +61,16 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     """A zeroed uint8 CPU tensor of ``nbytes`` (fresh anonymous memory: its pages are
     faulted in on first touch), 2 MiB-aligned and advised ``MADV_HUGEPAGE`` before
     any page is touched; ``torch.zeros`` where huge pages are not usable."""
-    if nbytes <= 0 or not huge_pages_usable():
-        return torch.zeros(max(nbytes, 0), dtype=torch.uint8)
+    if nbytes < 0:
+        raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
+    if nbytes == 0 or not huge_pages_usable():
+        return torch.zeros(nbytes, dtype=torch.uint8)
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    region = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as error:  # e.g. strict overcommit: torch's allocator decides instead
+        logger.debug("mmap of %d bytes failed: %s", length + HUGE_PAGE, error)
+        return torch.zeros(nbytes, dtype=torch.uint8)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` alive
     offset = -whole.data_ptr() % HUGE_PAGE
     try:
@@ -76,62 +85,77 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     page faulted in now: left to fault in as a worker's steps first touch its blocks,
     each 2 MiB fault (with the kernel compacting memory for it) cost a decode step of
     64 sequences ~3-5% (52-55 ms against 50-51 with the pages faulted in at start)."""
+    if not huge_pages_usable():
+        return torch.zeros(shape, dtype=dtype)
     numel = 1
     for size in shape:
         numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not huge_pages_usable():
-        return torch.zeros(shape, dtype=dtype)
-    return huge_empty(nbytes).zero_().view(dtype).view(shape)
+    return huge_empty(numel * dtype.itemsize).zero_().view(dtype).view(shape)
 
 
 def move_to_huge_pages(root: object) -> int:
     """Re-home the storage of every CPU tensor reachable from ``root`` (a module, its
-    parameters, buffers and attributes, and tessera objects they hold, such as packed
-    weights) into one huge-page arena, in place (``Tensor.set_``: the same tensor
-    objects, their views kept as views of one storage). Returns the bytes moved; 0 where
-    huge pages are not usable. Call it before anything keeps raw pointers to the
-    tensors (the native layer stack is built on first use, after loading)."""
+    parameters, buffers and attributes, tessera objects they hold such as packed weights,
+    and the bases of views) into one huge-page arena, in place (``Tensor.set_``: the same
+    tensor objects; every tensor over a storage moves with it, so views stay views).
+    Storages under 4 KiB stay, and so does a storage that any tensor over it pins
+    (requires grad, an inference tensor, a dtype that does not divide it). Returns the
+    arena's bytes (each storage rounded up to 64); 0 where huge pages are not usable.
+    Call it before anything keeps raw pointers to the tensors (the native layer stack
+    is built on first use, after loading). A moved storage that something outside
+    ``root`` still holds stays in memory too: that is logged."""
     if not huge_pages_usable():
         return 0
-    storages: dict[int, list[torch.Tensor]] = {}
+    groups: dict[tuple[int, int], list[torch.Tensor]] = {}  # by storage: address, bytes
     for tensor in reachable_tensors(root):
-        if (
-            tensor.device.type != "cpu"
-            or tensor.is_sparse
-            or tensor.requires_grad
-            or tensor.untyped_storage().nbytes() < _MIN_BYTES
-        ):
-            continue
-        storages.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-    if not storages:
+        if tensor.device.type == "cpu" and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            groups.setdefault((storage.data_ptr(), storage.nbytes()), []).append(tensor)
+    moving = [
+        tensors
+        for (_, nbytes), tensors in groups.items()
+        if nbytes >= _MIN_BYTES
+        and not any(
+            t.requires_grad or t.is_inference() or nbytes % t.element_size() for t in tensors
+        )
+    ]
+    if not moving:
         return 0
-    sizes = [tensors[0].untyped_storage().nbytes() for tensors in storages.values()]
+    sizes = [tensors[0].untyped_storage().nbytes() for tensors in moving]
     arena = huge_empty(sum(-(-n // _ALIGN) * _ALIGN for n in sizes))
+    old_storages = []
     at = 0
     with torch.no_grad():
-        for tensors, nbytes in zip(storages.values(), sizes, strict=True):
+        for tensors, nbytes in zip(moving, sizes, strict=True):
             old = tensors[0].untyped_storage()
             place = arena[at : at + nbytes]
-            place.copy_(torch.tensor([], dtype=torch.uint8).set_(old))
+            place.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
             for tensor in tensors:
-                size = tensor.element_size()
-                new = place.view(tensor.dtype) if nbytes % size == 0 else None
-                if new is None:  # a storage no whole number of this dtype: leave it
-                    continue
+                new = place.view(tensor.dtype)
                 tensor.set_(
                     new.untyped_storage(),
                     new.storage_offset() + tensor.storage_offset(),
                     tensor.size(),
                     tensor.stride(),
                 )
+            old_storages.append(StorageWeakRef(old))
             at += -(-nbytes // _ALIGN) * _ALIGN
+    del old
+    held = sum(not ref.expired() for ref in old_storages)
+    if held:
+        logger.warning(
+            "%d of %d storages moved to huge pages are still held elsewhere: their old "
+            "copies stay in memory",
+            held,
+            len(old_storages),
+        )
     return at
 
 
 def reachable_tensors(root: object) -> Iterator[torch.Tensor]:
     """Tensors reachable from ``root`` through modules, tessera objects' attributes
-    (``__dict__`` and ``__slots__``) and lists, tuples and dicts of them; each once."""
+    (``__dict__`` and ``__slots__``), lists, tuples and dicts of them, and views' bases;
+    each once."""
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -141,6 +165,8 @@ def reachable_tensors(root: object) -> Iterator[torch.Tensor]:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             yield obj
+            if obj._base is not None:  # a view's base holds its storage too
+                stack.append(obj._base)
         elif isinstance(obj, torch.nn.Module):
             stack += obj.parameters(recurse=False)
             stack += obj.buffers(recurse=False)
@@ -153,4 +179,6 @@ def reachable_tensors(root: object) -> Iterator[torch.Tensor]:
         elif type(obj).__module__.startswith("tessera."):
             stack += getattr(obj, "__dict__", {}).values()
             for cls in type(obj).__mro__:
-                stack += (getattr(obj, name, None) for name in getattr(cls, "__slots__", ()))
+                slots = cls.__dict__.get("__slots__", ())
+                names = (slots,) if isinstance(slots, str) else slots
+                stack += (getattr(obj, name, None) for name in names)

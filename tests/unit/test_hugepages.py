@@ -5,11 +5,14 @@ and their identity."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from tessera.workers import hugepages
 from tessera.workers.hugepages import (
     HUGE_PAGE,
     huge_pages_usable,
@@ -65,6 +68,13 @@ class Packed:  # stands for a tessera object holding tensors (tessera.* module)
 Packed.__module__ = "tessera.tests.hugepages"
 
 
+def packed_like_q4() -> Packed:
+    """A ``Packed`` whose data is a view of a dropped local (``Q4Weight.nibbles`` is
+    made so): the view's ``_base`` holds the storage too."""
+    words = torch.arange(1024 * 4, dtype=torch.int32).reshape(1024, 4)
+    return Packed(words.view(torch.uint8).reshape(-1), torch.randn(3))
+
+
 @needs_thp
 def test_moving_keeps_values_views_and_identity():
     torch.manual_seed(0)
@@ -74,23 +84,55 @@ def test_moving_keeps_values_views_and_identity():
     model.register_buffer("table", base)
     model.rows = base[8:16]  # a view of the buffer, held as a plain attribute
     model.packed = Packed(torch.randint(0, 255, (4096,), dtype=torch.uint8), torch.randn(3))
+    model.nibbles = packed_like_q4()
     model.small = torch.randn(4)  # below the 4 KiB a storage needs to move
     before = {name: t.clone() for name, t in [("w", model.weight), ("table", base)]}
+    expected_nibbles = model.nibbles.data.clone()
     weight, packed_data = model.weight, model.packed.data
+    old_nibbles = StorageWeakRef(model.nibbles.data.untyped_storage())
 
     moved = move_to_huge_pages(model)
 
     assert model.weight is weight and model.packed.data is packed_data  # the same objects
     assert torch.equal(model.weight, before["w"]) and torch.equal(model.table, before["table"])
+    assert torch.equal(model.nibbles.data, expected_nibbles)
     for tensor in (model.weight, model.table, model.rows, model.packed.data, model.bias):
         assert "hg" in vm_flags(tensor.data_ptr())
     assert "hg" not in vm_flags(model.small.data_ptr())
     # the view still shares its buffer's storage
     model.table[8, 0] = 123.0
     assert model.rows[0, 0].item() == 123.0
-    expected = (512 * 1024 * 4, 1024 * 4, 64 * 64 * 4, 4096)  # weight, bias, table, packed
+    # a view's base moved with it: the old storage is gone, not held twice
+    nibbles = model.nibbles.data
+    assert nibbles._base.untyped_storage().data_ptr() == nibbles.untyped_storage().data_ptr()
+    assert old_nibbles.expired()
+    # weight, bias, table, packed, nibbles
+    expected = (512 * 1024 * 4, 1024 * 4, 64 * 64 * 4, 4096, 1024 * 4 * 4)
     assert moved == sum(-(-n // 64) * 64 for n in expected)
     assert torch.equal(model(torch.ones(2, 512)), torch.ones(2, 512) @ before["w"].T + model.bias)
+
+
+@needs_thp
+def test_a_storage_held_elsewhere_is_moved_and_logged(caplog):
+    model = torch.nn.Module()
+    model.register_buffer("table", torch.randn(64, 64))
+    outside = model.table.view(-1)  # not reachable from the model: pins the old storage
+    with caplog.at_level(logging.WARNING, logger="tessera.workers.hugepages"):
+        assert move_to_huge_pages(model) == 64 * 64 * 4
+    assert "1 of 1 storages moved to huge pages are still held elsewhere" in caplog.text
+    assert torch.equal(outside.view(64, 64), model.table)  # a copy: the values are equal
+    assert outside.data_ptr() != model.table.data_ptr()
+
+
+def test_without_huge_pages_nothing_moves(monkeypatch):
+    monkeypatch.setattr(hugepages, "huge_pages_usable", lambda: False)
+    model = torch.nn.Linear(512, 1024)
+    model.requires_grad_(False)
+    address = model.weight.data_ptr()
+    assert move_to_huge_pages(model) == 0 and model.weight.data_ptr() == address
+    cache = huge_zeros((2, 3, 4096), torch.float16)
+    assert cache.shape == (2, 3, 4096) and not cache.any()
+    assert "hg" not in vm_flags(cache.data_ptr())
 
 
 @needs_thp
