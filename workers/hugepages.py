@@ -82,7 +82,8 @@ def huge_empty(nbytes: int) -> torch.Tensor:
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on huge pages where they are usable, every
-    page faulted in now: left to fault in as a worker's steps first touch its blocks,
+    page faulted in now (as ``torch.zeros`` writes every page): left to fault in as a
+    worker's steps first touch its blocks,
     each 2 MiB fault (with the kernel compacting memory for it) cost a decode step of
     64 sequences ~3-5% (52-55 ms against 50-51 with the pages faulted in at start)."""
     if not huge_pages_usable():
