@@ -20,6 +20,7 @@ anonymous ``mmap``, which they keep alive.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import sys
 from collections.abc import Iterator
@@ -82,16 +83,12 @@ def huge_empty(nbytes: int) -> torch.Tensor:
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on huge pages where they are usable, every
-    page faulted in now (as ``torch.zeros`` writes every page): left to fault in as a
-    worker's steps first touch its blocks,
-    each 2 MiB fault (with the kernel compacting memory for it) cost a decode step of
-    64 sequences ~3-5% (52-55 ms against 50-51 with the pages faulted in at start)."""
+    page faulted in now, as ``torch.zeros`` writes every page. Left to fault in as a
+    worker's steps first touched its blocks, each 2 MiB fault (with the kernel compacting
+    memory for it) cost a decode step of 64 sequences ~3-5% (52-55 ms against 50-51)."""
     if not huge_pages_usable():
         return torch.zeros(shape, dtype=dtype)
-    numel = 1
-    for size in shape:
-        numel *= size
-    return huge_empty(numel * dtype.itemsize).zero_().view(dtype).view(shape)
+    return huge_empty(math.prod(shape) * dtype.itemsize).zero_().view(dtype).view(shape)
 
 
 def move_to_huge_pages(root: object) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +125,9 @@ def test_a_storage_held_elsewhere_is_moved_and_logged(caplog):
     assert outside.data_ptr() != model.table.data_ptr()
 
 
+@pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists(), reason="reads the mappings' flags (Linux only)"
+)
 def test_without_huge_pages_nothing_moves(monkeypatch):
     monkeypatch.setattr(hugepages, "huge_pages_usable", lambda: False)
     model = torch.nn.Linear(512, 1024)

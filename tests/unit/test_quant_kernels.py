@@ -360,6 +360,26 @@ def test_native_q4_bf16_matmul_of_float32_rows_is_the_exact_product_of_their_bf1
     assert not torch.equal(y, x @ dense.T)  # it did round x
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_native_q4_bf16_rounds_float32_rows_as_torch_does(native, bf16_path, rows):
+    """The kernel rounds float32 x to bf16 itself (in its block-sum pass): to nearest,
+    ties to even, as torch's ``.to(torch.bfloat16)``. x holds exact ties (low 16 bits
+    0x8000), one below (0x7FFF) and one above (0x8001) bf16 values, both signs: the
+    float32 sums of the kernel's rounding, rounded to bf16, equal the kernel's bf16-in
+    product (torch's rounding of x), bit for bit."""
+    if not native.q4_bf16_available():
+        pytest.skip("no AVX512_BF16 on this CPU: the fast mode is not offered there")
+    packed, _ = random_packed(QuantType.Q4_1, Q4_ODD, seed=3)
+    weight = bf16_q4_weight(packed)
+    g = torch.Generator().manual_seed(rows)
+    high = torch.randn(rows, Q4_ODD[1], generator=g).to(torch.bfloat16).view(torch.int16)
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x8000], dtype=torch.int32)
+    bits = (high.to(torch.int32) << 16) | low.repeat(rows, Q4_ODD[1] // 4)
+    x = bits.view(torch.float32)
+    assert (x.to(torch.bfloat16).float() != x).all()  # every input rounds
+    assert torch.equal(weight.matmul(x).to(torch.bfloat16), weight.matmul(x.to(torch.bfloat16)))
+
+
 @pytest.mark.parametrize("rows", [17, 200])
 def test_native_q4_bf16_matmul_over_many_blocks(native, bf16_path, rows):
     """20 blocks of inputs: at up to 16 rows the AMX path expands a tile's blocks in
