@@ -526,7 +526,9 @@ class Engine:
     def _update_hashes(self, seq: Sequence) -> None:
         """Hash the sequence's new full blocks. Blocks from its first parallel set on
         are not hashed: their K/V depend on positions and masks, not tokens alone."""
-        if self.config.enable_prefix_caching:
+        if self.config.enable_prefix_caching and len(seq.token_ids) // self.kv.block_size > len(
+            seq.block_hashes
+        ):  # a block has filled up (most tokens fill none)
             keys = (*self.hash_keys, seq.request.cache_salt or "")
             if seq.request.sampling.prompt_logprobs is not None:
                 # Every prompt position's logits are needed, and a cached block holds

@@ -157,6 +157,24 @@ def test_embedding_lookup(model_tensors):
     assert torch.equal(out.view(6, 576), rows)
 
 
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_native_embedding_rows_are_ggufs_dequantisation(native, qtype, monkeypatch):
+    packed, dense = random_packed(qtype, ODD)
+    ids = torch.tensor([96, 0, 5, 5, 41])
+    assert torch.equal(
+        native.gguf_rows(ids, packed.qs, packed.scales, packed.mins, qtype), dense[ids]
+    )
+    assert torch.equal(kernels.embedding(packed, ids.view(1, 5)), dense[ids].view(1, 5, ODD[1]))
+    many = torch.arange(ODD[0]).repeat(4)  # enough rows to split between threads
+    assert torch.equal(kernels.embedding(packed, many), dense[many])
+    with pytest.raises(
+        RuntimeError, match=r"gguf_rows: id 97 at 1 is outside the matrix's 97 rows"
+    ):
+        native.gguf_rows(torch.tensor([0, 97]), packed.qs, packed.scales, packed.mins, qtype)
+    monkeypatch.setattr(kernels, "native_kernels", lambda: None)  # the torch path: the same
+    assert torch.equal(kernels.embedding(packed, ids.view(1, 5)), dense[ids].view(1, 5, ODD[1]))
+
+
 def test_validation_names_the_problem():
     packed, _ = random_packed(QuantType.Q4_1, ODD)
     with pytest.raises(ValueError, match="mins go with Q4_1 only"):

@@ -29,7 +29,7 @@ from tessera.workers.quant.int4 import (
     bf16_q4_weight,
     int4_row_limit,
 )
-from tessera.workers.quant.kernels import native_kernels
+from tessera.workers.quant.kernels import embedding, native_kernels
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
 Weight = torch.Tensor | PackedWeight
@@ -311,7 +311,7 @@ class LlamaModel(nn.Module):
         # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
         # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
         if self.packed_embedding is not None:
-            hidden = self.packed_embedding.embedding(input_ids)
+            hidden = embedding(self.packed_embedding, input_ids)
         else:
             hidden = self.embed_tokens(input_ids).float()
         cos, sin = self.rope.lookup(positions)

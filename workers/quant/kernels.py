@@ -94,6 +94,18 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
     return y.view(*lead, weight.out_features)
 
 
+def embedding(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """``weight.embedding(ids)``, the same values, through the native ``gguf_rows`` for
+    CPU tensors where it is built (the torch ops took ~0.2 ms of a 64-row decode step)."""
+    if ids.device.type == "cpu" and weight.device.type == "cpu":
+        module = native_kernels()
+        if module is not None:
+            flat = ids.reshape(-1).long()
+            rows = module.gguf_rows(flat, weight.qs, weight.scales, weight.mins, int(weight.qtype))
+            return rows.view(*ids.shape, weight.in_features)
+    return weight.embedding(ids)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=1)`` of a 2-D tensor, the same indices (first maximum; first NaN),
     through the native kernel for contiguous float32 CPU rows (a step's [64, 49152]

@@ -294,35 +294,46 @@ void register_q4_bf16(pybind11::module& m);        // q4_bf16.cpp
 void register_q8_bf16(pybind11::module& m);        // q8_bf16.cpp
 void register_tiled_f32(pybind11::module& m);      // tiled_f32.cpp
 
+namespace {
+
+// The packed matrix [out, in] that qs, scales and mins hold, checked; `in` from scales
+// (32 inputs a block). `what` names the caller in errors.
+Packed packed_matrix(const char* what, const torch::Tensor& qs, const torch::Tensor& scales,
+                     const c10::optional<torch::Tensor>& mins, int64_t qtype) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, what,
+              ": unsupported GGML type ", qtype);
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat16 &&
+                  scales.is_contiguous() && scales.size(0) == qs.size(0),
+              what, ": scales must be a contiguous float16 [out, in / 32] tensor");
+  const int64_t nb = scales.size(1), in = nb * kBlock;
+  const int64_t qs_stride = qtype == kQ8_0 ? in : in / 2;
+  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == qs_stride && qs.is_contiguous() &&
+                  qs.element_size() == 1,
+              what, ": qs must be a contiguous [out, ", qs_stride, "] byte tensor");
+  const uint16_t* mins_ptr = nullptr;
+  if (qtype == kQ4_1) {
+    TORCH_CHECK(mins.has_value() && mins->scalar_type() == torch::kFloat16 &&
+                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                what, ": Q4_1 needs float16 mins shaped like scales");
+    mins_ptr = reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>());
+  }
+  return Packed{static_cast<const uint8_t*>(qs.data_ptr()),
+                reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), mins_ptr, in, nb,
+                qs_stride};
+}
+
+}  // namespace
+
 torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
                       const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
                       int64_t qtype) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "gguf_mm: x must be a contiguous float32 [T, in] tensor");
-  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0,
-              "gguf_mm: unsupported GGML type ", qtype);
-  const int64_t T = x.size(0), in = x.size(1), out = qs.size(0);
-  TORCH_CHECK(in % kBlock == 0, "gguf_mm: in_features must be a multiple of 32");
-  const int64_t nb = in / kBlock;
-  const int64_t qs_stride = qtype == kQ8_0 ? in : in / 2;
-  TORCH_CHECK(qs.dim() == 2 && qs.size(1) == qs_stride && qs.is_contiguous() &&
-                  qs.element_size() == 1,
-              "gguf_mm: qs must be a contiguous [out, ", qs_stride, "] byte tensor");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat16 && scales.is_contiguous() &&
-                  scales.size(0) == out && scales.size(1) == nb,
-              "gguf_mm: scales must be a contiguous float16 [out, in / 32] tensor");
-  const uint16_t* mins_ptr = nullptr;
-  if (qtype == kQ4_1) {
-    TORCH_CHECK(mins.has_value() && mins->scalar_type() == torch::kFloat16 &&
-                    mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "gguf_mm: Q4_1 needs float16 mins shaped like scales");
-    mins_ptr = reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>());
-  }
+  const Packed w = packed_matrix("gguf_mm", qs, scales, mins, qtype);
+  const int64_t T = x.size(0), out = qs.size(0);
+  TORCH_CHECK(x.size(1) == w.in, "gguf_mm: x has ", x.size(1), " features, W takes ", w.in);
   auto y = torch::empty({T, out}, x.options());
   if (T == 0 || out == 0) return y;
-  const Packed w{static_cast<const uint8_t*>(qs.data_ptr()),
-                 reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), mins_ptr, in, nb,
-                 qs_stride};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (qtype) {
@@ -333,11 +344,44 @@ torch::Tensor gguf_mm(const torch::Tensor& x, const torch::Tensor& qs,
   return y;
 }
 
+// Rows `ids` of the packed matrix, dequantised: float32 [ids, in], each value what
+// gguf.dequantize gives (dequant_row_scalar): a packed embedding's lookup.
+torch::Tensor gguf_rows(const torch::Tensor& ids, const torch::Tensor& qs,
+                        const torch::Tensor& scales, const c10::optional<torch::Tensor>& mins,
+                        int64_t qtype) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.device().is_cpu(),
+              "gguf_rows: ids must be a 1-D int64 CPU tensor");
+  const Packed w = packed_matrix("gguf_rows", qs, scales, mins, qtype);
+  const auto idc = ids.contiguous();
+  const int64_t n = idc.numel(), rows = qs.size(0);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < rows, "gguf_rows: id ", id[i], " at ", i,
+                " is outside the matrix's ", rows, " rows");
+  auto y = torch::empty({n, w.in}, scales.options().dtype(torch::kFloat32));
+  float* yp = y.data_ptr<float>();
+  // a step's few rows inline; a prompt's thousands in parallel
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      switch (qtype) {
+        case kQ4_0: dequant_row_scalar<kQ4_0>(w, id[i], yp + i * w.in); break;
+        case kQ4_1: dequant_row_scalar<kQ4_1>(w, id[i], yp + i * w.in); break;
+        default: dequant_row_scalar<kQ8_0>(w, id[i], yp + i * w.in); break;
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace tessera
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_mm", &tessera::gguf_mm, "y = x @ dequant(W)^T for packed GGUF Q4_0/Q4_1/Q8_0 weights",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("qtype"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gguf_rows", &tessera::gguf_rows,
+        "rows ids of a packed GGUF Q4_0/Q4_1/Q8_0 matrix, dequantised to float32 [ids, in]",
+        py::arg("ids"), py::arg("qs"), py::arg("scales"), py::arg("mins"), py::arg("qtype"),
         py::call_guard<py::gil_scoped_release>());
   m.attr("avx512") = static_cast<bool>(TESSERA_AVX512);
   tessera::register_decode_layers(m);
