@@ -56,9 +56,11 @@ def decode_batch(num_blocks: int) -> AttentionMetadata:
     )
 
 
-def one_step(loaded, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and the cache after one decode step over a cache of random K/V (NaN in the
-    blocks no row reads)."""
+def one_step(
+    loaded, native: bool, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (of ``rows``, default all) and the cache after one decode step over a cache
+    of random K/V (NaN in the blocks no row reads)."""
     model, config = loaded.model, loaded.config
     num_blocks = 24
     dtype = loaded.kv_dtype  # float16 in the fast mode
@@ -73,7 +75,7 @@ def one_step(loaded, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
             cache[:, :, block] = float("nan")
     ids = torch.tensor([(17 * i + 5) % config.vocab_size for i in range(len(SEQ_LENS))])
     positions = meta.seq_lens - 1
-    rows = torch.arange(len(SEQ_LENS))
+    rows = torch.arange(len(SEQ_LENS)) if rows is None else rows
     logits = model(ids, positions, cache, meta, rows, native=native)
     return logits, cache
 
@@ -131,6 +133,13 @@ def test_native_float32_step_equals_the_op_by_op_step(request, which):
     torch.testing.assert_close(cache, expected_cache, rtol=0, atol=1e-3, equal_nan=True)
 
 
+def test_native_step_gives_the_logits_of_the_rows_asked_for(smollm2):
+    """The stack's final norm takes the rows whose logits are wanted, in their order."""
+    every, _ = one_step(smollm2, native=True)
+    some, _ = one_step(smollm2, native=True, rows=torch.tensor([4, 0, 4]))
+    assert torch.equal(some, every[[4, 0, 4]])
+
+
 @pytest.mark.parametrize("which", ["smollm2_fast", "smollm2_auto"])
 def test_native_reduced_precision_step_is_as_close_to_float32_as_the_op_by_op_one(
     request, smollm2, which
@@ -185,6 +194,12 @@ def test_native_step_refuses_a_block_outside_the_cache(smollm2):
             torch.tensor([[0, 1]]),
             cache,
         )
+    step = (hidden, cos, cos, torch.tensor([3]), torch.tensor([5]), torch.tensor([[0, 1]]), cache)
+    norm = model.norm.weight
+    with pytest.raises(RuntimeError, match="DecodeLayers: row 1 is not one of the 1"):
+        model.native_layers().forward(*step, norm, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="rows must be int64 \\[S\\], with the final norm"):
+        model.native_layers().forward(*step, None, torch.tensor([0]))
     too_long = "DecodeLayers: seq_len 40 of row 0 does not fit 2 blocks"
     with pytest.raises(RuntimeError, match=too_long):
         model.native_layers().forward(

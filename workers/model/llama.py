@@ -325,11 +325,13 @@ class LlamaModel(nn.Module):
                 meta.seq_lens,
                 meta.block_tables,
                 kv_cache,
+                self.norm.weight,  # and the final norm, of the rows whose logits are wanted
+                logits_indices,
             )
         else:
             for index, layer in enumerate(self.layers):
                 hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
-        hidden = self.norm(hidden.index_select(0, logits_indices))
+            hidden = self.norm(hidden.index_select(0, logits_indices))
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.head_q8 is not None:  # float32 sums and logits (inputs bf16-rounded unless exact)

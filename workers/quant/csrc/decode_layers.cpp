@@ -1,7 +1,8 @@
-// Every decoder layer of a decode step in one call: B rows of one token each (a
-// sequence's new token; in bf16 also a short prompt's tokens, each its own row: every
-// row's K/V is written before any row of the layer attends, so the rows of one prompt
-// see each other causally through the cache).
+// Every decoder layer of a decode step in one call, and the final norm of the rows whose
+// logits the step wants: B rows of one token each (a sequence's new token; in bf16 also a
+// short prompt's tokens, each its own row: every row's K/V is written before any row of
+// the layer attends, so the rows of one prompt see each other causally through the
+// cache).
 //
 // The Python layer loop spends most of a small-batch decode step dispatching ~40 eager
 // ops per layer (norms, RoPE, the K/V scatter, the attention tiles, SwiGLU, residuals);
@@ -26,6 +27,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -459,14 +461,18 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned);
+  // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned, or
+  // with `rows`, rows [S] of it through the final norm `norm` [hidden] (in T): [S, hidden]
+  // in T, what the LM head takes);
   // cos/sin [B, D] in T; slots [B] (cache row each token's K/V goes to); seq_lens [B]
   // (tokens each sequence attends to, its new one included); block_tables [B, W];
   // kv_cache [layers, 2, blocks, block_size, H_kv, D] in T (or float16 under a float32
   // model: the fast mode).
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& seq_lens,
-                        const torch::Tensor& block_tables, const torch::Tensor& kv_cache) const {
+                        const torch::Tensor& block_tables, const torch::Tensor& kv_cache,
+                        const c10::optional<torch::Tensor>& norm,
+                        const c10::optional<torch::Tensor>& rows) const {
     TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 &&
                     hidden.is_contiguous(),
                 "DecodeLayers: hidden must be a contiguous float32 [B, hidden] tensor");
@@ -506,6 +512,15 @@ class DecodeLayers {
                     "DecodeLayers: block ", table_p[b * width + j], " of row ", b,
                     " is outside the cache");
     }
+    TORCH_CHECK(!rows || (norm && norm->sizes() == layers_[0].input_norm.sizes() &&
+                          norm->scalar_type() == dtype && rows->dim() == 1 &&
+                          rows->scalar_type() == torch::kInt64),
+                "DecodeLayers: rows must be int64 [S], with the final norm [hidden] in the "
+                "model's dtype");
+    const auto picked = rows ? rows->contiguous() : torch::Tensor();
+    for (int64_t i = 0; rows && i < picked.numel(); ++i)
+      TORCH_CHECK(picked.data_ptr<int64_t>()[i] >= 0 && picked.data_ptr<int64_t>()[i] < B,
+                  "DecodeLayers: row ", picked.data_ptr<int64_t>()[i], " is not one of the ", B);
     const auto cache = kv_cache.scalar_type();
 #define TESSERA_RUN(T, C) run<T, C>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache)
     if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
@@ -514,10 +529,30 @@ class DecodeLayers {
     else if (dtype == at::kHalf && cache == at::kHalf) TESSERA_RUN(c10::Half, c10::Half);
     else TORCH_CHECK(false, "DecodeLayers: no kernel for a ", dtype, " model with a ", cache, " cache");
 #undef TESSERA_RUN
-    return hidden;
+    if (!rows) return hidden;
+    if (dtype == at::kFloat) return final_rows<float>(hidden, *norm, picked);
+    if (dtype == at::kBFloat16) return final_rows<c10::BFloat16>(hidden, *norm, picked);
+    return final_rows<c10::Half>(hidden, *norm, picked);
   }
 
  private:
+  // rows [S] of hidden [B, H] through the final norm: [S, H] in T (rms_norm, as every
+  // layer's norm here)
+  template <typename T>
+  torch::Tensor final_rows(const torch::Tensor& hidden, const torch::Tensor& norm,
+                           const torch::Tensor& rows) const {
+    const int64_t S = rows.numel(), H = hidden.size(1);
+    auto picked = torch::empty({S, H}, hidden.options());
+    const float* h = hidden.data_ptr<float>();
+    float* p = picked.data_ptr<float>();
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < S; ++i) std::memcpy(p + i * H, h + r[i] * H, H * sizeof(float));
+    auto out = torch::empty({S, H}, hidden.options().dtype(norm.scalar_type()));
+    const auto weight = norm.contiguous();
+    rms_norm<T>(p, weight.data_ptr<T>(), out.data_ptr<T>(), S, H, eps_);
+    return out;
+  }
+
   // T: the model's dtype (activations between the matmuls); C: the KV cache's (T, or
   // float16 under a float32 model: the fast mode).
   template <typename T, typename C>
@@ -724,7 +759,10 @@ void register_decode_layers(pybind11::module& m) {
            py::arg("eps"), py::arg("scale"))
       .def("add_layer", &DecodeLayers::add_layer)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
-      .def("forward", &DecodeLayers::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecodeLayers::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
+           py::arg("slots"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("kv_cache"),
+           py::arg("norm") = py::none(), py::arg("rows") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace tessera
