@@ -1,7 +1,8 @@
 """An asyncio front for ``Engine``: a background step loop and per-request streams.
 
-The step loop runs each ``Engine.step`` on the engine's own thread so the event loop
-stays free to take new requests and aborts; outputs are routed to one queue per request.
+The step loop runs on the engine's own thread, step after step while there is work, so
+the event loop stays free to take new requests and aborts and the engine never waits
+for it; outputs are routed to one queue per request.
 Leaving a stream early (``break``, cancellation, a closed connection) aborts the
 request, which frees its KV blocks on the next step. A request with ``n`` outputs
 ends after ``n`` finished deltas.
@@ -21,12 +22,14 @@ not used.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import functools
 import logging
+import queue
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from tessera.workers.api import RequestOutput, Resume, SamplingParams
@@ -58,14 +61,23 @@ def release_openmp_pool() -> None:
 
 
 class AsyncEngine:
+    """The engine thread runs steps back to back while there is work, and hands each
+    step's outputs to the event loop (``call_soon_threadsafe``); it never waits for the
+    loop between steps. Handing every step through the loop (an executor future the
+    loop had to see before it submitted the next step) left the engine idle between
+    steps: 0.26 ms (median) at 1 running sequence, a 6.8 ms step, 0.34 at 16, 0.56 at
+    64. ``run`` calls go to the same thread, between steps."""
+
     def __init__(self, engine: Engine, thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self._thread = thread or ThreadPoolExecutor(1, thread_name_prefix="tessera-engine")
         self._released = False
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._open: dict[str, int] = {}  # request id -> outputs not finished yet
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._work = threading.Event()  # set when there may be work for the engine thread
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()  # run() while stepping
+        self._closing = False
+        self._stepping: asyncio.Future[None] | None = None  # the engine thread's step loop
 
     @classmethod
     def build(cls, factory: Callable[[], Engine]) -> AsyncEngine:
@@ -75,38 +87,62 @@ class AsyncEngine:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the engine thread (after the step running there, if any)."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        loop = asyncio.get_running_loop()
+        if self._stepping is None or self._stepping.done():
+            return await loop.run_in_executor(self._thread, fn, *args)
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put(_Call(functools.partial(fn, *args), future, loop))
+        self._work.set()
+        return await future
 
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        if self._stepping is None or self._stepping.done():
+            if not self._released:
+                self._released = True
+                release_openmp_pool()  # of the event loop's thread: see the module docstring
+            loop = asyncio.get_running_loop()
+            self._stepping = loop.run_in_executor(self._thread, self._step_loop, loop)
 
-    async def _run(self) -> None:
-        if not self._released:
-            self._released = True
-            release_openmp_pool()  # of the event loop's thread: see the module docstring
-        while True:
+    def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread until ``close`` (or its event loop closes): queued calls,
+        then a step while there is work, each step's outputs passed to the event loop."""
+        while not self._closing and not loop.is_closed():
+            while not self._calls.empty():
+                self._calls.get().run()
+            self._work.clear()
             if not self.engine.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                if self._calls.empty():
+                    self._work.wait(timeout=1.0)  # and see whether the loop closed
+                continue
             try:
-                outputs = await self.run(self.engine.step)
+                outputs = self.engine.step()
             except Exception as error:  # fail the requests in flight, not the loop
                 logger.exception("engine step failed; aborting the requests in flight")
-                for request_id, queue in list(self._streams.items()):
-                    queue.put_nowait(error)
-                    self.engine.abort(request_id)
-                self._streams.clear()
-                self._open.clear()
+                failed = threading.Event()
+                if not _call_soon(loop, self._fail, error, failed):
+                    return
+                failed.wait()  # their aborts are in before the next step
                 continue
-            for output in outputs:
-                queue = self._streams.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-                    if output.finished:
-                        self._open[output.request_id] -= 1
-                        if not self._open[output.request_id]:
-                            del self._streams[output.request_id], self._open[output.request_id]
+            if outputs and not _call_soon(loop, self._deliver, outputs):
+                return
+
+    def _fail(self, error: Exception, failed: threading.Event) -> None:
+        for request_id, stream in list(self._streams.items()):
+            stream.put_nowait(error)
+            self.engine.abort(request_id)
+        self._streams.clear()
+        self._open.clear()
+        failed.set()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+                if output.finished:
+                    self._open[output.request_id] -= 1
+                    if not self._open[output.request_id]:
+                        del self._streams[output.request_id], self._open[output.request_id]
 
     async def add_request(
         self,
@@ -126,7 +162,7 @@ class AsyncEngine:
         self._streams[request_id] = queue
         self._open[request_id] = request.sampling.n
         self._ensure_loop()
-        self._wakeup.set()
+        self._work.set()
         return self._stream(request_id, request.sampling.n, queue)
 
     async def _stream(
@@ -148,14 +184,55 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self._wakeup.set()
+        self._work.set()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        """Stop the step loop after the step running now (if any)."""
+        self._closing = True
+        self._work.set()
+        if self._stepping is not None:
+            await self._stepping
+        while not self._calls.empty():  # never to run
+            self._calls.get().cancel()
         self._thread.shutdown(wait=False)
+
+
+@dataclass(slots=True)
+class _Call:
+    """A ``run`` call waiting for the engine thread."""
+
+    fn: Callable[[], object]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except BaseException as error:  # the caller's to handle
+            _call_soon(self.loop, _settle, self.future, None, error)
+        else:
+            _call_soon(self.loop, _settle, self.future, result, None)
+
+    def cancel(self) -> None:
+        _call_soon(self.loop, self.future.cancel)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> bool:
+    """``loop.call_soon_threadsafe(fn, *args)``; False if the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # closed
+        return False
+    return True
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up (cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -244,6 +244,22 @@ async def test_every_step_runs_on_the_thread_that_built_the_engine(make_engine):
     await engine.close()
 
 
+async def test_steps_go_on_while_the_event_loop_is_busy(make_engine):
+    """The engine thread steps back to back: it does not wait for the event loop to see
+    one step's outputs before it starts the next."""
+    engine = AsyncEngine(make_engine())
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    stream = await engine.add_request("busy", "Hello there", greedy)
+    first = await anext(stream)  # the engine is stepping
+    before = engine.engine.stats().steps
+    time.sleep(1.0)  # the event loop holds still: no await, no delivered outputs
+    steps = engine.engine.stats().steps - before
+    assert steps >= 10, steps
+    rest = [d async for d in stream]
+    assert len(tokens_of([first, *rest])) == 40 and rest[-1].finished
+    await engine.close()
+
+
 async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine):
     inner = make_engine()
     engine = AsyncEngine(inner)
