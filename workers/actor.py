@@ -1,9 +1,9 @@
 """The Ray actor that runs one worker: an engine, its step loop, and its streams.
 
-The actor is asynchronous: ``AsyncEngine`` runs the step loop in the background (each
-step in a thread), while the actor's event loop takes new requests, aborts, load
-reports and health checks. The scheduler only decides where requests go; deltas go
-straight from here to the front end that started the request.
+The actor is asynchronous: ``AsyncEngine`` runs the step loop in the background (on
+the engine's own thread, step after step), while the actor's event loop takes new
+requests, aborts, load reports and health checks. The scheduler only decides where
+requests go; deltas go straight from here to the front end that started the request.
 
 **Channels.** A front end opens one channel to each worker it uses (``deltas``, a Ray
 streaming generator) and starts requests on it (``start``). Every item of the channel
@@ -387,7 +387,7 @@ class WorkerActor:
         return request_id in self.engine.engine.groups
 
     async def check_integrity(self) -> None:
-        self.engine.engine.check_integrity()
+        await self.engine.run(self.engine.engine.check_integrity)  # between two steps
 
     async def inject_kv_fault(self, kind: str, count: int = 1) -> None:
         """Test hook: spoil this prefill worker's next ``count`` transfers (``corrupt``

@@ -22,6 +22,7 @@ not used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import logging
@@ -66,7 +67,9 @@ class AsyncEngine:
     loop between steps. Handing every step through the loop (an executor future the
     loop had to see before it submitted the next step) left the engine idle between
     steps: 0.26 ms (median) at 1 running sequence, a 6.8 ms step, 0.34 at 16, 0.56 at
-    64. ``run`` calls go to the same thread, between steps."""
+    64. ``run`` calls go to the same thread, between steps. The step loop ends when the
+    engine has no work (a new request or abort starts it again), so the thread never
+    outlives its work: an idle engine holds no thread, and a process can exit."""
 
     def __init__(self, engine: Engine, thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
@@ -74,10 +77,12 @@ class AsyncEngine:
         self._released = False
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._open: dict[str, int] = {}  # request id -> outputs not finished yet
-        self._work = threading.Event()  # set when there may be work for the engine thread
+        self._lock = threading.Lock()  # guards _stepping and _loop against the step loop's end
+        self._stepping = False  # the step loop runs (or is submitted) on the engine thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # where outputs go
+        self._work = threading.Event()  # set when a blocked step may go on
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()  # run() while stepping
         self._closing = False
-        self._stepping: asyncio.Future[None] | None = None  # the engine thread's step loop
 
     @classmethod
     def build(cls, factory: Callable[[], Engine]) -> AsyncEngine:
@@ -88,51 +93,98 @@ class AsyncEngine:
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the engine thread (after the step running there, if any)."""
         loop = asyncio.get_running_loop()
-        if self._stepping is None or self._stepping.done():
-            return await loop.run_in_executor(self._thread, fn, *args)
-        future: asyncio.Future[T] = loop.create_future()
-        self._calls.put(_Call(functools.partial(fn, *args), future, loop))
-        self._work.set()
+        with self._lock:
+            if self._stepping:
+                future: asyncio.Future[T] = loop.create_future()
+                self._calls.put(_Call(functools.partial(fn, *args), future, loop))
+                self._work.set()
+            else:
+                future = loop.run_in_executor(self._thread, fn, *args)
         return await future
 
-    def _ensure_loop(self) -> None:
-        if self._stepping is None or self._stepping.done():
-            if not self._released:
-                self._released = True
-                release_openmp_pool()  # of the event loop's thread: see the module docstring
-            loop = asyncio.get_running_loop()
-            self._stepping = loop.run_in_executor(self._thread, self._step_loop, loop)
+    def _start(self) -> None:
+        """Start the step loop if it is not running; outputs go to this event loop."""
+        loop = asyncio.get_running_loop()
+        if not self._released:
+            self._released = True
+            release_openmp_pool()  # of the event loop's thread: see the module docstring
+        with self._lock:
+            self._loop = loop
+            if not self._stepping and not self._closing:
+                self._stepping = True
+                self._thread.submit(self._step_loop)
+        self._work.set()
 
-    def _step_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the engine thread until ``close`` (or its event loop closes): queued calls,
-        then a step while there is work, each step's outputs passed to the event loop."""
-        while not self._closing and not loop.is_closed():
+    def _step_loop(self) -> None:
+        """On the engine thread while there is work: queued calls, then a step, its
+        outputs (or error) passed to the event loop."""
+        ended = False  # by _next, which clears _stepping itself
+        try:
+            while True:
+                if not self._next():
+                    ended = True
+                    break
+                loop = self._loop
+                assert loop is not None
+                while not self._calls.empty():
+                    self._calls.get().run()
+                if not self.engine.has_work():
+                    continue
+                steps = self.engine.num_steps
+                self._work.clear()
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # fail the requests in flight, not the loop
+                    logger.exception("engine step failed; aborting the requests in flight")
+                    failed = threading.Event()
+                    if not _call_soon(loop, self._fail, error, failed):
+                        break
+                    while not failed.wait(1.0):  # their aborts are in before the next step
+                        if loop.is_closed():
+                            break
+                    continue
+                if outputs and not _call_soon(loop, self._deliver, outputs):
+                    break  # the event loop closed: nobody to step for
+                if self.engine.num_steps == steps and not outputs:
+                    # nothing could run (no free blocks for the waiting): wait for a
+                    # call or a request to change that rather than spin
+                    self._work.wait(0.005)
+        finally:
+            if not ended:  # a break or an error: _stepping still stands, nobody restarted
+                with self._lock:
+                    self._stepping = False
+                    left = []
+                    while not self._calls.empty():
+                        left.append(self._calls.get())
+                for call in left:  # what waited, in order
+                    call.run()
+
+    def _next(self) -> bool:
+        """Whether the step loop goes on; if not, it has ended (``_stepping`` is clear
+        and no call waits), atomically with ``run`` and ``_start``."""
+        with self._lock:
+            if not self._closing and (not self._calls.empty() or self.engine.has_work()):
+                return True
+            self._stepping = False
+            left = []  # calls queued before close: they still run, outside the lock
             while not self._calls.empty():
-                self._calls.get().run()
-            self._work.clear()
-            if not self.engine.has_work():
-                if self._calls.empty():
-                    self._work.wait(timeout=1.0)  # and see whether the loop closed
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:  # fail the requests in flight, not the loop
-                logger.exception("engine step failed; aborting the requests in flight")
-                failed = threading.Event()
-                if not _call_soon(loop, self._fail, error, failed):
-                    return
-                failed.wait()  # their aborts are in before the next step
-                continue
-            if outputs and not _call_soon(loop, self._deliver, outputs):
-                return
+                left.append(self._calls.get())
+        for call in left:
+            call.run()
+        return False
 
     def _fail(self, error: Exception, failed: threading.Event) -> None:
-        for request_id, stream in list(self._streams.items()):
-            stream.put_nowait(error)
-            self.engine.abort(request_id)
-        self._streams.clear()
-        self._open.clear()
-        failed.set()
+        try:
+            for request_id, stream in list(self._streams.items()):
+                stream.put_nowait(error)
+                try:
+                    self.engine.abort(request_id)
+                except Exception:  # the step's own failure may have spoiled the engine
+                    logger.exception("aborting %s after a failed step failed", request_id)
+            self._streams.clear()
+            self._open.clear()
+        finally:
+            failed.set()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -161,8 +213,7 @@ class AsyncEngine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
         self._open[request_id] = request.sampling.n
-        self._ensure_loop()
-        self._work.set()
+        self._start()
         return self._stream(request_id, request.sampling.n, queue)
 
     async def _stream(
@@ -184,19 +235,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self._work.set()
+        with contextlib.suppress(RuntimeError):  # no running loop: the next request's steps
+            self._start()  # a step applies the abort (frees its blocks)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
     async def close(self) -> None:
         """Stop the step loop after the step running now (if any)."""
-        self._closing = True
+        with self._lock:
+            self._closing = True
         self._work.set()
-        if self._stepping is not None:
-            await self._stepping
-        while not self._calls.empty():  # never to run
-            self._calls.get().cancel()
+        await asyncio.get_running_loop().run_in_executor(self._thread, lambda: None)  # drained
         self._thread.shutdown(wait=False)
 
 
@@ -209,15 +259,14 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
     def run(self) -> None:
+        if self.future.done():  # the caller gave up (cancelled) before it ran
+            return
         try:
             result = self.fn()
         except BaseException as error:  # the caller's to handle
             _call_soon(self.loop, _settle, self.future, None, error)
         else:
             _call_soon(self.loop, _settle, self.future, result, None)
-
-    def cancel(self) -> None:
-        _call_soon(self.loop, self.future.cancel)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> bool:

@@ -254,6 +254,11 @@ class Engine:
         with self._step_lock:
             yield
 
+    @property
+    def num_steps(self) -> int:
+        """Batches run so far (``stats().steps``, without building the stats)."""
+        return self._steps
+
     def has_work(self) -> bool:
         return bool(self._inbox or self._ready) or self.batcher.has_work()
 
@@ -526,19 +531,18 @@ class Engine:
     def _update_hashes(self, seq: Sequence) -> None:
         """Hash the sequence's new full blocks. Blocks from its first parallel set on
         are not hashed: their K/V depend on positions and masks, not tokens alone."""
-        if self.config.enable_prefix_caching and len(seq.token_ids) // self.kv.block_size > len(
-            seq.block_hashes
-        ):  # a block has filled up (most tokens fill none)
-            keys = (*self.hash_keys, seq.request.cache_salt or "")
-            if seq.request.sampling.prompt_logprobs is not None:
-                # Every prompt position's logits are needed, and a cached block holds
-                # only K/V: such a prompt runs whole, so it neither matches nor is
-                # matched (its blocks hash under its own request id).
-                keys = (*keys, seq.request.request_id)
-            tokens = seq.token_ids
-            if seq.parallel_sets:
-                tokens = tokens[: seq.parallel_sets[0][0]]
-            extend_block_hashes(seq.block_hashes, tokens, self.kv.block_size, keys)
+        if not self.config.enable_prefix_caching:
+            return
+        end = seq.parallel_sets[0][0] if seq.parallel_sets else len(seq.token_ids)
+        if end // self.kv.block_size <= len(seq.block_hashes):
+            return  # no block has filled (most tokens fill none)
+        keys = (*self.hash_keys, seq.request.cache_salt or "")
+        if seq.request.sampling.prompt_logprobs is not None:
+            # Every prompt position's logits are needed, and a cached block holds only
+            # K/V: such a prompt runs whole, so it neither matches nor is matched (its
+            # blocks hash under its own request id).
+            keys = (*keys, seq.request.request_id)
+        extend_block_hashes(seq.block_hashes, seq.token_ids[:end], self.kv.block_size, keys)
 
     def _end_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids

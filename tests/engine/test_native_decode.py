@@ -200,6 +200,8 @@ def test_native_step_refuses_a_block_outside_the_cache(smollm2):
         model.native_layers().forward(*step, norm, torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="rows must be int64 \\[S\\], with the final norm"):
         model.native_layers().forward(*step, None, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="rows must be int64 \\[S\\], with the final norm"):
+        model.native_layers().forward(*step, norm, None)
     too_long = "DecodeLayers: seq_len 40 of row 0 does not fit 2 blocks"
     with pytest.raises(RuntimeError, match=too_long):
         model.native_layers().forward(

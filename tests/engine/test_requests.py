@@ -260,6 +260,22 @@ async def test_steps_go_on_while_the_event_loop_is_busy(make_engine):
     await engine.close()
 
 
+async def test_run_calls_go_between_steps_while_the_engine_steps(make_engine):
+    """A call waits for the step running now (if any), never for the request to end."""
+    engine = AsyncEngine(make_engine())
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    stream = await engine.add_request("long", "Hello there", greedy)
+    first = await anext(stream)
+    seen = []
+    for _ in range(4):
+        seen.append(await asyncio.wait_for(engine.run(lambda: engine.engine.num_steps), 10))
+        await asyncio.sleep(0.02)  # a step or two
+    rest = [d async for d in stream]
+    assert len(tokens_of([first, *rest])) == 40
+    assert seen == sorted(seen) and seen[0] < seen[-1] < engine.engine.num_steps, seen
+    await engine.close()
+
+
 async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_engine):
     inner = make_engine()
     engine = AsyncEngine(inner)

@@ -512,9 +512,10 @@ class DecodeLayers {
                     "DecodeLayers: block ", table_p[b * width + j], " of row ", b,
                     " is outside the cache");
     }
-    TORCH_CHECK(!rows || (norm && norm->sizes() == layers_[0].input_norm.sizes() &&
-                          norm->scalar_type() == dtype && rows->dim() == 1 &&
-                          rows->scalar_type() == torch::kInt64),
+    TORCH_CHECK(rows.has_value() == norm.has_value() &&
+                    (!rows || (norm->sizes() == layers_[0].input_norm.sizes() &&
+                               norm->scalar_type() == dtype && rows->dim() == 1 &&
+                               rows->scalar_type() == torch::kInt64)),
                 "DecodeLayers: rows must be int64 [S], with the final norm [hidden] in the "
                 "model's dtype");
     const auto picked = rows ? rows->contiguous() : torch::Tensor();

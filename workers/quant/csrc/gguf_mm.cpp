@@ -302,7 +302,7 @@ Packed packed_matrix(const char* what, const torch::Tensor& qs, const torch::Ten
                      const c10::optional<torch::Tensor>& mins, int64_t qtype) {
   TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0, what,
               ": unsupported GGML type ", qtype);
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == torch::kFloat16 &&
+  TORCH_CHECK(qs.dim() == 2 && scales.dim() == 2 && scales.scalar_type() == torch::kFloat16 &&
                   scales.is_contiguous() && scales.size(0) == qs.size(0),
               what, ": scales must be a contiguous float16 [out, in / 32] tensor");
   const int64_t nb = scales.size(1), in = nb * kBlock;
