@@ -54,6 +54,7 @@ from tessera.workers.model.loader import LoadedModel, load_model
 from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.outputs import aborted_outputs, beam_outputs, sequence_output
 from tessera.workers.parallel_tokens import choose_set, mean_distribution_logits
+from tessera.workers.quant.kernels import taken_argmax
 from tessera.workers.sampling import Sampler, SampleResult, SamplingRow
 from tessera.workers.sequence import Sequence, SequenceGroup
 from tessera.workers.speculative import DraftModel, Speculator, load_draft
@@ -294,6 +295,8 @@ class Engine:
         started = time.perf_counter()
         chunks = [seq.chunk(n) for seq, n in batch.items]
         logits = self.runner.execute(chunks)
+        # the rows' argmax where the LM head took it as it wrote them (the fast mode)
+        argmax = taken_argmax(logits)
         bs = self.kv.block_size
         for seq, n in batch.items:
             first_full = seq.num_computed_tokens // bs
@@ -335,8 +338,10 @@ class Engine:
             if all(isinstance(row, int) for row in next_logits):
                 index = torch.tensor(next_logits, dtype=torch.long, device=logits.device)
                 logits = logits.index_select(0, index)
+                argmax = None if argmax is None else argmax.index_select(0, index)
             else:
                 logits = torch.stack([logits[r] if isinstance(r, int) else r for r in next_logits])
+                argmax = None
         for seq, seq_logits in verifying:
             outputs += self._verify(self.groups[seq.request.request_id], seq, seq_logits)
         rows: dict[int, int] = {id(seq): i for i, seq in enumerate(sampled)}
@@ -362,12 +367,15 @@ class Engine:
         if targets:
             if logit_rows != list(range(len(sampled))):
                 logits = logits[logit_rows]
+                argmax = None if argmax is None else argmax[logit_rows]
             constrained = [i for i, (_, s) in enumerate(targets) if s.grammar is not None]
             if constrained:
                 logits = logits.clone()  # masked here: the step's own logits stay as they are
                 matchers = [targets[i][1].grammar for i in constrained]
                 self.grammars.apply(logits, constrained, matchers)
-            results = self.sampler.sample(logits, [self._sampling_row(s) for _, s in targets])
+                argmax = None
+            sampling_rows = [self._sampling_row(s) for _, s in targets]
+            results = self.sampler.sample(logits, sampling_rows, argmax)
             for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
                 if seq.request.sampling.parallel_tokens is not None:
                     self._append_set(group, seq, result, logits[i])

@@ -231,17 +231,22 @@ class _Prepared:
 class Sampler:
     """Stateless: everything a row needs is in its ``SamplingRow``."""
 
-    def _prepare(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> _Prepared:
+    def _prepare(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        argmax: torch.Tensor | None = None,
+    ) -> _Prepared:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         work = [i for i, row in enumerate(rows) if not _is_plain_greedy(row)]
         if not work:
             # The hot path: the float32 cast cannot change an argmax, so it is skipped.
-            return _Prepared(argmax_rows(logits), [], None)
+            return _Prepared(argmax_rows(logits) if argmax is None else argmax, [], None)
         if len(work) == len(rows):
             token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-        else:
-            token_ids = argmax_rows(logits)  # right for the plain greedy rows
+        else:  # right for the plain greedy rows
+            token_ids = argmax_rows(logits) if argmax is None else argmax.clone()
         x = logits[work].to(torch.float32)  # [W, V]; indexing copies, the caller's stays
         work_rows = [rows[i] for i in work]
         for j, row in enumerate(work_rows):  # OpenAI's logit_bias: added to the logits
@@ -271,9 +276,16 @@ class Sampler:
             out[prepared.random_rows] = prepared.random_probs
         return out
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
-        """One token per row of ``logits`` [B, V]; see the module docstring for the rules."""
-        prepared = self._prepare(logits, rows)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        argmax: torch.Tensor | None = None,
+    ) -> list[SampleResult]:
+        """One token per row of ``logits`` [B, V]; see the module docstring for the rules.
+        ``argmax``: ``argmax_rows(logits)`` where the caller has it already (the LM head
+        took it as it wrote the logits: ``kernels.taken_argmax``)."""
+        prepared = self._prepare(logits, rows, argmax)
         token_ids = prepared.token_ids
         if prepared.random_probs is not None:
             chosen = _race(prepared.random_probs, [rows[i] for i in prepared.random_rows])

@@ -238,3 +238,33 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
     alone = run(0)
     assert run(3) == alone
     assert run(9) == alone
+
+
+def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
+    """The mode's LM head takes each row's argmax as it writes the logits; greedy steps
+    use it (no second read of the logits) and give the tokens that reading them gives."""
+    from tessera.workers import engine as engine_module
+
+    contract, loaded = mode
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+    def run() -> dict[str, list[int]]:
+        engine = Engine(EngineConfig(dtype=contract.dtype, num_kv_blocks=64), loaded=loaded)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"r{index}", prompt, greedy)
+        return {rid: tokens_of(deltas) for rid, deltas in run_engine(engine).items()}
+
+    taken: list[bool] = []
+    real = engine_module.taken_argmax
+
+    def spy(logits):
+        indices = real(logits)
+        taken.append(indices is not None)
+        return indices
+
+    monkeypatch.setattr(engine_module, "taken_argmax", spy)
+    with_head = run()
+    assert taken and all(taken)  # every step's logits came with the head's argmax
+    monkeypatch.setattr(engine_module, "taken_argmax", lambda logits: None)
+    assert run() == with_head  # argmax_rows over the logits: the same tokens

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.workers.quant.blocks import BLOCK_SIZE, PackedWeight, QuantType
-from tessera.workers.quant.kernels import native_kernels
+from tessera.workers.quant.kernels import native_kernels, remember_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +217,16 @@ class Q8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``. Exact: float32 in and out. Else bf16 ``x`` gives
         bf16; float32 ``x`` is rounded to bf16 inside the kernel and gives the float32
-        sums."""
+        sums, whose row argmax the kernel takes as it writes them (``remember_argmax``:
+        a greedy step's tokens without reading the logits again)."""
+        kernels = native_kernels()
         if self.exact:
-            return native_kernels().q8_f32_mm(x, self.qs, self.d)
-        return native_kernels().q8_bf16_mm(x, self.qs, self.d)
+            return kernels.q8_f32_mm(x, self.qs, self.d)
+        if x.dtype == torch.float32:
+            y, indices = kernels.q8_bf16_mm_argmax(x, self.qs, self.d)
+            remember_argmax(y, indices)
+            return y
+        return kernels.q8_bf16_mm(x, self.qs, self.d)
 
 
 def bf16_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:

@@ -29,8 +29,10 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -57,7 +59,7 @@ SOURCES = tuple(
 #: Included by the sources: not compiled alone, but part of the cache key.
 HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("amx_tiles.h", "bf16_blocks.h", "tiled_layouts.h")
+    for name in ("amx_tiles.h", "bf16_blocks.h", "tile_argmax.h", "tiled_layouts.h")
 )
 EXTENSION_NAME = "tessera_kernels"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
@@ -104,6 +106,27 @@ def embedding(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
             rows = module.gguf_rows(flat, weight.qs, weight.scales, weight.mins, int(weight.qtype))
             return rows.view(*ids.shape, weight.in_features)
     return weight.embedding(ids)
+
+
+# This thread's last argmax taken by the kernel that wrote its rows (``remember_argmax``):
+# (a weak reference to the rows, the indices).
+_taken = threading.local()
+
+
+def remember_argmax(x: torch.Tensor, indices: torch.Tensor) -> None:
+    """Record ``indices``, ``x.argmax(dim=1)`` as a kernel took it while writing ``x``
+    (the fast mode's LM head, ``Q8Weight``), for ``taken_argmax``."""
+    _taken.last = (weakref.ref(x), indices)
+
+
+def taken_argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """The indices ``remember_argmax`` recorded for this very tensor on this thread (once;
+    then None), else None. The caller asks right after the kernel returned ``x``, before
+    anything can write into it: 64 rows of logits are 12.6 MB, whose ``argmax_rows``
+    takes ~0.6 ms."""
+    taken = getattr(_taken, "last", None)
+    _taken.last = None
+    return taken[1] if taken is not None and taken[0]() is x else None
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,16 @@
 
 constexpr int64_t kAmxRows = 16;  // rows of x a C tile holds
 
+// A kernel's default: no argmax of its output (else a TileArgmax, tile_argmax.h).
+struct NoArgmax {
+  struct Range {};
+};
+inline NoArgmax::Range argmax_begin(NoArgmax*, int64_t) { return {}; }
+template <typename Argmax>
+typename Argmax::Range argmax_begin(Argmax* argmax, int64_t first_tile) {
+  return argmax == nullptr ? typename Argmax::Range{} : argmax->begin(first_tile);
+}
+
 // Where row t's sum of block b of x is in the AMX path's layout of them: by group of 16
 // rows, then block, then row (a block's 16 sums side by side, one per row of the group);
 // amx_sums_size(T, nb) of them.
@@ -182,10 +192,12 @@ __attribute__((always_inline)) inline void amx_group(
 // y [T, N] = x [T, K] (bf16 bits) @ W^T through AMX tiles. expand(tile, b, out) writes
 // block b of output tile `tile` as 16 rows of 16 bf16 pairs (out: 512 uint16, 64-byte
 // aligned); scales(tile, b, dq, corr) gives the block's 16 d and, with kCorr, the
-// correction that multiplies the block's sum of x (sx: amx_sums_at's layout).
-template <bool kCorr, typename Y, typename Expand, typename Scales>
+// correction that multiplies the block's sum of x (sx: amx_sums_at's layout). An
+// `argmax` (a TileArgmax, tile_argmax.h) scans each tile's rows as they are stored.
+template <bool kCorr, typename Y, typename Expand, typename Scales, typename Argmax = NoArgmax>
 void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t tiles, Y* yp,
-              const Expand& expand, const Scales& scales) {
+              const Expand& expand, const Scales& scales, Argmax* argmax = nullptr) {
+  constexpr bool kArgmax = !std::is_same_v<Argmax, NoArgmax>;
   const int64_t nb = K / kBlock, N = tiles * 16;
   // a multiple of 16: every group starts at a multiple of 16 (amx_sums_at's groups)
   const int64_t pass =
@@ -196,6 +208,7 @@ void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t
     uint16_t* expanded = reinterpret_cast<uint16_t*>(buffer.get());
     alignas(64) float sums[4][kAmxRows * 16];
     int configured = -1;
+    [[maybe_unused]] auto scanned = argmax_begin(argmax, begin);
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
       const bool whole = last - first > kAmxRows;  // several row groups share the blocks
@@ -214,9 +227,11 @@ void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t
           else
             amx_group<0, kCorr>(x, K, nb, s, tile, rows, whole, expanded, sums, y, N, expand,
                                 scales);
+          if constexpr (kArgmax) argmax->scan(scanned, y, N, tile, r0, rows);
         }
       }
     }
+    if constexpr (kArgmax) argmax->end(std::move(scanned));
     _tile_release();
   });
 }
@@ -224,7 +239,7 @@ void amx_rows(const uint16_t* xp, int64_t T, int64_t K, const float* sx, int64_t
 // A build without AMX (-march=native on a CPU without it): never taken, but q4_rows and
 // q8_rows name it.
 inline bool amx_on() { return false; }
-template <bool kCorr, typename Y, typename Expand, typename Scales>
+template <bool kCorr, typename Y, typename Expand, typename Scales, typename Argmax = NoArgmax>
 void amx_rows(const uint16_t*, int64_t, int64_t, const float*, int64_t, Y*, const Expand&,
-              const Scales&) {}
+              const Scales&, Argmax* = nullptr) {}
 #endif

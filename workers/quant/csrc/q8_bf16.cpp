@@ -26,6 +26,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "tiled_layouts.h"
@@ -39,6 +43,8 @@
 
 namespace tessera {
 
+int64_t argmax_row_of(const float* x, int64_t n);  // rows.cpp: argmax_rows' answer for a row
+
 namespace {
 
 using tiled::kBlock;
@@ -46,6 +52,7 @@ using tiled::kBlock;
 #if TESSERA_Q8_BF16
 #include "bf16_blocks.h"
 #include "amx_tiles.h"
+#include "tile_argmax.h"
 
 // Pair p of block b of a tile (32 int8: 16 outputs x 2 inputs) as 16 bf16 pairs.
 inline __m512i expand_pair(const int8_t* q) {
@@ -100,10 +107,23 @@ void rows_through(const uint16_t* x, int64_t K, int64_t nb, const __m512i* pairs
   }
 }
 
+// y = x @ W^T; `argmax` (float32 y only): each row's argmax taken as y is written.
 template <typename Y>
 void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const uint16_t* dp,
-             int64_t tiles, Y* yp) {
+             int64_t tiles, Y* yp, TileArgmax* argmax = nullptr) {
   const int64_t nb = K / kBlock, N = tiles * 16;
+  // each tile's rows r0 .. r0 + rows - 1, just stored (float32 y only)
+  const auto scan = [argmax, yp, N](TileArgmax::Range& range, int64_t tile, int64_t r0,
+                                    int64_t rows) {
+    if constexpr (std::is_same_v<Y, float>)
+      if (argmax != nullptr) argmax->scan(range, yp + r0 * N + tile * 16, N, tile, r0, rows);
+  };
+  const auto begin_range = [argmax](int64_t first_tile) {
+    return argmax != nullptr ? argmax->begin(first_tile) : TileArgmax::Range{};
+  };
+  const auto end_range = [argmax](TileArgmax::Range&& range) {
+    if (argmax != nullptr) argmax->end(std::move(range));
+  };
   if (amx_on()) {
     const auto expand = [qp, nb](int64_t tile, int64_t b, uint16_t* out) {
       const int8_t* block = qp + (tile * nb + b) * 512;
@@ -112,10 +132,13 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
     const auto scales = [dp, nb](int64_t tile, int64_t b, __m512& dq, __m512&) {
       dq = block_d(dp + (tile * nb + b) * 16);
     };
+    if constexpr (std::is_same_v<Y, float>)
+      if (argmax != nullptr) return amx_rows<false>(xp, T, K, nullptr, tiles, yp, expand, scales, argmax);
     return amx_rows<false>(xp, T, K, nullptr, tiles, yp, expand, scales);
   }
   if (T <= kDirectRows) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      TileArgmax::Range range = begin_range(begin);
       for (int64_t tile = begin; tile < end; ++tile) {
         const int8_t* qt = qp + tile * nb * 512;
         const uint16_t* dt = dp + tile * nb * 16;
@@ -127,7 +150,9 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
           case 3: tile_direct<3>(xp, K, nb, qt, dt, yt, N); break;
           default: tile_direct<4>(xp, K, nb, qt, dt, yt, N); break;
         }
+        scan(range, tile, 0, T);
       }
+      end_range(std::move(range));
     });
     return;
   }
@@ -135,6 +160,7 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
     std::vector<__m512> dq(nb);
+    TileArgmax::Range range = begin_range(begin);
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
@@ -143,11 +169,15 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
           for (int p = 0; p < 16; ++p) pairs[b * 16 + p] = expand_pair(qt + (b * 16 + p) * 32);
           dq[b] = block_d(dp + (tile * nb + b) * 16);
         }
-        for (int64_t r0 = first; r0 < last; r0 += kRows)
+        for (int64_t r0 = first; r0 < last; r0 += kRows) {
+          const int64_t rows = std::min<int64_t>(kRows, last - r0);
           rows_through<kRows>(xp + r0 * K, K, nb, pairs.data(), dq.data(),
-                              yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, last - r0));
+                              yp + r0 * N + tile * 16, N, rows);
+          scan(range, tile, r0, rows);
+        }
       }
     }
+    end_range(std::move(range));
   });
 }
 #endif
@@ -156,12 +186,16 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
 
 bool q8_bf16_available() { return TESSERA_Q8_BF16 != 0; }
 
-torch::Tensor q8_bf16_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
+namespace {
+
+// y, and with `ids` (float32 x) each row's argmax of y into it.
+torch::Tensor q8_product(const char* name, const torch::Tensor& x, const torch::Tensor& qs,
+                         const torch::Tensor& d, torch::Tensor* ids) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
-              "q8_bf16_mm: x must be a bfloat16 or float32 [T, K] CPU tensor");
-  const tiled::Shape s = tiled::check_x_and_d("q8_bf16_mm", x, d);
-  tiled::check_q8("q8_bf16_mm", s, qs);
+              name, ": x must be a bfloat16 or float32 [T, K] CPU tensor");
+  const tiled::Shape s = tiled::check_x_and_d(name, x, d);
+  tiled::check_q8(name, s, qs);
   [[maybe_unused]] const int64_t tiles = s.tiles, K = s.K, N = s.N, T = s.T;
   auto y = torch::empty({T, N}, x.options());
 #if TESSERA_Q8_BF16
@@ -169,14 +203,36 @@ torch::Tensor q8_bf16_mm(const torch::Tensor& x, const torch::Tensor& qs, const 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int8_t* qp = qs.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
-  if (y.scalar_type() == torch::kFloat32)
+  if (ids != nullptr) {
+    TileArgmax argmax(T);
+    q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>(), &argmax);
+    *ids = torch::empty({T}, x.options().dtype(torch::kInt64));
+    if (T > 0) argmax.result(y.data_ptr<float>(), N, ids->data_ptr<int64_t>());
+  } else if (y.scalar_type() == torch::kFloat32) {
     q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>());
-  else
+  } else {
     q8_rows(xp, T, K, qp, dp, tiles, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  }
 #else
-  TORCH_CHECK(false, "q8_bf16_mm: this build has no AVX512_BF16 kernel (q8_bf16_available())");
+  TORCH_CHECK(false, name, ": this build has no AVX512_BF16 kernel (q8_bf16_available())");
 #endif
   return y;
+}
+
+}  // namespace
+
+torch::Tensor q8_bf16_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
+  return q8_product("q8_bf16_mm", x, qs, d, nullptr);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> q8_bf16_mm_argmax(const torch::Tensor& x,
+                                                           const torch::Tensor& qs,
+                                                           const torch::Tensor& d) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32,
+              "q8_bf16_mm_argmax: x must be a float32 [T, K] CPU tensor");
+  torch::Tensor ids;
+  torch::Tensor y = q8_product("q8_bf16_mm_argmax", x, qs, d, &ids);
+  return {y, ids};
 }
 
 void register_q8_bf16(pybind11::module& m) {
@@ -186,6 +242,10 @@ void register_q8_bf16(pybind11::module& m) {
   m.def("q8_bf16_mm", &q8_bf16_mm,
         "y = x @ W^T for Q8_0 weights in the Q8Weight layout: bf16 x gives bf16 y; float32 x "
         "is rounded to bf16 and gives the float32 sums",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
+  m.def("q8_bf16_mm_argmax", &q8_bf16_mm_argmax,
+        "q8_bf16_mm of float32 x, and each row's argmax of y (argmax_rows' answer) taken as "
+        "y is written",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
 }
 

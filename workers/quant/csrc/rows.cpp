@@ -65,6 +65,8 @@ int64_t argmax_row(const float* x, int64_t n) {
 
 }  // namespace
 
+int64_t argmax_row_of(const float* x, int64_t n) { return argmax_row(x, n); }
+
 torch::Tensor argmax_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                   x.size(1) > 0 && x.device().is_cpu(),

@@ -1,0 +1,89 @@
+// A row-wise argmax taken while a kernel writes its float32 output [T, N] tile by tile
+// (16 columns at a time): the LM head's logits, whose argmax is a greedy step's token. The
+// same answer as argmax_rows (rows.cpp) over the finished output, without reading it back
+// from memory: a 64-row step's [64, 49152] logits are 12.6 MB, and that read took
+// ~0.6 ms of the step.
+//
+// Each call of the kernel's parallel loop covers a contiguous range of tiles, in
+// increasing order, for every row. Its `Range` keeps, per row and lane, the largest value
+// seen and the tile it first came in (a strict comparison keeps the first of equals),
+// updated right after each tile's values are stored (still in L1). `result` merges the
+// ranges in column order: each row's maximum at its smallest column, as argmax_rows gives
+// it. A row holding a NaN is read again whole by argmax_row (its first NaN), as
+// argmax_rows does. Included inside a kernel file's anonymous namespace, where AVX-512
+// is compiled in; the file includes <algorithm>, <limits>, <mutex> and <vector>, and
+// declares argmax_row_of (rows.cpp) in namespace tessera.
+
+class TileArgmax {
+ public:
+  struct Range {
+    int64_t first_tile = 0;
+    std::vector<__m512> best;   // [T]: each lane's largest value
+    std::vector<__m512i> tile;  // [T]: the tile (int32 lanes) that value first came in
+    std::vector<uint8_t> nan;   // [T]: whether the row held a NaN
+  };
+
+  explicit TileArgmax(int64_t rows) : rows_(rows) {}
+
+  Range begin(int64_t first_tile) const {
+    Range range;
+    range.first_tile = first_tile;
+    range.best.assign(rows_, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+    range.tile.assign(rows_, _mm512_set1_epi32(static_cast<int32_t>(first_tile)));
+    range.nan.assign(rows_, 0);
+    return range;
+  }
+
+  // Rows r0 .. r0 + rows - 1 of tile `tile`, just stored at y (row r0's first column of
+  // the tile; row stride N).
+  void scan(Range& range, const float* y, int64_t N, int64_t tile, int64_t r0,
+            int64_t rows) const {
+    const __m512i here = _mm512_set1_epi32(static_cast<int32_t>(tile));
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_loadu_ps(y + r * N);
+      __m512& best = range.best[r0 + r];
+      const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, above, v);
+      range.tile[r0 + r] = _mm512_mask_mov_epi32(range.tile[r0 + r], above, here);
+      range.nan[r0 + r] |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+    }
+  }
+
+  void end(Range&& range) {
+    const std::lock_guard<std::mutex> hold(lock_);
+    ranges_.push_back(std::move(range));
+  }
+
+  // Each row's argmax of y [T, N] (int64 [T]), once every range has ended.
+  void result(const float* y, int64_t N, int64_t* out) {
+    std::sort(ranges_.begin(), ranges_.end(),
+              [](const Range& a, const Range& b) { return a.first_tile < b.first_tile; });
+    alignas(64) float values[16];
+    alignas(64) int32_t tiles[16];
+    for (int64_t r = 0; r < rows_; ++r) {
+      bool nan = false;
+      float best = 0.0f;
+      int64_t column = -1;
+      for (const Range& range : ranges_) {
+        nan |= range.nan[r] != 0;
+        _mm512_store_ps(values, range.best[r]);
+        _mm512_store_si512(tiles, range.tile[r]);
+        const float top = _mm512_reduce_max_ps(range.best[r]);
+        if (column >= 0 && !(top > best)) continue;  // an earlier range holds it first
+        int64_t first = -1;
+        for (int lane = 0; lane < 16; ++lane) {
+          const int64_t at = int64_t{tiles[lane]} * 16 + lane;
+          if (values[lane] == top && (first < 0 || at < first)) first = at;
+        }
+        best = top;
+        column = first;
+      }
+      out[r] = nan ? argmax_row_of(y + r * N, N) : column;
+    }
+  }
+
+ private:
+  int64_t rows_;
+  std::mutex lock_;
+  std::vector<Range> ranges_;
+};
