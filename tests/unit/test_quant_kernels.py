@@ -426,13 +426,17 @@ def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_
         Q8Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD)[0])
 
 
-def test_q8_bf16_head_takes_the_argmax_of_the_logits_it_writes(native, bf16_path):
-    """The fast mode's head takes each row's argmax as it writes the logits
+@pytest.mark.parametrize("exact", [False, True], ids=["q8_bf16", "q8_f32"])
+def test_q8_heads_take_the_argmax_of_the_logits_they_write(native, bf16_path, exact):
+    """The fast and exact modes' heads take each row's argmax as they write the logits
     (``csrc/tile_argmax.h``): torch's argmax of those logits on every row count and path,
     ties to the first maximum across tiles and threads' ranges, a NaN row's first NaN,
-    rows of -inf; ``argmax_rows`` of the logits returns it once, and not after a write."""
-    if not native.q8_bf16_available():
-        pytest.skip("no AVX512_BF16 on this CPU: the heads stay on the float32 kernel")
+    rows of -inf; ``taken_argmax`` of the logits gives it once, and only for them."""
+    available = native.tiled_f32_available() if exact else native.q8_bf16_available()
+    if not available or (exact and bf16_path == "amx"):  # the float32 kernel has one path
+        pytest.skip("this CPU has no such kernel, or it has no AMX path")
+    name = "q8_f32_mm" if exact else "q8_bf16_mm"
+    plain, with_argmax = getattr(native, name), getattr(native, f"{name}_argmax")
     packed, _ = random_packed(QuantType.Q8_0, Q4_ODD)
     qs, scales = packed.qs.clone(), packed.scales.clone()
     # outputs 17, 50 and 100 (tiles 1, 3 and 6) the same, and the largest for positive x;
@@ -440,32 +444,27 @@ def test_q8_bf16_head_takes_the_argmax_of_the_logits_it_writes(native, bf16_path
     for out in (17, 50, 100):
         qs[out], scales[out] = 127, 2.0
     qs[3] = 0
-    weight = Q8Weight.from_packed(PackedWeight(QuantType.Q8_0, qs, scales, None))
-    for rows in BF16_ROWS:
+    weight = Q8Weight.from_packed(PackedWeight(QuantType.Q8_0, qs, scales, None), exact)
+    for rows in (*BF16_ROWS, 600):
         x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
         x[0] = x[0].abs()  # the tie at 17, 50, 100 is the maximum: 17
         if rows > 4:
             x[1] = math.inf  # NaN at 3: the first NaN
             x[2] = 0.0  # every logit 0: index 0
             x[3] = -math.inf  # -inf where weights are positive, NaN at 3
-            x[4] = x[4].abs() * 0.0 + 1e-30  # tiny, ties again
-        y, ids = native.q8_bf16_mm_argmax(x, weight.qs, weight.d)
-        torch.testing.assert_close(
-            y, native.q8_bf16_mm(x, weight.qs, weight.d), rtol=0, atol=0, equal_nan=True
-        )
+            x[4] = 1e-30  # tiny, ties again
+        y, ids = with_argmax(x, weight.qs, weight.d)
+        torch.testing.assert_close(y, plain(x, weight.qs, weight.d), rtol=0, atol=0, equal_nan=True)
         assert torch.equal(ids, y.argmax(dim=1))
         assert ids[0] == 17
         logits = weight.matmul(x)
-        assert torch.equal(kernels.argmax_rows(logits), ids)  # the one taken in the kernel
-        taken = kernels.argmax_rows(logits)
-        taken[0] = 5  # the caller's own indices: the next call reads the logits again
-        assert torch.equal(kernels.argmax_rows(logits), ids)
-        logits = weight.matmul(x)
-        logits[0, 0] = 1e9  # a write after the kernel's argmax
-        assert kernels.argmax_rows(logits)[0] == 0
-    assert native.q8_bf16_mm_argmax(x[:0], weight.qs, weight.d)[1].shape == (0,)
-    with pytest.raises(RuntimeError, match=r"q8_bf16_mm_argmax: x must be a float32 \[T, K\]"):
-        native.q8_bf16_mm_argmax(x.to(torch.bfloat16), weight.qs, weight.d)
+        assert torch.equal(kernels.taken_argmax(logits), ids)
+        assert kernels.taken_argmax(logits) is None  # once
+        weight.matmul(x)
+        assert kernels.taken_argmax(logits) is None  # another tensor's
+    assert with_argmax(x[:0], weight.qs, weight.d)[1].shape == (0,)
+    with pytest.raises(RuntimeError, match=rf"{name}_argmax: x must be a float32 \[T, K\]"):
+        with_argmax(x.to(torch.bfloat16), weight.qs, weight.d)
 
 
 #: 9 rows take csrc/tiled_f32.cpp's buffered tile loop with a 1-row remainder; 600 rows two

@@ -217,16 +217,15 @@ class Q8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``. Exact: float32 in and out. Else bf16 ``x`` gives
         bf16; float32 ``x`` is rounded to bf16 inside the kernel and gives the float32
-        sums, whose row argmax the kernel takes as it writes them (``remember_argmax``:
-        a greedy step's tokens without reading the logits again)."""
+        sums. Float32 outputs come with their rows' argmax, taken as the kernel wrote them
+        (``remember_argmax``: a greedy step's tokens without reading the logits again)."""
         kernels = native_kernels()
-        if self.exact:
-            return kernels.q8_f32_mm(x, self.qs, self.d)
-        if x.dtype == torch.float32:
-            y, indices = kernels.q8_bf16_mm_argmax(x, self.qs, self.d)
-            remember_argmax(y, indices)
-            return y
-        return kernels.q8_bf16_mm(x, self.qs, self.d)
+        if x.dtype != torch.float32 and not self.exact:
+            return kernels.q8_bf16_mm(x, self.qs, self.d)
+        product = kernels.q8_f32_mm_argmax if self.exact else kernels.q8_bf16_mm_argmax
+        y, indices = product(x, self.qs, self.d)
+        remember_argmax(y, indices)
+        return y
 
 
 def bf16_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:

@@ -24,6 +24,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "tiled_layouts.h"
@@ -37,6 +40,8 @@
 
 namespace tessera {
 
+int64_t argmax_row_of(const float* x, int64_t n);  // rows.cpp: argmax_rows' answer for a row
+
 namespace {
 
 using tiled::kBlock;
@@ -44,6 +49,8 @@ constexpr int kRowsF32 = 8;  // rows of x one micro-kernel holds: 2 accumulators
 constexpr int64_t kPassBytesF32 = 512 * 1024;
 
 #if TESSERA_TILED_F32
+
+#include "tile_argmax.h"
 
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -147,10 +154,10 @@ void tile_rows(const float* x, int64_t K, int64_t nb, const Weights& weights, fl
 }
 
 // y [T, N] = x [T, K] @ W^T (float32), make_tile(t) giving tile t's weights (Q4Tile,
-// Q8Tile).
+// Q8Tile); `argmax`: each row's argmax of y taken as it is written.
 template <typename MakeTile>
 void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
-                const MakeTile& make_tile) {
+                const MakeTile& make_tile, TileArgmax* argmax = nullptr) {
   if (s.T == 0) return;
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
@@ -160,6 +167,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       std::max<int64_t>(kRowsF32, kPassBytesF32 / (K * 4) / kRowsF32 * kRowsF32);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
+    TileArgmax::Range range = argmax != nullptr ? argmax->begin(begin) : TileArgmax::Range{};
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
@@ -167,6 +175,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
         float* yt = yp + tile * 16;
         if (last - first <= kRowsF32) {
           tile_rows<kRowsF32>(xp + first * K, K, nb, direct, yt + first * N, N, last - first);
+          if (argmax != nullptr) argmax->scan(range, yt + first * N, N, tile, first, last - first);
           continue;
         }
         // more rows than one micro-kernel holds: dequantise the tile once for all of them
@@ -176,11 +185,14 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
             _mm512_storeu_ps(buf.data() + (b * kBlock + k) * 16, w);
           });
         const Buffered buffered{buf.data()};
-        for (int64_t r0 = first; r0 < last; r0 += kRowsF32)
-          tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yt + r0 * N, N,
-                              std::min<int64_t>(kRowsF32, last - r0));
+        for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
+          const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
+          tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yt + r0 * N, N, rows);
+          if (argmax != nullptr) argmax->scan(range, yt + r0 * N, N, tile, r0, rows);
+        }
       }
     }
+    if (argmax != nullptr) argmax->end(std::move(range));
   });
 }
 #endif
@@ -214,21 +226,46 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
   return y;
 }
 
-torch::Tensor q8_f32_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32,
-              "q8_f32_mm: x must be a float32 [T, K] CPU tensor");
-  const tiled::Shape s = tiled::check_x_and_d("q8_f32_mm", x, d);
-  tiled::check_q8("q8_f32_mm", s, qs);
+namespace {
+
+// y, and with `ids` each row's argmax of y into it.
+torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const torch::Tensor& qs,
+                             const torch::Tensor& d, torch::Tensor* ids) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be a float32 [T, K] CPU tensor");
+  const tiled::Shape s = tiled::check_x_and_d(name, x, d);
+  tiled::check_q8(name, s, qs);
   auto y = torch::empty({s.T, s.N}, x.options());
 #if TESSERA_TILED_F32
   const int8_t* qp = qs.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const int64_t nb = s.nb;
-  tiled_rows(x, s, y, [=](int64_t tile) { return Q8Tile(qp, dp, tile, nb); });
+  const auto make_tile = [=](int64_t tile) { return Q8Tile(qp, dp, tile, nb); };
+  if (ids != nullptr) {
+    TileArgmax argmax(s.T);
+    tiled_rows(x, s, y, make_tile, &argmax);
+    *ids = torch::empty({s.T}, x.options().dtype(torch::kInt64));
+    if (s.T > 0) argmax.result(y.data_ptr<float>(), s.N, ids->data_ptr<int64_t>());
+  } else {
+    tiled_rows(x, s, y, make_tile);
+  }
 #else
-  TORCH_CHECK(false, "q8_f32_mm: this build has no AVX-512 kernel (tiled_f32_available())");
+  TORCH_CHECK(false, name, ": this build has no AVX-512 kernel (tiled_f32_available())");
 #endif
   return y;
+}
+
+}  // namespace
+
+torch::Tensor q8_f32_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
+  return q8_f32_product("q8_f32_mm", x, qs, d, nullptr);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> q8_f32_mm_argmax(const torch::Tensor& x,
+                                                          const torch::Tensor& qs,
+                                                          const torch::Tensor& d) {
+  torch::Tensor ids;
+  torch::Tensor y = q8_f32_product("q8_f32_mm_argmax", x, qs, d, &ids);
+  return {y, ids};
 }
 
 void register_tiled_f32(pybind11::module& m) {
@@ -243,6 +280,9 @@ void register_tiled_f32(pybind11::module& m) {
   m.def("q8_f32_mm", &q8_f32_mm,
         "y = x @ W^T in float32 for Q8_0 weights in the Q8Weight layout, each weight "
         "dequantised exactly as gguf does",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
+  m.def("q8_f32_mm_argmax", &q8_f32_mm_argmax,
+        "q8_f32_mm, and each row's argmax of y (argmax_rows' answer) taken as y is written",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
 }
 
