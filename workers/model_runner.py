@@ -18,6 +18,7 @@ The batch layout (one row per new token, several rows per sequence allowed)::
 
 from __future__ import annotations
 
+import array
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -171,16 +172,21 @@ class ModelRunner:
             chunk = chunks[i]
             base = query_start[-1]
             start = chunk.start + first
-            input_ids.extend(chunk.token_ids[first : first + n])
-            if chunk.positions is None:
-                positions.extend(range(start, start + n))
-            else:
-                positions.extend(chunk.positions[first : first + n])
             table = table_of.get(i)
             if table is None:
                 table = table_of[i] = self.kv.block_ids(chunk.seq_id)
-            # each token's cache row: block_id * block_size + offset, its index's block
-            slots.extend(table[index // bs] * bs + index % bs for index in range(start, start + n))
+            if n == 1:  # a decode entry (most of them): no slices or ranges
+                input_ids.append(chunk.token_ids[first])
+                positions.append(start if chunk.positions is None else chunk.positions[first])
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(chunk.token_ids[first : first + n])
+                if chunk.positions is None:
+                    positions.extend(range(start, start + n))
+                else:
+                    positions.extend(chunk.positions[first : first + n])
+                # each token's cache row: block_id * block_size + offset, its index's block
+                slots.extend(table[k // bs] * bs + k % bs for k in range(start, start + n))
             query_start.append(base + n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -193,7 +199,9 @@ class ModelRunner:
             first_row[i] + r for i, chunk in enumerate(chunks) for r in chunk.logits_rows
         ]
         # Every integer input in one host list, one tensor (one copy to a device), and
-        # views of it: seven tensors built from lists took ~0.15 ms a step.
+        # views of it: seven tensors built from lists took ~0.15 ms a step. The tensor
+        # wraps an int64 array of the list (64 decodes' ~1,150 integers: 16 us against
+        # torch.tensor's 55).
         width = max(len(t) for t in tables)
         flat = input_ids + positions + slots + query_start + seq_lens + logits_rows
         for t in tables:
@@ -202,7 +210,9 @@ class ModelRunner:
         num_rows, num_seqs = len(input_ids), len(seq_lens)
         dev = self.device
         ids_t, positions_t, slot_mapping, query_start_t, seq_lens_t, rows_t, tables_t = (
-            torch.tensor(flat, dtype=torch.int64, device=dev).split(
+            torch.frombuffer(array.array("q", flat), dtype=torch.int64)
+            .to(dev)
+            .split(
                 [
                     num_rows,
                     num_rows,
