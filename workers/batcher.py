@@ -142,11 +142,16 @@ class Batcher:
         return writes or None
 
     def _apply(self, group: SequenceGroup, writes: list[Write], batch: ScheduledBatch) -> int:
-        by_id = {seq.seq_id: seq for seq in group.seqs}
         self.kv.write(writes)
+        if len(group.seqs) == 1:  # (most groups) its one write
+            (seq,), (w,) = group.seqs, writes
+            seq.num_computed_tokens = w.start  # a prefix hit skips ahead
+            batch.items.append((seq, w.end - w.start))
+            return w.end - w.start
+        by_id = {seq.seq_id: seq for seq in group.seqs}
         for w in writes:
             seq = by_id[w.seq_id]
-            seq.num_computed_tokens = w.start  # a prefix hit skips ahead
+            seq.num_computed_tokens = w.start
             batch.items.append((seq, w.end - w.start))
         return sum(w.end - w.start for w in writes)
 

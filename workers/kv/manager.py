@@ -131,7 +131,9 @@ class KVCacheManager:
                     self.copies.append((block.block_id, copy.block_id))
                     self.pool.free([block])
                     table[i] = copy
-            table.extend(self.pool.allocate(max(0, blocks_needed(w.end, bs) - len(table))))
+            missing = blocks_needed(w.end, bs) - len(table)
+            if missing > 0:  # most decode steps' tokens fit the last block
+                table.extend(self.pool.allocate(missing))
 
     def cache_blocks(self, seq_id: str, block_hashes: list[bytes], start: int, end: int) -> None:
         """Register the table's blocks ``start..end-1`` (full and computed) by hash."""
