@@ -151,7 +151,7 @@ class Batcher:
         by_id = {seq.seq_id: seq for seq in group.seqs}
         for w in writes:
             seq = by_id[w.seq_id]
-            seq.num_computed_tokens = w.start
+            seq.num_computed_tokens = w.start  # a prefix hit skips ahead
             batch.items.append((seq, w.end - w.start))
         return sum(w.end - w.start for w in writes)
 

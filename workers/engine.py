@@ -295,7 +295,9 @@ class Engine:
         started = time.perf_counter()
         chunks = [seq.chunk(n) for seq, n in batch.items]
         logits = self.runner.execute(chunks)
-        # the rows' argmax where the LM head took it as it wrote them (the fast mode)
+        # the rows' argmax where the LM head took it as it wrote them (a Q8_0 head on the
+        # native kernels, ``Q8Weight``); nothing below writes into these logits, and where
+        # the sampler gets other rows the argmax follows them or is dropped
         argmax = taken_argmax(logits)
         bs = self.kv.block_size
         for seq, n in batch.items:

@@ -241,8 +241,9 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
 
 
 def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
-    """The mode's LM head takes each row's argmax as it writes the logits; greedy steps
-    use it (no second read of the logits) and give the tokens that reading them gives."""
+    """The mode's LM head takes each row's argmax as it writes the logits (where it runs
+    on the native Q8_0 kernel); greedy steps use it (no second read of the logits) and
+    give the tokens that reading them gives."""
     from tessera.workers import engine as engine_module
 
     contract, loaded = mode
@@ -265,6 +266,7 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
 
     monkeypatch.setattr(engine_module, "taken_argmax", spy)
     with_head = run()
-    assert taken and all(taken)  # every step's logits came with the head's argmax
+    native_head = loaded.model.head_q8 is not None  # else the head is quant_matmul
+    assert taken and all(t == native_head for t in taken)  # every step's, or none
     monkeypatch.setattr(engine_module, "taken_argmax", lambda logits: None)
     assert run() == with_head  # argmax_rows over the logits: the same tokens

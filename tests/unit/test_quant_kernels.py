@@ -426,37 +426,55 @@ def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_
         Q8Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD)[0])
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["q8_bf16", "q8_f32"])
-def test_q8_heads_take_the_argmax_of_the_logits_they_write(native, bf16_path, exact):
-    """The fast and exact modes' heads take each row's argmax as they write the logits
-    (``csrc/tile_argmax.h``): torch's argmax of those logits on every row count and path,
-    ties to the first maximum across tiles and threads' ranges, a NaN row's first NaN,
-    rows of -inf; ``taken_argmax`` of the logits gives it once, and only for them."""
-    available = native.tiled_f32_available() if exact else native.q8_bf16_available()
-    if not available or (exact and bf16_path == "amx"):  # the float32 kernel has one path
-        pytest.skip("this CPU has no such kernel, or it has no AMX path")
+def test_q8_bf16_head_takes_the_argmax_of_the_logits_it_writes(native, bf16_path):
+    """The fast and bfloat16 modes' head, on each of its paths: see below."""
+    if not native.q8_bf16_available():
+        pytest.skip("no AVX512_BF16 on this CPU: the heads stay on the float32 kernel")
+    check_head_argmax(native, exact=False)
+
+
+def test_q8_f32_head_takes_the_argmax_of_the_logits_it_writes(native):
+    """The exact mode's head: see below."""
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+    check_head_argmax(native, exact=True)
+
+
+def check_head_argmax(native, exact: bool) -> None:
+    """A Q8_0 head takes each row's argmax as it writes the logits
+    (``csrc/tile_argmax.h``): torch's argmax of those logits on every row count and pass,
+    ties to the first maximum across lanes, tiles and threads' ranges, a row's first NaN
+    (also one in the last range), a row of -inf; ``taken_argmax`` of the logits gives it
+    once, and only for them."""
+    assert torch.get_num_threads() >= 2  # so that the 7 tiles split into ranges
     name = "q8_f32_mm" if exact else "q8_bf16_mm"
     plain, with_argmax = getattr(native, name), getattr(native, f"{name}_argmax")
     packed, _ = random_packed(QuantType.Q8_0, Q4_ODD)
-    qs, scales = packed.qs.clone(), packed.scales.clone()
-    # outputs 17, 50 and 100 (tiles 1, 3 and 6) the same, and the largest for positive x;
-    # output 3 all zero: 0 * inf is a NaN
+    qs, scales = packed.qs.clone(), packed.scales.abs()  # every d > 0
+    # outputs 17, 50 and 100 (tiles 1, 3 and 6) the same, and the largest for positive x
     for out in (17, 50, 100):
         qs[out], scales[out] = 127, 2.0
-    qs[3] = 0
+    qs[90] = 0  # output 90 (tile 5, the last range) all zero: 0 * inf is a NaN ...
+    qs[:, 5] = 1  # ... but at input 5, where every weight is positive
+    # an input where no output before 90 has a zero weight: inf there makes NaN at 90 only
+    k = next(k for k in range(6, Q4_ODD[1]) if bool((qs[:90, k] != 0).all()))
     weight = Q8Weight.from_packed(PackedWeight(QuantType.Q8_0, qs, scales, None), exact)
-    for rows in (*BF16_ROWS, 600):
+    for rows in (*BF16_ROWS, 600, 1200):  # 600: two of q8_f32_mm's passes; 1200: AMX's
         x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
         x[0] = x[0].abs()  # the tie at 17, 50, 100 is the maximum: 17
         if rows > 4:
-            x[1] = math.inf  # NaN at 3: the first NaN
+            x[1] = 0.0
+            x[1, k] = math.inf  # +-inf everywhere but NaN at 90 (and later): 90
             x[2] = 0.0  # every logit 0: index 0
-            x[3] = -math.inf  # -inf where weights are positive, NaN at 3
+            x[3] = 0.0
+            x[3, 5] = -math.inf  # every logit -inf: index 0
             x[4] = 1e-30  # tiny, ties again
         y, ids = with_argmax(x, weight.qs, weight.d)
         torch.testing.assert_close(y, plain(x, weight.qs, weight.d), rtol=0, atol=0, equal_nan=True)
         assert torch.equal(ids, y.argmax(dim=1))
         assert ids[0] == 17
+        if rows > 4:
+            assert ids[1:4].tolist() == [90, 0, 0] and bool((y[3] == -math.inf).all())
         logits = weight.matmul(x)
         assert torch.equal(kernels.taken_argmax(logits), ids)
         assert kernels.taken_argmax(logits) is None  # once

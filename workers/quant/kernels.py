@@ -115,7 +115,7 @@ _taken = threading.local()
 
 def remember_argmax(x: torch.Tensor, indices: torch.Tensor) -> None:
     """Record ``indices``, ``x.argmax(dim=1)`` as a kernel took it while writing ``x``
-    (the fast mode's LM head, ``Q8Weight``), for ``taken_argmax``."""
+    (a Q8_0 LM head, ``Q8Weight``), for ``taken_argmax``."""
     _taken.last = (weakref.ref(x), indices)
 
 
@@ -123,7 +123,7 @@ def taken_argmax(x: torch.Tensor) -> torch.Tensor | None:
     """The indices ``remember_argmax`` recorded for this very tensor on this thread (once;
     then None), else None. The caller asks right after the kernel returned ``x``, before
     anything can write into it: 64 rows of logits are 12.6 MB, whose ``argmax_rows``
-    takes ~0.6 ms."""
+    took 0.45-0.7 ms of a step."""
     taken = getattr(_taken, "last", None)
     _taken.last = None
     return taken[1] if taken is not None and taken[0]() is x else None

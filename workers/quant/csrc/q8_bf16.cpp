@@ -133,7 +133,8 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
       dq = block_d(dp + (tile * nb + b) * 16);
     };
     if constexpr (std::is_same_v<Y, float>)
-      if (argmax != nullptr) return amx_rows<false>(xp, T, K, nullptr, tiles, yp, expand, scales, argmax);
+      if (argmax != nullptr)
+        return amx_rows<false>(xp, T, K, nullptr, tiles, yp, expand, scales, argmax);
     return amx_rows<false>(xp, T, K, nullptr, tiles, yp, expand, scales);
   }
   if (T <= kDirectRows) {
@@ -204,6 +205,7 @@ torch::Tensor q8_product(const char* name, const torch::Tensor& x, const torch::
   const int8_t* qp = qs.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   if (ids != nullptr) {
+    TORCH_CHECK(N > 0, name, ": no outputs to take the argmax of");
     TileArgmax argmax(T);
     q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>(), &argmax);
     *ids = torch::empty({T}, x.options().dtype(torch::kInt64));

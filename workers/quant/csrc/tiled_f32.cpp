@@ -241,6 +241,7 @@ torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const tor
   const int64_t nb = s.nb;
   const auto make_tile = [=](int64_t tile) { return Q8Tile(qp, dp, tile, nb); };
   if (ids != nullptr) {
+    TORCH_CHECK(s.N > 0, name, ": no outputs to take the argmax of");
     TileArgmax argmax(s.T);
     tiled_rows(x, s, y, make_tile, &argmax);
     *ids = torch::empty({s.T}, x.options().dtype(torch::kInt64));
