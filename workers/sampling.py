@@ -239,6 +239,8 @@ class Sampler:
     ) -> _Prepared:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if argmax is not None and tuple(argmax.shape) != (len(rows),):
+            raise ValueError(f"argmax {tuple(argmax.shape)} does not match {len(rows)} rows")
         work = [i for i, row in enumerate(rows) if not _is_plain_greedy(row)]
         if not work:
             # The hot path: the float32 cast cannot change an argmax, so it is skipped.

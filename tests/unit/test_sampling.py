@@ -78,6 +78,22 @@ def test_greedy_is_torch_argmax_including_ties_and_bf16():
     assert got[3] == 10 and got[4] == 0
 
 
+def test_a_given_argmax_stands_for_the_greedy_rows_and_must_fit_them():
+    """``argmax`` (the head's own, ``kernels.taken_argmax``) is what plain greedy rows
+    take, its indices as given; rows that sample or are penalised compute their own."""
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    given = torch.tensor([7, 8, 9])  # not x's argmax: shows that the rows took it
+    greedy, penalised = (
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+    )
+    got = Sampler().sample(x, [row(greedy), row(penalised), row(greedy)], argmax=given)
+    assert [r.token_id for r in got] == [7, int(x[1].argmax()), 9]
+    assert given.tolist() == [7, 8, 9]  # the caller's tensor is not written into
+    with pytest.raises(ValueError, match=r"^argmax \(2,\) does not match 3 rows$"):
+        Sampler().sample(x, [row(greedy)] * 3, argmax=given[:2])
+
+
 def test_same_key_same_token_whatever_the_batch():
     x = torch.zeros(1, 1000)  # uniform: the token is decided by the noise alone
     p = SamplingParams(temperature=1.0, top_p=0.9)
