@@ -306,9 +306,9 @@ class Metrics:
                 ("engine_first_token", timings.accepted, timings.first_token),
                 ("relay", timings.first_token, first_token),
             )
-            for phase, begin, end in marks:
-                if begin is not None and end is not None:
-                    self.phases.labels(phase).observe(max(end - begin, 0.0))
+            for phase, begin, until in marks:
+                if begin is not None and until is not None:
+                    self.phases.labels(phase).observe(max(until - begin, 0.0))
         self.e2e.observe(end - arrival)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

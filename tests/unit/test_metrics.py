@@ -82,3 +82,8 @@ def test_the_time_to_first_token_is_split_into_phases():
         "engine_first_token": 1.0,
         "relay": 0.125,
     }
+    # the phases do not stand in for the request's own end: e2e 13 - 10, TPOT (13 - 12.125) / 2
+    samples = {s[0]: s[2] for s in _samples(metrics.render(None)) if s[0].endswith("_sum")}
+    assert samples["tessera_e2e_request_latency_seconds_sum"] == 3.0
+    assert samples["tessera_time_to_first_token_seconds_sum"] == 2.125
+    assert samples["tessera_time_per_output_token_seconds_sum"] == 0.4375
