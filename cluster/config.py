@@ -218,8 +218,12 @@ class ClusterConfig(EngineSettings):
     )
 
     # -- health and autoscaling
+    # 1 s, not 0.25: each report wakes the scheduler and the worker, and with the
+    # worker's threads spinning on every core that cost a one-sequence decode step
+    # ~0.5 ms of ~8 (docs/architecture.md); placement tracks ongoing requests itself,
+    # so reports only refresh the prefix index, KV usage, health and autoscaling.
     report_interval_s: float = Field(
-        0.25, gt=0, description="seconds between the scheduler's load reports from workers"
+        1.0, gt=0, description="seconds between the scheduler's load reports from workers"
     )
     health_timeout_s: float = Field(
         5.0, gt=0, description="a worker that does not answer a report in this long is unhealthy"
