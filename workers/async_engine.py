@@ -61,6 +61,11 @@ def release_openmp_pool() -> None:
         pause(2)  # omp_pause_hard
 
 
+class EngineClosedError(RuntimeError):
+    """The ``AsyncEngine`` was closed: raised by a stream whose request was still in
+    flight (it was aborted, its blocks freed) and by ``add_request`` after ``close``."""
+
+
 class AsyncEngine:
     """The engine thread runs steps back to back while there is work, and hands each
     step's outputs to the event loop (``call_soon_threadsafe``); it never waits for the
@@ -207,6 +212,8 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Validate and start a request (errors raise here, before any output), then
         return an async iterator over its output deltas (of all ``n`` outputs)."""
+        if self._closing:
+            raise EngineClosedError(f"the engine is closed: request {request_id!r} not started")
         request = self.engine.add_request(
             request_id, prompt, sampling, priority, cache_salt, resume
         )
@@ -242,11 +249,22 @@ class AsyncEngine:
         return self.engine.stats()
 
     async def close(self) -> None:
-        """Stop the step loop after the step running now (if any)."""
+        """Stop the step loop after the step running now (if any). A request still in
+        flight is aborted (its blocks go back at once) and its stream raises
+        ``EngineClosedError``; so does ``add_request`` from now on."""
         with self._lock:
             self._closing = True
         self._work.set()
         await asyncio.get_running_loop().run_in_executor(self._thread, lambda: None)  # drained
+        # the last step's outputs were handed to this loop before the line above returned
+        # (the same loop's callbacks, in order): what is open now gets no more
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort(request_id)  # no step runs: freed now
+            stream.put_nowait(
+                EngineClosedError(f"the engine closed with request {request_id!r} in flight")
+            )
+        self._streams.clear()
+        self._open.clear()
         self._thread.shutdown(wait=False)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tessera.workers.api import FinishReason, Phase, SamplingParams
-from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.async_engine import AsyncEngine, EngineClosedError
 from tests.helpers import run_engine, text_of, tokens_of
 
 pytestmark = pytest.mark.slow
@@ -216,6 +216,23 @@ async def test_async_api_streams_and_abort_on_early_exit(make_engine):
     assert engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks
     assert "z" not in engine.engine.groups
     await engine.close()
+
+
+async def test_close_ends_the_streams_in_flight_and_frees_their_blocks(make_engine):
+    engine = AsyncEngine(make_engine())
+    long = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    stream = await engine.add_request("open", "Tell me a story.", long)
+    first = await anext(stream)
+    assert first.token_ids and not first.finished
+    await engine.close()
+    with pytest.raises(EngineClosedError, match="the engine closed with request 'open' in flight"):
+        async for _ in stream:
+            pass
+    assert "open" not in engine.engine.groups
+    assert engine.engine.kv.num_free_blocks == engine.engine.kv.pool.num_blocks
+    with pytest.raises(EngineClosedError, match="the engine is closed: request 'late' not started"):
+        await engine.add_request("late", "Hello", long)
+    assert "late" not in engine.engine.groups
 
 
 async def test_every_step_runs_on_the_thread_that_built_the_engine(make_engine):
