@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "rows.h"
 #include "tiled_layouts.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -42,8 +43,6 @@
 #endif
 
 namespace tessera {
-
-int64_t argmax_row_of(const float* x, int64_t n);  // rows.cpp: argmax_rows' answer for a row
 
 namespace {
 

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "rows.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define TESSERA_ROWS_AVX512 1

@@ -11,8 +11,8 @@
 // ranges in column order: each row's maximum at its smallest column, as argmax_rows gives
 // it. A row holding a NaN is read again whole by argmax_row (its first NaN), as
 // argmax_rows does. Included inside a kernel file's anonymous namespace, where AVX-512
-// is compiled in; the file includes <algorithm>, <limits>, <mutex> and <vector>, and
-// declares argmax_row_of (rows.cpp) in namespace tessera.
+// is compiled in; the file includes <algorithm>, <limits>, <mutex>, <vector> and rows.h
+// (argmax_row_of).
 
 class TileArgmax {
  public:

@@ -29,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "rows.h"
 #include "tiled_layouts.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -39,8 +40,6 @@
 #endif
 
 namespace tessera {
-
-int64_t argmax_row_of(const float* x, int64_t n);  // rows.cpp: argmax_rows' answer for a row
 
 namespace {
 
