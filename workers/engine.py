@@ -55,7 +55,7 @@ from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.outputs import aborted_outputs, beam_outputs, sequence_output
 from tessera.workers.parallel_tokens import choose_set, mean_distribution_logits
 from tessera.workers.quant.kernels import taken_argmax
-from tessera.workers.sampling import Sampler, SampleResult, SamplingRow
+from tessera.workers.sampling import Sampler, SampleResult, SamplingRow, TokenSpan
 from tessera.workers.sequence import Sequence, SequenceGroup
 from tessera.workers.speculative import DraftModel, Speculator, load_draft
 from tessera.workers.stop import StopStringMatcher
@@ -480,6 +480,7 @@ class Engine:
     def check_integrity(self) -> None:
         reserved = [r.blocks for r in self.handoff.reservations]  # incoming transfers
         self.kv.pool.check_integrity([*self.kv.tables.values(), *reserved])
+        self.kv.check_block_ids()
         held = set(self.kv.tables)
         running = {seq.seq_id for group in self.batcher.running for seq in group.seqs}
         waiting = {seq.seq_id for group in self.batcher.waiting for seq in group.seqs}
@@ -572,7 +573,7 @@ class Engine:
             seed=seq.seed,
             token_index=num_output,
             prompt_token_ids=seq.request.prompt_token_ids,
-            output_token_ids=seq.token_ids[seq.num_prompt_tokens : length],
+            output_token_ids=TokenSpan(seq.token_ids, seq.num_prompt_tokens, length),
             suppressed_token_ids=suppressed,
         )
 

@@ -65,6 +65,31 @@ def random_generator(
     return generator
 
 
+class TokenSpan(Sequence[int]):
+    """``tokens[start:stop]`` of a list, without copying it: the engine's
+    ``SamplingRow.output_token_ids`` (a slice per row and step was O(output) each; only
+    the rows with penalties read it). The list may grow past ``stop`` meanwhile."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):  # an int or a slice, as a list's
+        if isinstance(index, slice):
+            return self._tokens[self._start : self._stop][index]
+        size = self._stop - self._start
+        if not -size <= index < size:
+            raise IndexError(f"token index {index} out of range for {size} tokens")
+        return self._tokens[self._start + index % size]
+
+    def __iter__(self):
+        return iter(self._tokens[self._start : self._stop])
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one row of the logits (one token to sample)."""
@@ -113,7 +138,7 @@ def _flat_ids(
 
     One tensor build per sequence rather than a Python step per token.
     """
-    ids = torch.cat([torch.as_tensor(seq, dtype=torch.long) for seq in seqs])
+    ids = torch.cat([torch.as_tensor(list(seq), dtype=torch.long) for seq in seqs])
     starts = torch.tensor(rows, dtype=torch.long) * vocab
     offsets = torch.repeat_interleave(starts, torch.tensor([len(seq) for seq in seqs]))
     return (offsets + ids).to(device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.workers.kv.block_pool import BlockPool, FreeBlockQueue
-from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.kv.manager import KVCacheManager, Write
 
 
 def test_allocate_takes_from_head_in_id_order():
@@ -45,6 +45,37 @@ def test_allocation_that_does_not_fit_changes_nothing():
     assert "b" not in kv.tables or kv.block_ids("b") == []
     assert kv.pool.free_queue.ids() == [2]
     kv.check_integrity()
+
+
+def test_block_ids_follow_every_change_of_a_table():
+    """block_ids keeps its lists between steps: each change of a table drops its list."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.allocate("a", 6)
+    assert kv.block_ids("a") == [0, 1]
+    kv.write([Write("a", 6, 9)])  # a new block
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.fork("a", "b")  # shared
+    assert kv.block_ids("b") == [0, 1, 2]
+    kv.write([Write("b", 9, 10)])  # into the shared block 2: b's own copy, 3
+    assert kv.take_copies() == [(2, 3)]
+    assert (kv.block_ids("a"), kv.block_ids("b")) == ([0, 1, 2], [0, 1, 3])
+    kv.truncate("b", 8)
+    assert kv.block_ids("b") == [0, 1]
+    kv.check_integrity()
+    assert kv.reassign(["c"], ["a"], ["a", "b"]) == set()
+    assert (kv.block_ids("a"), kv.block_ids("b"), kv.block_ids("c")) == ([], [], [0, 1, 2])
+    kv.free("c")
+    assert kv.block_ids("c") == []
+    kv.check_integrity()
+
+
+def test_integrity_check_catches_block_ids_kept_past_a_change():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    assert kv.allocate("a", 4)
+    assert kv.block_ids("a") == [0]
+    kv.tables["a"] += kv.pool.allocate(1)  # behind the manager's back
+    with pytest.raises(AssertionError, match=r"a's kept block ids \[0\] are stale"):
+        kv.check_integrity()
 
 
 def test_free_queue_remove_from_middle_is_o1_and_keeps_order():

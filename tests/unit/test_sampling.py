@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.workers.api import SamplingParams
-from tessera.workers.sampling import Sampler, SamplingRow, random_generator
+from tessera.workers.sampling import Sampler, SamplingRow, TokenSpan, random_generator
 
 # Upper 0.1% points of the chi-square distribution (alpha = 0.001), keyed by degrees of
 # freedom. The seeds are fixed, so a pass is deterministic; alpha is the chance that a
@@ -281,3 +281,13 @@ def test_cuda_matches_cpu_distribution_and_is_batch_independent(logits):
     torch.testing.assert_close(Sampler().probs(logits.cuda(), rows).cpu(), cpu)
     alone = Sampler().sample(logits[1:2].cuda(), rows[1:2])[0].token_id
     assert Sampler().sample(logits.cuda(), rows)[1].token_id == alone
+
+
+def test_a_token_span_reads_as_the_slice_it_stands_for():
+    tokens = [5, 6, 7, 8, 9]
+    span = TokenSpan(tokens, 1, 4)
+    tokens.append(10)  # the list grows past the span (the engine appends the sampled token)
+    assert list(span) == [6, 7, 8] and len(span) == 3 and 7 in span and 9 not in span
+    assert (span[0], span[-1], span[1:]) == (6, 8, [7, 8])
+    with pytest.raises(IndexError, match="token index 3 out of range for 3 tokens"):
+        span[3]

@@ -44,6 +44,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[Block]] = {}
+        # block_ids' answers, each dropped whenever its table changes (most decode steps
+        # change none): rebuilding every table's id list each step was O(context)
+        self._ids: dict[str, list[int]] = {}
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) not yet applied
         self.num_queries = 0
         self.num_hits = 0
@@ -70,6 +73,7 @@ class KVCacheManager:
         if need > self.pool.num_free:
             return False
         self.tables.setdefault(seq_id, []).extend(self.pool.allocate(need))
+        self._ids.pop(seq_id, None)
         return True
 
     def find_cached(self, block_hashes: list[bytes], num_tokens: int) -> tuple[Block, ...]:
@@ -121,6 +125,7 @@ class KVCacheManager:
                 assert not table and w.start == len(w.hits) * bs, "hits only start a table"
                 self.pool.share(w.hits)
                 table.extend(w.hits)
+                self._ids.pop(w.seq_id, None)
         for w in writes:
             table = self.tables[w.seq_id]
             for i in range(w.start // bs, min(len(table), blocks_needed(w.end, bs))):
@@ -131,9 +136,11 @@ class KVCacheManager:
                     self.copies.append((block.block_id, copy.block_id))
                     self.pool.free([block])
                     table[i] = copy
+                    self._ids.pop(w.seq_id, None)
             missing = blocks_needed(w.end, bs) - len(table)
             if missing > 0:  # most decode steps' tokens fit the last block
                 table.extend(self.pool.allocate(missing))
+                self._ids.pop(w.seq_id, None)
 
     def cache_blocks(self, seq_id: str, block_hashes: list[bytes], start: int, end: int) -> None:
         """Register the table's blocks ``start..end-1`` (full and computed) by hash."""
@@ -155,6 +162,7 @@ class KVCacheManager:
         if table is None:
             return False
         self.tables[child_id] = table
+        self._ids.pop(child_id, None)
         return True
 
     def reassign(
@@ -177,6 +185,7 @@ class KVCacheManager:
         for seq_id in released:
             if seq_id in taken:
                 del self.tables[seq_id]
+                self._ids.pop(seq_id, None)
             else:
                 self.free(seq_id)
         missing = set()
@@ -186,6 +195,7 @@ class KVCacheManager:
                 missing.add(seq_id)
             else:
                 self.tables[seq_id] = table
+                self._ids.pop(seq_id, None)
         return missing
 
     def _fork_table(self, table: list[Block], share: bool) -> list[Block] | None:
@@ -209,17 +219,27 @@ class KVCacheManager:
         if len(table) > keep:
             dropped = table[keep:]
             del table[keep:]
+            self._ids.pop(seq_id, None)
             assert all(b.ref_count == 1 and b.block_hash is None for b in dropped), dropped
             self.pool.free(reversed(dropped))
 
     def free(self, seq_id: str) -> None:
         """Release the sequence's blocks, tail first (so its tail is reused first)."""
         table = self.tables.pop(seq_id, None)
+        self._ids.pop(seq_id, None)
         if table:
             self.pool.free(reversed(table))
 
     def block_ids(self, seq_id: str) -> list[int]:
-        return [block.block_id for block in self.tables.get(seq_id, ())]
+        """The ids of ``seq_id``'s table, in order (empty without one). The list is
+        kept until the table changes: callers read it and never change it."""
+        ids = self._ids.get(seq_id)
+        if ids is None:
+            table = self.tables.get(seq_id)
+            if table is None:
+                return []
+            ids = self._ids[seq_id] = [block.block_id for block in table]
+        return ids
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(
@@ -232,3 +252,11 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.tables.values())
+        self.check_block_ids()
+
+    def check_block_ids(self) -> None:
+        """Every list ``block_ids`` kept is its table's ids as they are now."""
+        for seq_id, ids in self._ids.items():
+            table = self.tables.get(seq_id)
+            assert table is not None, f"block ids kept for {seq_id}, which has no table"
+            assert ids == [b.block_id for b in table], f"{seq_id}'s kept block ids {ids} are stale"
