@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -100,8 +101,24 @@ def local_ray_env() -> dict[str, str]:
     return env
 
 
+#: Where ``_free_port`` looks: below Linux's ephemeral range (32768-60999), whose ports
+#: every Ray process binds as it starts (a port the OS had picked for us before
+#: ``ray.init`` was once taken by one of them before Serve bound it, and ``tessera
+#: serve`` failed), and below Serve's direct-ingress ports (30000 up).
+PICKED_PORTS = range(20000, 30000)
+
+
 def _free_port() -> int:
-    """A port free on every interface now (the OS's pick)."""
+    """A port of ``PICKED_PORTS`` free on every interface now, from a random start (two
+    servers starting at once rarely try the same); the OS's pick if none is."""
+    start = random.randrange(len(PICKED_PORTS))
+    for i in range(len(PICKED_PORTS)):
+        port = PICKED_PORTS[(start + i) % len(PICKED_PORTS)]
+        try:
+            with socket.create_server(("", port)):
+                return port
+        except OSError:
+            continue
     with socket.create_server(("", 0)) as sock:
         return sock.getsockname()[1]
 
