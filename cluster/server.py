@@ -39,9 +39,9 @@ APP_NAME = "tessera"
 #: controller at ~2.8% of a core (and GCS at ~1.7%): with the worker's threads on every
 #: core, that background slowed the engine by ~14% (docs/architecture.md).
 SERVE_CONTROL_LOOP_S = "0.5"
-#: How often a Serve replica hands its cached request counters to Ray's metrics
-#: (``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS``): Serve's 100 ms woke every replica ten
-#: times a second; Ray exports its metrics every 10 s anyway.
+#: How often a Serve replica (and router) hands its cached request counters to Ray's
+#: metrics (``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS``): Serve's 100 ms woke every replica
+#: ten times a second; Ray exports its metrics every 10 s anyway.
 SERVE_METRICS_EXPORT_MS = "1000"
 #: How often Ray's log monitor looks for new log files (``LOG_NAME_UPDATE_INTERVAL_S``,
 #: Ray's default 0.5 s); lines of files it knows are still read as they come.
@@ -91,36 +91,44 @@ def local_ray_env() -> dict[str, str]:
     if haproxy_available():
         env["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"
-        for name in (
+        names = (
             "RAY_SERVE_HAPROXY_STATS_PORT",
             "RAY_SERVE_HAPROXY_METRICS_PORT",
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
-        ):
-            env[name] = str(_free_port())
+        )
+        for name, port in zip(names, _free_ports(len(names)), strict=True):
+            env[name] = str(port)
     return env
 
 
-#: Where ``_free_port`` looks: below Linux's ephemeral range (32768-60999), whose ports
+#: Where ``_free_ports`` looks: below Linux's ephemeral range (32768-60999), whose ports
 #: every Ray process binds as it starts (a port the OS had picked for us before
 #: ``ray.init`` was once taken by one of them before Serve bound it, and ``tessera
 #: serve`` failed), and below Serve's direct-ingress ports (30000 up).
 PICKED_PORTS = range(20000, 30000)
 
 
-def _free_port() -> int:
-    """A port of ``PICKED_PORTS`` free on every interface now, from a random start (two
-    servers starting at once rarely try the same); the OS's pick if none is."""
+def _free_ports(count: int) -> list[int]:
+    """``count`` different ports of ``PICKED_PORTS``, each free on every interface now,
+    from a random start (two servers starting at once rarely try the same); the OS's
+    picks for those the range cannot give."""
+    ports: list[int] = []
     start = random.randrange(len(PICKED_PORTS))
-    for i in range(len(PICKED_PORTS)):
-        port = PICKED_PORTS[(start + i) % len(PICKED_PORTS)]
-        try:
-            with socket.create_server(("", port)):
-                return port
-        except OSError:
-            continue
-    with socket.create_server(("", 0)) as sock:
-        return sock.getsockname()[1]
+    with contextlib.ExitStack() as held:  # each pick stays bound until all are made
+        for i in range(len(PICKED_PORTS)):
+            if len(ports) == count:
+                break
+            port = PICKED_PORTS[(start + i) % len(PICKED_PORTS)]
+            try:
+                held.enter_context(socket.create_server(("", port)))
+            except OSError:
+                continue
+            ports.append(port)
+        while len(ports) < count:
+            sock = held.enter_context(socket.create_server(("", 0)))
+            ports.append(sock.getsockname()[1])
+    return ports
 
 
 def front_door_text() -> str:

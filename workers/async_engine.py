@@ -63,7 +63,8 @@ def release_openmp_pool() -> None:
 
 class EngineClosedError(RuntimeError):
     """The ``AsyncEngine`` was closed: raised by a stream whose request was still in
-    flight (it was aborted, its blocks freed) and by ``add_request`` after ``close``."""
+    flight (it was aborted, its blocks freed), and by ``add_request`` and ``run`` after
+    ``close``."""
 
 
 class AsyncEngine:
@@ -97,6 +98,8 @@ class AsyncEngine:
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on the engine thread (after the step running there, if any)."""
+        if self._closing:
+            raise EngineClosedError("the engine is closed: it runs no more calls")
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._stepping:
@@ -258,14 +261,19 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(self._thread, lambda: None)  # drained
         # the last step's outputs were handed to this loop before the line above returned
         # (the same loop's callbacks, in order): what is open now gets no more
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort(request_id)  # no step runs: freed now
-            stream.put_nowait(
-                EngineClosedError(f"the engine closed with request {request_id!r} in flight")
-            )
-        self._streams.clear()
-        self._open.clear()
-        self._thread.shutdown(wait=False)
+        try:
+            for request_id, stream in list(self._streams.items()):
+                try:
+                    self.engine.abort(request_id)  # no step runs: freed now
+                except Exception:  # the others still end
+                    logger.exception("aborting %s as the engine closed failed", request_id)
+                stream.put_nowait(
+                    EngineClosedError(f"the engine closed with request {request_id!r} in flight")
+                )
+        finally:
+            self._streams.clear()
+            self._open.clear()
+            self._thread.shutdown(wait=False)
 
 
 @dataclass(slots=True)

@@ -138,9 +138,10 @@ def _flat_ids(
 
     One tensor build per sequence rather than a Python step per token.
     """
-    ids = torch.cat([torch.as_tensor(list(seq), dtype=torch.long) for seq in seqs])
+    lists = [list(seq) for seq in seqs]  # each read once (a TokenSpan reads its list)
+    ids = torch.cat([torch.as_tensor(ids, dtype=torch.long) for ids in lists])
     starts = torch.tensor(rows, dtype=torch.long) * vocab
-    offsets = torch.repeat_interleave(starts, torch.tensor([len(seq) for seq in seqs]))
+    offsets = torch.repeat_interleave(starts, torch.tensor([len(ids) for ids in lists]))
     return (offsets + ids).to(device)
 
 

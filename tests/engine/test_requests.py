@@ -233,6 +233,8 @@ async def test_close_ends_the_streams_in_flight_and_frees_their_blocks(make_engi
     with pytest.raises(EngineClosedError, match="the engine is closed: request 'late' not started"):
         await engine.add_request("late", "Hello", long)
     assert "late" not in engine.engine.groups
+    with pytest.raises(EngineClosedError, match="the engine is closed: it runs no more calls"):
+        await engine.run(lambda: None)
 
 
 async def test_every_step_runs_on_the_thread_that_built_the_engine(make_engine):

@@ -72,8 +72,10 @@ class KVCacheManager:
         need = self.num_new_blocks(seq_id, num_tokens)
         if need > self.pool.num_free:
             return False
-        self.tables.setdefault(seq_id, []).extend(self.pool.allocate(need))
-        self._ids.pop(seq_id, None)
+        table = self.tables.setdefault(seq_id, [])
+        if need:  # a draft model asks every step, mostly for nothing
+            table.extend(self.pool.allocate(need))
+            self._ids.pop(seq_id, None)
         return True
 
     def find_cached(self, block_hashes: list[bytes], num_tokens: int) -> tuple[Block, ...]:
