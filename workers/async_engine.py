@@ -254,7 +254,7 @@ class AsyncEngine:
     async def close(self) -> None:
         """Stop the step loop after the step running now (if any). A request still in
         flight is aborted (its blocks go back at once) and its stream raises
-        ``EngineClosedError``; so does ``add_request`` from now on."""
+        ``EngineClosedError``; so do ``add_request`` and ``run`` from now on."""
         with self._lock:
             self._closing = True
         self._work.set()

@@ -21,7 +21,7 @@ Logprobs are always those of the raw logits (before penalties and temperature).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +78,7 @@ class TokenSpan(Sequence[int]):
     def __len__(self) -> int:
         return self._stop - self._start
 
-    def __getitem__(self, index):  # an int or a slice, as a list's
+    def __getitem__(self, index: int | slice) -> int | list[int]:  # as a list's
         if isinstance(index, slice):
             return self._tokens[self._start : self._stop][index]
         size = self._stop - self._start
@@ -86,7 +86,7 @@ class TokenSpan(Sequence[int]):
             raise IndexError(f"token index {index} out of range for {size} tokens")
         return self._tokens[self._start + index % size]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._tokens[self._start : self._stop])
 
 
