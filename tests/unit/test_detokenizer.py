@@ -8,7 +8,7 @@ import random
 import pytest
 import transformers
 
-from tessera.workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from tessera.workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_bytes
 from tessera.workers.stop import StopStringMatcher
 
 TEXTS = [
@@ -29,15 +29,47 @@ def tok():
     )
 
 
-def stream(tok, ids, prompt=(), skip_special_tokens=True):
-    detok = IncrementalDetokenizer(tok, list(prompt), skip_special_tokens)
+class WindowOnly:
+    """The tokenizer's decode alone: no byte table, so the window path runs."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, token_ids, skip_special_tokens=False):
+        return self.tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(params=["bytes", "window"])
+def path(request, tok):
+    """Which of the detokenizer's two paths a test runs (the real tokenizer takes the
+    byte table's)."""
+    return request.param
+
+
+def stream(tok, ids, prompt=(), skip_special_tokens=True, path="bytes"):
+    decoder = tok if path == "bytes" else WindowOnly(tok)
+    detok = IncrementalDetokenizer(decoder, list(prompt), skip_special_tokens)
+    assert (detok._bytes is not None) == (path == "bytes")
     return [detok.push(t) for t in ids], detok.flush()
 
 
+def test_the_byte_table_spells_every_id_as_decode_does(tok):
+    table = token_bytes(tok, skip_special_tokens=False)
+    assert table is not None and len(table) == len(tok)
+    for token_id in (0, 1, 2, 200, 1000, 30000, len(tok) - 1):
+        assert table[token_id].decode("utf-8", "replace") == tok.decode([token_id])
+    skipped = token_bytes(tok, skip_special_tokens=True)
+    special = sorted(i for i, added in tok.added_tokens_decoder.items() if added.special)
+    assert len(special) == 17  # the file's added tokens, <|endoftext|> to <empty_output>
+    assert [i for i, data in enumerate(skipped) if not data] == special
+    assert token_bytes(WindowOnly(tok), skip_special_tokens=True) is None
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_pushes_concatenate_to_decode_and_never_split_a_char(tok, text):
+def test_pushes_concatenate_to_decode_and_never_split_a_char(tok, text, path):
     ids = tok.encode(text, add_special_tokens=False)
-    pushes, tail = stream(tok, ids, prompt=tok.encode("User: say something\nAssistant:"))
+    prompt = tok.encode("User: say something\nAssistant:")
+    pushes, tail = stream(tok, ids, prompt=prompt, path=path)
     assert "".join(pushes) + tail == tok.decode(ids, skip_special_tokens=True) == text
     assert tail == ""
     assert not any(REPLACEMENT_CHAR in p for p in pushes)
@@ -45,35 +77,48 @@ def test_pushes_concatenate_to_decode_and_never_split_a_char(tok, text):
         assert tok.decode(ids[:n]).startswith("".join(pushes[:n]))
 
 
-def test_split_characters_are_held_back_then_released_whole(tok):
+def test_split_characters_are_held_back_then_released_whole(tok, path):
     ids = tok.encode("🎉", add_special_tokens=False)
     assert len(ids) > 1  # the byte-level BPE splits it: the case under test
-    pushes, _ = stream(tok, ids)
+    pushes, _ = stream(tok, ids, path=path)
     assert pushes == [""] * (len(ids) - 1) + ["🎉"]
 
 
-def test_flush_emits_an_invalid_tail_as_replacement(tok):
+def test_flush_emits_an_invalid_tail_as_replacement(tok, path):
     partial = tok.encode("🎉", add_special_tokens=False)[:1]
-    pushes, tail = stream(tok, tok.encode("ok ", add_special_tokens=False) + partial)
+    pushes, tail = stream(tok, tok.encode("ok ", add_special_tokens=False) + partial, path=path)
     assert "".join(pushes) == "ok "
     assert tail == tok.decode(partial) == REPLACEMENT_CHAR
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_special_tokens_follow_skip_special_tokens(tok, skip):
+def test_special_tokens_follow_skip_special_tokens(tok, skip, path):
     ids = tok.encode("<|im_start|>assistant\nHi there<|im_end|>", add_special_tokens=False)
     assert tok.eos_token_id in ids or set(ids) & set(tok.all_special_ids)
-    pushes, tail = stream(tok, ids, skip_special_tokens=skip)
+    pushes, tail = stream(tok, ids, skip_special_tokens=skip, path=path)
     assert "".join(pushes) + tail == tok.decode(ids, skip_special_tokens=skip)
 
 
-def test_random_token_streams_match_decode(tok):
+def test_random_token_streams_match_decode(tok, path):
     rng = random.Random(0)
     ordinary = [t for t in range(200, len(tok)) if REPLACEMENT_CHAR not in tok.decode([t])]
     for _ in range(20):
         ids = rng.choices(ordinary, k=30)
-        pushes, tail = stream(tok, ids)
+        pushes, tail = stream(tok, ids, path=path)
         assert "".join(pushes) + tail == tok.decode(ids)
+
+
+def test_byte_path_matches_decode_on_any_ids_even_broken_utf8(tok):
+    """Ids whose bytes split characters, or make no valid UTF-8 at all: the byte path's
+    lossy decoding replaces the same bytes as the tokenizer's own."""
+    rng = random.Random(2)
+    broken = [t for t in range(len(tok)) if REPLACEMENT_CHAR in tok.decode([t])]
+    assert len(broken) > 50
+    for _ in range(200):
+        ids = rng.choices(broken, k=rng.randint(1, 6)) + rng.choices(range(len(tok)), k=3)
+        rng.shuffle(ids)
+        pushes, tail = stream(tok, ids, skip_special_tokens=False)
+        assert "".join(pushes) + tail == tok.decode(ids, skip_special_tokens=False), ids
 
 
 class CountingDecoder:
