@@ -73,8 +73,21 @@ class Batcher:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         index = 0
+        planned = False  # whether some item did not take the decode path below
         while index < len(self.running) and budget > 0:
             group = self.running[index]
+            if len(group.seqs) == 1:  # most groups: a decode needs no plan (nor a block)
+                seq = group.seqs[0]
+                start = seq.num_computed_tokens
+                if start == len(seq.token_ids) - 1 and self.kv.append_slot(seq.seq_id, start):
+                    batch.items.append((seq, 1))
+                    # its phase, as the loop at the end sets the others'
+                    has_output = len(seq.token_ids) > seq.num_prompt_tokens
+                    seq.phase = Phase.DECODE if has_output else Phase.PREFILL
+                    budget -= 1
+                    index += 1
+                    continue
+            planned = True
             writes = self._plan(group, budget)
             if writes is None:
                 index += 1  # its lockstep step does not fit what is left of the budget
@@ -101,9 +114,14 @@ class Batcher:
             bisect.insort(self.running, group, key=_key)
             width += group.width
             budget -= self._apply(group, writes, batch)
+            planned = True
+        if not planned:  # decodes only (the steady state): phases set, one token each
+            return batch
         for seq, n in batch.items:
-            reaches_end = seq.num_computed_tokens + n == seq.num_tokens
-            seq.phase = Phase.DECODE if reaches_end and seq.num_output_tokens else Phase.PREFILL
+            num_tokens = len(seq.token_ids)
+            reaches_end = seq.num_computed_tokens + n == num_tokens
+            decoding = reaches_end and num_tokens > seq.num_prompt_tokens  # has output
+            seq.phase = Phase.DECODE if decoding else Phase.PREFILL
         # Single-token sequences first: the attention backend batches them as decodes.
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch

@@ -69,6 +69,25 @@ def test_block_ids_follow_every_change_of_a_table():
     kv.check_integrity()
 
 
+def test_append_slot_adds_a_block_only_where_write_would_and_refuses_the_rest():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    assert not kv.append_slot("a", 0)  # no table yet: write takes the prefix cache's hits
+    assert kv.allocate("a", 3)
+    assert kv.block_ids("a") == [0]
+    assert kv.append_slot("a", 3)  # in the last block: nothing to add
+    assert kv.block_ids("a") == [0]
+    assert kv.append_slot("a", 4)  # starts a block
+    assert kv.block_ids("a") == [0, 1]
+    assert not kv.append_slot("a", 12)  # two blocks short: write adds both
+    assert kv.fork("a", "b")
+    assert not kv.append_slot("b", 5)  # into a shared block: write copies it
+    assert kv.block_ids("b") == [0, 1] and not kv.take_copies()
+    assert kv.allocate("c", 8)  # the pool's last two blocks
+    assert not kv.append_slot("c", 8)  # no free block: the scheduler preempts
+    assert kv.block_ids("c") == [2, 3]
+    kv.check_integrity()
+
+
 def test_integrity_check_catches_block_ids_kept_past_a_change():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     assert kv.allocate("a", 4)
