@@ -44,7 +44,7 @@ from tessera.workers.api import (
 )
 from tessera.workers.batcher import Batcher
 from tessera.workers.config import EngineConfig
-from tessera.workers.detokenizer import IncrementalDetokenizer
+from tessera.workers.detokenizer import IncrementalDetokenizer, token_bytes
 from tessera.workers.forks import Forks
 from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
@@ -140,6 +140,9 @@ class Engine:
         self.grammars = structured.Grammars(
             self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
+        # the detokenizer's byte table (~0.1 s, once per tokenizer): built here rather
+        # than in the first request's step
+        token_bytes(self.tokenizer, skip_special_tokens=True)
         draft = None
         if config.draft_model is not None:
             drafter = load_draft(config.draft_model, self.loaded, config.dtype, config.device)
@@ -300,14 +303,6 @@ class Engine:
         # the sampler gets other rows the argmax follows them or is dropped
         argmax = taken_argmax(logits)
         bs = self.kv.block_size
-        for seq, n in batch.items:
-            first_full = seq.num_computed_tokens // bs
-            seq.num_computed_tokens += n
-            if seq.num_output_tokens == 0:
-                self._prompt_tokens += n
-            # block_hashes cover real tokens only: never a block holding drafts
-            last_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
-            self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
         outputs: list[RequestOutput] = []
         sampled: list[Sequence] = []
         # each sampled sequence's next-token logits: a row of ``logits`` (the common
@@ -315,17 +310,28 @@ class Engine:
         next_logits: list[int | torch.Tensor] = []
         verifying: list[tuple[Sequence, torch.Tensor]] = []
         offset = 0
-        for (seq, _), chunk in zip(batch.items, chunks, strict=True):
+        for (seq, n), chunk in zip(batch.items, chunks, strict=True):
+            first_full = seq.num_computed_tokens // bs
+            seq.num_computed_tokens += n
+            if len(seq.token_ids) == seq.num_prompt_tokens:  # no output yet
+                self._prompt_tokens += n
+            # block_hashes cover real tokens only: never a block holding drafts
+            last_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
+            if last_full > first_full:  # (a decode fills a block once every block_size steps)
+                self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
             count = len(chunk.logits_rows)
             if not count:
                 continue
             offset += count
-            if count == 1 and not seq.num_draft and not seq.wants_prompt_logprobs(chunk.start):
+            prompt_logprobs = seq.prompt_logprobs is not None and seq.wants_prompt_logprobs(
+                chunk.start
+            )
+            if count == 1 and not seq.num_draft and not prompt_logprobs:
                 sampled.append(seq)
                 next_logits.append(offset - 1)
                 continue
             seq_logits = logits[offset - count : offset]
-            if seq.wants_prompt_logprobs(chunk.start):
+            if prompt_logprobs:
                 seq_logits = self._prompt_logprobs(seq, chunk, seq_logits)
                 if seq_logits is None:
                     continue  # a prompt chunk that samples nothing yet
@@ -336,7 +342,7 @@ class Engine:
                 # after a parallel set: the mean of its members' distributions
                 merged = seq_logits[0] if count == 1 else mean_distribution_logits(seq_logits)
                 next_logits.append(merged)
-        if verifying or len(sampled) != len(logits):  # else every row, in order
+        if verifying or len(sampled) != offset:  # else every row of logits, in order
             if all(isinstance(row, int) for row in next_logits):
                 index = torch.tensor(next_logits, dtype=torch.long, device=logits.device)
                 logits = logits.index_select(0, index)
@@ -350,6 +356,11 @@ class Engine:
         targets: list[tuple[SequenceGroup, Sequence]] = []
         logit_rows: list[int] = []
         for group in dict.fromkeys(self.groups[s.request.request_id] for s in sampled):
+            if len(group.seqs) == 1 and group.width == 1 and group.beam is None:
+                (seq,) = group.seqs  # most groups: one sequence that neither forks nor beams
+                targets.append((group, seq))
+                logit_rows.append(rows[id(seq)])
+                continue
             if group.beam is not None:
                 outputs += self._beam_step(group, logits[[rows[id(s)] for s in group.seqs]])
                 continue
@@ -562,31 +573,34 @@ class Engine:
     def _sampling_row(self, seq: Sequence, length: int | None = None) -> SamplingRow:
         """The row that samples the token after the first ``length`` tokens (default:
         all of them) of ``seq``."""
-        params = seq.request.sampling
-        length = seq.num_tokens if length is None else length
+        request = seq.request
+        params = request.sampling
+        length = len(seq.token_ids) if length is None else length
         num_output = length - seq.num_prompt_tokens
         suppressed: tuple[int, ...] = ()
         if num_output < params.min_tokens:
             suppressed = self._end_token_ids(params)
-        return SamplingRow(
-            params=params,
-            seed=seq.seed,
-            token_index=num_output,
-            prompt_token_ids=seq.request.prompt_token_ids,
-            output_token_ids=TokenSpan(seq.token_ids, seq.num_prompt_tokens, length),
-            suppressed_token_ids=suppressed,
+        return SamplingRow(  # positional, in field order: built per row and step
+            params,
+            seq.seed,
+            num_output,  # token_index
+            request.prompt_token_ids,
+            TokenSpan(seq.token_ids, seq.num_prompt_tokens, length),  # output_token_ids
+            suppressed,
         )
 
     def _append_token(
         self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: TokenLogprob | None
     ) -> None:
         params = seq.request.sampling
-        seq.token_ids.append(token_id)
+        token_ids = seq.token_ids
+        token_ids.append(token_id)
         grammar = seq.grammar
         eos = token_id in self.model_config.eos_token_ids
         if grammar is not None and not eos and not grammar.consume_token(token_id):
             logger.error("grammar refused token %d: %s", token_id, grammar.get_error())  # a bug
-        self._update_hashes(seq)
+        if len(token_ids) % self.kv.block_size == 0:  # a block filled: hash it
+            self._update_hashes(seq)
         seq.phase = Phase.DECODE
         self._generated_tokens += 1
         seq.pending_token_ids.append(token_id)
@@ -594,17 +608,17 @@ class Engine:
             seq.cumulative_logprob += logprob.logprob
             if params.logprobs is not None:
                 seq.pending_logprobs.append(logprob)
-        if not params.ignore_eos and token_id in self.model_config.eos_token_ids:
-            self._finish(group, seq, FinishReason.STOP, token_id)
-            return
-        if token_id in params.stop_token_ids:
+        if (eos and not params.ignore_eos) or token_id in params.stop_token_ids:
             self._finish(group, seq, FinishReason.STOP, token_id)
             return
         text, matched = seq.stop_matcher.feed(seq.detokenizer.push(token_id))
         seq.pending_text += text
         if matched is not None:
             self._finish(group, seq, FinishReason.STOP, matched)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (
+            len(token_ids) - seq.num_prompt_tokens >= params.max_tokens
+            or len(token_ids) >= self.max_model_len
+        ):
             self._finish(group, seq, FinishReason.LENGTH)
 
     def _finish(

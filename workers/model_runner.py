@@ -33,9 +33,9 @@ from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.llama import LlamaModel
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a step builds one per sequence, in half the time
 class Chunk:
-    """New tokens of one sequence for one forward pass.
+    """New tokens of one sequence for one forward pass (read-only once built).
 
     The tokens go to cache indices ``start .. start + len(token_ids) - 1`` of the
     sequence's block table (which must already hold them); attention then covers
@@ -63,7 +63,7 @@ class Chunk:
             raise ValueError(f"{len(self.positions)} positions for {n} tokens")
         if self.mask is not None and tuple(self.mask.shape) != (n, self.start + n):
             raise ValueError(f"mask {tuple(self.mask.shape)}, expected ({n}, {self.start + n})")
-        if any(not 0 <= row < n for row in self.logits_rows):
+        if self.logits_rows and any(not 0 <= row < n for row in self.logits_rows):
             raise ValueError(f"logits_rows {list(self.logits_rows)} not in [0, {n})")
 
     @property
@@ -86,6 +86,30 @@ DECODE_SPLIT_TOKENS = 8
 #: against 422). The fast mode's float16 cache splits: 16 prompts of 128 tokens took
 #: 1695 ms split against 1949 ms op by op.
 NATIVE_SPLIT_CONTEXT = 1024
+
+
+def int64_tensors(values: list[int], sizes: Seq[int], device: torch.device) -> list[torch.Tensor]:
+    """``values`` cut into int64 tensors of ``sizes`` on ``device``, through one host
+    array (64 decodes' ~2,000 integers: ~25 us, against ~200 for ``torch.tensor``).
+
+    On a GPU: one tensor, one copy to the device, and views of it. On the CPU: each
+    piece is a tensor straight over the array (``frombuffer`` at its offset). Right
+    after a forward pass the code of each kind of torch op is cold (the forward evicted
+    it from the caches), so a step pays ~10-75 us for the first op of each kind and ~2
+    for the next ones: one ``frombuffer`` per piece (~30 us in all) beat a ``frombuffer``,
+    ``to`` and ``split`` (~110 us).
+    """
+    data = array.array("q", values)
+    if device.type != "cpu":
+        return list(torch.frombuffer(data, dtype=torch.int64).to(device).split(list(sizes)))
+    pieces, offset = [], 0
+    for size in sizes:
+        if size:
+            pieces.append(torch.frombuffer(data, dtype=torch.int64, count=size, offset=offset * 8))
+        else:  # (frombuffer takes no empty piece)
+            pieces.append(torch.empty(0, dtype=torch.int64))
+        offset += size
+    return pieces
 
 
 class ModelRunner:
@@ -140,20 +164,28 @@ class ModelRunner:
         # (every K/V of the step is written before attention reads it); other chunks
         # are one entry each. Decode entries go first: the backend batches them.
         entries: list[tuple[int, int, int]] = []  # (chunk, first token, tokens)
-        split_all = self.native_prompts and all(
-            c.mask is None
-            and (len(c.token_ids) <= DECODE_SPLIT_TOKENS or c.end <= NATIVE_SPLIT_CONTEXT)
-            for c in chunks
-        )
+        split_all: bool | None = None  # every chunk splits: asked at a chunk of several tokens
+        whole = False  # whether some chunk is one entry of several tokens
         for i, chunk in enumerate(chunks):
             n = len(chunk.token_ids)
+            if chunk.mask is None and n == 1:
+                entries.append((i, 0, 1))
+                continue
+            if split_all is None:
+                split_all = self.native_prompts and all(
+                    c.mask is None
+                    and (len(c.token_ids) <= DECODE_SPLIT_TOKENS or c.end <= NATIVE_SPLIT_CONTEXT)
+                    for c in chunks
+                )
             if chunk.mask is None and (n <= DECODE_SPLIT_TOKENS or split_all):
                 entries += [(i, row, 1) for row in range(n)]
             else:
                 entries.append((i, 0, n))
-        entries.sort(key=lambda entry: entry[2] != 1)
+                whole = True
+        if whole:
+            entries.sort(key=lambda entry: entry[2] != 1)
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(len(entries)) and all(e[2] == 1 for e in entries):
+        if graphs is not None and not whole and graphs.fits(len(entries)):
             return self._static_decode(chunks, entries)
         bs = self.block_size
         input_ids: list[int] = []
@@ -198,10 +230,8 @@ class ModelRunner:
         logits_rows = [
             first_row[i] + r for i, chunk in enumerate(chunks) for r in chunk.logits_rows
         ]
-        # Every integer input in one host list, one tensor (one copy to a device), and
-        # views of it: seven tensors built from lists took ~0.15 ms a step. The tensor
-        # wraps an int64 array of the list (64 decodes' ~1,150 integers: 16 us against
-        # torch.tensor's 55).
+        # Every integer input in one host list, then one array (``int64_tensors``):
+        # seven tensors built from lists took ~0.15 ms a step.
         width = max(len(t) for t in tables)
         flat = input_ids + positions + slots + query_start + seq_lens + logits_rows
         for t in tables:
@@ -209,20 +239,9 @@ class ModelRunner:
             flat += [PAD_BLOCK_ID] * (width - len(t))
         num_rows, num_seqs = len(input_ids), len(seq_lens)
         dev = self.device
+        sizes = (num_rows, num_rows, num_rows, num_seqs + 1, num_seqs, len(logits_rows))
         ids_t, positions_t, slot_mapping, query_start_t, seq_lens_t, rows_t, tables_t = (
-            torch.frombuffer(array.array("q", flat), dtype=torch.int64)
-            .to(dev)
-            .split(
-                [
-                    num_rows,
-                    num_rows,
-                    num_rows,
-                    num_seqs + 1,
-                    num_seqs,
-                    len(logits_rows),
-                    num_seqs * width,
-                ]
-            )
+            int64_tensors(flat, (*sizes, num_seqs * width), dev)
         )
         block_tables = tables_t.view(num_seqs, width)
         native = self.native_decode and num_decodes == len(entries)

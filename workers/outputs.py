@@ -13,22 +13,25 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
     """What ``seq`` produced since its last delta (and clear it); ``index`` overrides
     the output index (``best_of`` ranks children)."""
     params = seq.request.sampling
+    # positional, in RequestOutput's field order: its frozen __init__ took 2.0 us a
+    # delta (one per sequence and step) with keywords, 1.4 without
     output = RequestOutput(
-        request_id=seq.request.request_id,
-        text=seq.pending_text,
-        token_ids=tuple(seq.pending_token_ids),
-        logprobs=tuple(seq.pending_logprobs) if params.logprobs is not None else None,
-        prompt_logprobs=_take_prompt_logprobs(seq),
-        finished=seq.finished,
-        finish_reason=seq.finish_reason,
-        prompt_tokens=seq.num_prompt_tokens,
-        completion_tokens=seq.num_output_tokens,
-        stop_reason=seq.stop_reason,
-        index=seq.index if index is None else index,
-        cumulative_logprob=seq.cumulative_logprob if params.num_samples > 1 else None,
-        seed=seq.seed,
-        parallel_sets=tuple(seq.pending_sets) if params.parallel_tokens is not None else None,
-        speculative=seq.spec.stats() if seq.spec is not None else None,
+        seq.request.request_id,  # request_id
+        seq.pending_text,  # text
+        tuple(seq.pending_token_ids),  # token_ids
+        tuple(seq.pending_logprobs) if params.logprobs is not None else None,  # logprobs
+        seq.finish_reason is not None,  # finished
+        seq.finish_reason,  # finish_reason
+        seq.num_prompt_tokens,  # prompt_tokens
+        len(seq.token_ids) - seq.num_prompt_tokens,  # completion_tokens
+        seq.stop_reason,  # stop_reason
+        seq.index if index is None else index,  # index
+        seq.cumulative_logprob if params.num_samples > 1 else None,  # cumulative_logprob
+        None,  # score (beam search's)
+        seq.seed,  # seed
+        tuple(seq.pending_sets) if params.parallel_tokens is not None else None,  # sets
+        seq.spec.stats() if seq.spec is not None else None,  # speculative
+        None if seq.prompt_logprobs is None else _take_prompt_logprobs(seq),  # prompt_logprobs
     )
     seq.pending_text = ""
     seq.pending_token_ids = []

@@ -160,9 +160,9 @@ class Sequence:
         start = self.num_computed_tokens
         end = start + n
         rows: range | tuple[int, ...] = ()
-        if self.wants_prompt_logprobs(start):  # every row: each predicts the next token
-            rows = range(n)
-        elif end == self.num_tokens:
+        if self.prompt_logprobs is not None and self.wants_prompt_logprobs(start):
+            rows = range(n)  # every row: each predicts the next token
+        elif end == len(self.token_ids):
             last = 1
             if self.num_draft:
                 last = self.num_draft + 1
