@@ -54,8 +54,14 @@ from tessera.workers.model.loader import LoadedModel, load_model
 from tessera.workers.model_runner import Chunk, ModelRunner
 from tessera.workers.outputs import aborted_outputs, beam_outputs, sequence_output
 from tessera.workers.parallel_tokens import choose_set, mean_distribution_logits
-from tessera.workers.quant.kernels import taken_argmax
-from tessera.workers.sampling import Sampler, SampleResult, SamplingRow, TokenSpan
+from tessera.workers.quant.kernels import argmax_rows, taken_argmax
+from tessera.workers.sampling import (
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    TokenSpan,
+    argmax_only,
+)
 from tessera.workers.sequence import Sequence, SequenceGroup
 from tessera.workers.speculative import DraftModel, Speculator, load_draft
 from tessera.workers.stop import StopStringMatcher
@@ -315,9 +321,9 @@ class Engine:
             seq.num_computed_tokens += n
             if len(seq.token_ids) == seq.num_prompt_tokens:  # no output yet
                 self._prompt_tokens += n
-            # block_hashes cover real tokens only: never a block holding drafts
-            last_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
-            if last_full > first_full:  # (a decode fills a block once every block_size steps)
+            if seq.num_computed_tokens // bs > first_full:  # a block filled (a decode: 1 in bs)
+                # block_hashes cover real tokens only: never a block holding drafts
+                last_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
                 self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
             count = len(chunk.logits_rows)
             if not count:
@@ -352,15 +358,22 @@ class Engine:
                 argmax = None
         for seq, seq_logits in verifying:
             outputs += self._verify(self.groups[seq.request.request_id], seq, seq_logits)
-        rows: dict[int, int] = {id(seq): i for i, seq in enumerate(sampled)}
         targets: list[tuple[SequenceGroup, Sequence]] = []
         logit_rows: list[int] = []
-        for group in dict.fromkeys(self.groups[s.request.request_id] for s in sampled):
+        rows: dict[int, int] = {}  # id(seq) -> its row, once a group of several needs it
+        taken: set[int] = set()  # (ids of) the groups of several sequences, each taken once
+        # every group looked up first: a beam search may end (and leave self.groups) below
+        groups = [self.groups[seq.request.request_id] for seq in sampled]
+        for row, (seq, group) in enumerate(zip(sampled, groups, strict=True)):
             if len(group.seqs) == 1 and group.width == 1 and group.beam is None:
-                (seq,) = group.seqs  # most groups: one sequence that neither forks nor beams
-                targets.append((group, seq))
-                logit_rows.append(rows[id(seq)])
+                targets.append((group, seq))  # most groups: one sequence, no forks or beams
+                logit_rows.append(row)
                 continue
+            if id(group) in taken:
+                continue
+            taken.add(id(group))
+            if not rows:
+                rows = {id(s): i for i, s in enumerate(sampled)}
             if group.beam is not None:
                 outputs += self._beam_step(group, logits[[rows[id(s)] for s in group.seqs]])
                 continue
@@ -387,8 +400,12 @@ class Engine:
                 matchers = [targets[i][1].grammar for i in constrained]
                 self.grammars.apply(logits, constrained, matchers)
                 argmax = None
-            sampling_rows = [self._sampling_row(s) for _, s in targets]
-            results = self.sampler.sample(logits, sampling_rows, argmax)
+            if all(seq.argmax_only for _, seq in targets):  # what the sampler would answer
+                token_ids = (argmax_rows(logits) if argmax is None else argmax).tolist()
+                results = [SampleResult(token_id, None) for token_id in token_ids]
+            else:
+                sampling_rows = [self._sampling_row(s) for _, s in targets]
+                results = self.sampler.sample(logits, sampling_rows, argmax)
             for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
                 if seq.request.sampling.parallel_tokens is not None:
                     self._append_set(group, seq, result, logits[i])
@@ -539,6 +556,7 @@ class Engine:
         if sampling.structured is not None:
             replay = resume.token_ids if resume is not None else ()
             seq.grammar = self.grammars.matcher(sampling.structured, replay)
+        seq.argmax_only = argmax_only(sampling) and sampling.parallel_tokens is None
         self._update_hashes(seq)
         self.speculator.start(seq)
         if seq.grammar is not None:

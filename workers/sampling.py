@@ -120,6 +120,22 @@ def _has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether every token a request with ``params`` samples is the argmax of its logits
+    row, with no logprob: greedy, and no logit bias, penalties, ``min_tokens``
+    (suppression), ``logprobs`` or ``n > 1``. ``Sampler.sample`` answers that for such a
+    row whatever else its ``SamplingRow`` holds, so the engine takes the argmax without
+    building one."""
+    return (
+        params.greedy
+        and not params.logit_bias
+        and not _has_penalties(params)
+        and params.min_tokens == 0
+        and params.logprobs is None
+        and params.num_samples == 1
+    )
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (

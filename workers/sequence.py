@@ -95,6 +95,9 @@ class Sequence:
     grammar: Any = None
     # len(request.prompt_token_ids), read several times per sequence and step
     num_prompt_tokens: int = field(init=False)
+    # Its tokens are its logits rows' argmax (``sampling.argmax_only``, and no parallel
+    # tokens): the engine samples it without a SamplingRow. Set at admission.
+    argmax_only: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.request.prompt_token_ids)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from tessera.workers.api import SamplingParams
-from tessera.workers.sampling import Sampler, SamplingRow, TokenSpan, random_generator
+from tessera.workers.sampling import (
+    Sampler,
+    SamplingRow,
+    TokenSpan,
+    argmax_only,
+    random_generator,
+)
 
 # Upper 0.1% points of the chi-square distribution (alpha = 0.001), keyed by degrees of
 # freedom. The seeds are fixed, so a pass is deterministic; alpha is the chance that a
@@ -92,6 +98,34 @@ def test_a_given_argmax_stands_for_the_greedy_rows_and_must_fit_them():
     assert given.tolist() == [7, 8, 9]  # the caller's tensor is not written into
     with pytest.raises(ValueError, match=r"^argmax \(2,\) does not match 3 rows$"):
         Sampler().sample(x, [row(greedy)] * 3, argmax=given[:2])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"temperature": 0.5},
+        {"logit_bias": ((3, 5.0),)},
+        {"repetition_penalty": 1.2},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"min_tokens": 2},
+        {"logprobs": 0},
+        {"n": 2},
+        {"best_of": 2},
+        {"beam_width": 2},
+    ],
+)
+def test_argmax_only_rows_are_exactly_the_plain_greedy_ones(kw):
+    """What ``argmax_only`` promises the engine: such a row's token is the argmax and it
+    carries no logprob, whatever its row says; every other setting is not argmax-only."""
+    params = SamplingParams(**{"temperature": 0.0, **kw})
+    assert argmax_only(params) == (kw == {})
+    x = torch.randn(2, 100, generator=torch.Generator().manual_seed(3))
+    rows = [row(params, seed=5, token_index=0, output_token_ids=(1, 2, 3))] * 2
+    if argmax_only(params):
+        expected = [(int(x[0].argmax()), None), (int(x[1].argmax()), None)]
+        assert Sampler().sample(x, rows) == expected
 
 
 def test_same_key_same_token_whatever_the_batch():
