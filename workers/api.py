@@ -446,7 +446,7 @@ class SpeculativeStats:
         return self.tokens / self.steps if self.steps else 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
     """One delta of a request's output stream.
 
@@ -454,6 +454,9 @@ class RequestOutput:
     last delta of each output has ``finished`` set, a ``finish_reason`` and the usage
     counts; a request with ``n`` outputs is over after ``n`` finished deltas (one per
     ``index``). Beam search and ``best_of`` send each output whole, in one delta.
+
+    Read-only by contract, not frozen: the engine builds one per sequence and step, and
+    a frozen one took 1.4 us to build against 0.2 (as vLLM's, a delta is not hashable).
     """
 
     request_id: str

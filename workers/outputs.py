@@ -13,8 +13,8 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
     """What ``seq`` produced since its last delta (and clear it); ``index`` overrides
     the output index (``best_of`` ranks children)."""
     params = seq.request.sampling
-    # positional, in RequestOutput's field order: its frozen __init__ took 2.0 us a
-    # delta (one per sequence and step) with keywords, 1.4 without
+    # positional, in RequestOutput's field order: 0.2 us a delta (one per sequence and
+    # step) against 0.5 with keywords
     output = RequestOutput(
         seq.request.request_id,  # request_id
         seq.pending_text,  # text
