@@ -77,13 +77,14 @@ def token_bytes(tokenizer: Decoder, skip_special_tokens: bool) -> list[bytes] | 
     """Each token id's bytes (``b""`` for one ``skip_special_tokens`` drops) where the
     tokenizer decodes any ids to their bytes' concatenation read as UTF-8 (lossy), else
     None. Built once per tokenizer (~70 ms) and checked id by id against its own decode:
-    any id whose single decode differs leaves the tokenizer on the window path."""
+    any id whose single decode differs leaves the tokenizer on the window path, and so
+    does a tokenizer that cannot be weakly referenced (where it could not be kept)."""
     try:
         tables = _TOKEN_BYTES[tokenizer]
     except KeyError:
         tables = _TOKEN_BYTES[tokenizer] = _build_token_bytes(tokenizer)
-    except TypeError:  # not weakly referenceable: built each time
-        tables = _build_token_bytes(tokenizer)
+    except TypeError:  # not weakly referenceable: no table rather than one per request
+        return None
     if tables is None:
         return None
     return tables[1] if skip_special_tokens else tables[0]
@@ -123,8 +124,11 @@ def _build_token_bytes(tokenizer: Decoder) -> tuple[list[bytes], list[bytes]] | 
 class IncrementalDetokenizer:
     """Turns one sequence's output tokens into text deltas.
 
-    ``push`` returns only complete characters; text ending in U+FFFD is held until a
-    later token completes it or ``flush`` is called at the end of the sequence.
+    ``push`` returns only complete characters: the bytes of a character not yet complete
+    (the byte path), or text ending in U+FFFD (the window path), are held until a later
+    token completes it or ``flush`` ends the sequence. Bytes that can begin no character
+    come out as U+FFFD at once on the byte path, one token later on the window path; the
+    text in all is the same.
     """
 
     def __init__(

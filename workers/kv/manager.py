@@ -82,8 +82,9 @@ class KVCacheManager:
         """Make ``seq_id``'s table ready for one token at cache index ``index`` (a
         decode) where that needs at most a new block: True, the table holds the slot;
         False, nothing changed, and ``write`` must do it (no table yet, a shared block
-        to copy, or no free block). Equals ``write`` of ``Write(seq_id, index, index +
-        1)`` wherever it returns True, in a fifth of the time."""
+        to copy, no free block, or more than one block short). Equals ``write`` of
+        ``Write(seq_id, index, index + 1)`` wherever it returns True, in a fifth of the
+        time."""
         table = self.tables.get(seq_id)
         if not table:
             return False
