@@ -32,6 +32,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import tokenizers.decoders  # transformers' own dependency
+
 #: What decoding an incomplete UTF-8 sequence yields.
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as decoding context for the first output tokens (vLLM uses 5).
@@ -91,8 +93,6 @@ def token_bytes(tokenizer: Decoder, skip_special_tokens: bool) -> list[bytes] | 
 
 
 def _build_token_bytes(tokenizer: Decoder) -> tuple[list[bytes], list[bytes]] | None:
-    import tokenizers.decoders  # transformers' own dependency
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is None

@@ -20,10 +20,10 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
         seq.pending_text,  # text
         tuple(seq.pending_token_ids),  # token_ids
         tuple(seq.pending_logprobs) if params.logprobs is not None else None,  # logprobs
-        seq.finish_reason is not None,  # finished
+        seq.finished,  # finished
         seq.finish_reason,  # finish_reason
         seq.num_prompt_tokens,  # prompt_tokens
-        len(seq.token_ids) - seq.num_prompt_tokens,  # completion_tokens
+        seq.num_output_tokens,  # completion_tokens
         seq.stop_reason,  # stop_reason
         seq.index if index is None else index,  # index
         seq.cumulative_logprob if params.num_samples > 1 else None,  # cumulative_logprob

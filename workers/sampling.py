@@ -120,30 +120,27 @@ def _has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def _greedy_unchanged(params: SamplingParams) -> bool:
+    """Greedy on the logits as they are: no logit bias or penalties (suppression aside)."""
+    return params.greedy and not params.logit_bias and not _has_penalties(params)
+
+
+def _wants_logprob(params: SamplingParams) -> bool:
+    """A sampled token carries its logprob: asked for, or n > 1 (cumulative_logprob)."""
+    return params.logprobs is not None or params.num_samples > 1
+
+
 def argmax_only(params: SamplingParams) -> bool:
     """Whether every token a request with ``params`` samples is the argmax of its logits
     row, with no logprob: greedy, and no logit bias, penalties, ``min_tokens``
     (suppression), ``logprobs`` or ``n > 1``. ``Sampler.sample`` answers that for such a
     row whatever else its ``SamplingRow`` holds, so the engine takes the argmax without
     building one."""
-    return (
-        params.greedy
-        and not params.logit_bias
-        and not _has_penalties(params)
-        and params.min_tokens == 0
-        and params.logprobs is None
-        and params.num_samples == 1
-    )
+    return _greedy_unchanged(params) and params.min_tokens == 0 and not _wants_logprob(params)
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    params = row.params
-    return (
-        params.greedy
-        and not row.suppressed_token_ids
-        and not params.logit_bias
-        and not _has_penalties(params)
-    )
+    return _greedy_unchanged(row.params) and not row.suppressed_token_ids
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
@@ -370,11 +367,7 @@ class Sampler:
         rows that ask for logprobs or have n > 1 (for cumulative_logprob and best_of)."""
         ids = list(token_ids)
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
-        want = [
-            i
-            for i, row in enumerate(rows)
-            if row.params.logprobs is not None or row.params.num_samples > 1
-        ]
+        want = [i for i, row in enumerate(rows) if _wants_logprob(row.params)]
         if want:
             raw = torch.log_softmax(logits[want].to(torch.float32), dim=1)  # [L, V]
             index = torch.tensor([ids[i] for i in want], device=raw.device).unsqueeze(1)
