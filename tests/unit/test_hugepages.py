@@ -134,8 +134,10 @@ def test_without_huge_pages_nothing_moves(monkeypatch):
     model.requires_grad_(False)
     address = model.weight.data_ptr()
     assert move_to_huge_pages(model) == 0 and model.weight.data_ptr() == address
-    cache = huge_zeros((2, 3, 4096), torch.float16)
-    assert cache.shape == (2, 3, 4096) and not cache.any()
+    # 48 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping; a small
+    # tensor may share a heap region that something else in the process advised
+    cache = huge_zeros((2, 3, 4096 * 1024), torch.float16)
+    assert cache.shape == (2, 3, 4096 * 1024) and not cache.any()
     assert "hg" not in vm_flags(cache.data_ptr())
 
 
