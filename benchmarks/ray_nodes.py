@@ -64,10 +64,16 @@ class RayNodes:
         node.kill_all_processes(check_alive=False, allow_graceful=graceful, wait=True)
 
     def remove_all(self, timeout_s: float = 90.0) -> None:
-        """Remove what is left (gracefully), then wait until Ray lists every node
-        removed as dead: until then it would still place actors on a lost one."""
+        """Remove what is left (gracefully), one node at a time, each time waiting until
+        Ray lists every node removed as dead: until then it would still place actors on
+        a lost one. (Two nodes leaving at once once aborted the GCS, in its syncer's
+        gRPC streams to them: ray-project/ray#35432's class of crash.)"""
         for node in list(self.nodes):
             self.remove(node.node_id, graceful=True)
+            self._wait_removed_dead(timeout_s)
+        self._wait_removed_dead(timeout_s)
+
+    def _wait_removed_dead(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while any(n["NodeID"] in self.removed and n["Alive"] for n in ray.nodes()):
             if time.monotonic() > deadline:
