@@ -51,7 +51,14 @@ server (worker, Serve replica, proxy, controller, scheduler, Ray's own) spent in
 our runs: on a 2-core machine, what the front door takes from the worker. ``phase_ms``
 gives, per run, the mean milliseconds per request of each phase before its first token,
 from our server's ``/metrics`` (``tessera_request_phase_seconds``): validate, placement,
-start and relay are the front end's, engine_first_token the worker's. ``client_cpu_s``
+start and relay are the front end's, engine_first_token the worker's. ``step_ms``
+gives, per run of the server (its workers' ``tessera_worker_engine_*`` counters) and of
+the in-process engine (its stats), the mean step, its host part (outside the forward)
+and the mean step of decodes only: ``http_vs_engine`` compares the worker's steps with
+the in-process engine's (what the server's processes cost the engine), and
+``tpot_p50_vs_decode_step`` the p50 time per output token over HTTP with the worker's
+own decode step: at concurrency 1, what the way out adds to each token (at more, a
+stream's tokens also wait for the prompt steps of others). ``client_cpu_s``
 gives this process's own CPU seconds in each run (the HTTP client, on the same cores:
 what the in-process engine's runs do not pay).
 
@@ -402,8 +409,11 @@ def engine_settings(serve_args: list[str]):
     return config_from_args(parsed, ServeConfig).cluster_config().engine_config("cpu")
 
 
-def bench_engine(args, schedules: dict[float, list[Request]]) -> dict:
-    """Every schedule through the in-process engine, with the server's engine settings."""
+def bench_engine(
+    args, schedules: dict[float, list[Request]]
+) -> tuple[dict, dict[float, dict[str, float | None]]]:
+    """Every schedule through the in-process engine, with the server's engine settings:
+    its runs, and each run's ``step_means``."""
     import torch
 
     from tessera.workers.async_engine import AsyncEngine
@@ -413,15 +423,20 @@ def bench_engine(args, schedules: dict[float, list[Request]]) -> dict:
     config = engine_settings(args.serve_args)
     print(f"in-process engine: {config.dtype}, {args.engine_threads} threads", flush=True)
 
-    async def run() -> dict:
+    def counters(engine: AsyncEngine) -> dict[str, float]:
+        stats = engine.engine.stats()
+        return {name: getattr(stats, name) for name in STEP_COUNTERS}
+
+    async def run() -> tuple[dict, dict]:
         engine = AsyncEngine(Engine(config))
         warm = random.Random(f"{args.seed}-warm-up")
         try:
             for _ in range(args.warmup):
                 prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
                 await send_engine(engine, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
-            runs = {}
+            runs, steps = {}, {}
             for level, schedule in schedules.items():
+                before = counters(engine)
                 runs[level] = await run_schedule(
                     lambda request: send_engine(engine, request, args),
                     ENGINE.name,
@@ -429,8 +444,9 @@ def bench_engine(args, schedules: dict[float, list[Request]]) -> dict:
                     level,
                     args,
                 )
+                steps[level] = step_means(before, counters(engine))
                 await asyncio.sleep(args.cooldown_s)
-            return runs
+            return runs, steps
         finally:
             await engine.close()
 
@@ -462,12 +478,38 @@ def server_cpu(pid: int | None) -> collections.Counter:
     return seconds
 
 
-async def phase_totals(client: httpx.AsyncClient, target: Target) -> dict[str, list[float]]:
-    """phase -> [seconds, requests] so far, from our server's
-    ``tessera_request_phase_seconds`` (summed over its front-end replicas)."""
+#: The engine counters ``step_means`` reads: EngineStats' fields, and the names of the
+#: server's ``/metrics`` counters (summed over its workers) that carry them.
+STEP_COUNTERS = ("steps", "step_seconds", "host_seconds", "decode_steps", "decode_seconds")
+
+
+def step_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean step, host and decode-step milliseconds between two reads of the counters."""
+    moved = {name: after[name] - before[name] for name in STEP_COUNTERS}
+
+    def mean(seconds: str, steps: str) -> float | None:
+        return round(moved[seconds] / moved[steps] * 1000, 3) if moved[steps] else None
+
+    return {
+        "steps": int(moved["steps"]),
+        "step": mean("step_seconds", "steps"),
+        "host": mean("host_seconds", "steps"),
+        "decode_steps": int(moved["decode_steps"]),
+        "decode_step": mean("decode_seconds", "decode_steps"),
+    }
+
+
+async def server_totals(
+    client: httpx.AsyncClient, target: Target
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """From our server's ``/metrics``: phase -> [seconds, requests] so far
+    (``tessera_request_phase_seconds``, summed over its front-end replicas), and the
+    engine counters of ``STEP_COUNTERS`` (summed over its workers)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    engine = dict.fromkeys(STEP_COUNTERS, 0.0)
+    counter = {f"tessera_worker_engine_{name}_total": name for name in STEP_COUNTERS}
     response = await client.get(f"{target.url}/metrics")
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
@@ -475,7 +517,9 @@ async def phase_totals(client: httpx.AsyncClient, target: Target) -> dict[str, l
                 totals[sample.labels["phase"]][0] += sample.value
             elif sample.name == "tessera_request_phase_seconds_count":
                 totals[sample.labels["phase"]][1] += sample.value
-    return totals
+            elif sample.name in counter:
+                engine[counter[sample.name]] += sample.value
+    return totals, engine
 
 
 async def bench(args, schedules: dict[float, list[Request]]) -> dict:
@@ -500,7 +544,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 outcome = await send(client, target, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
                 if not outcome.ok:
                     raise SystemExit(f"warm-up request to {target.name} failed: {outcome.error}")
-        runs, cpu, phases, client_cpu = {}, {}, {}, {}
+        runs, cpu, phases, steps, client_cpu = {}, {}, {}, {}, {}
         for i, (rate, schedule) in enumerate(schedules.items()):
             for target in targets if i % 2 == 0 else targets[::-1]:
                 # let the last run's streams (or the warm-ups) settle: right after the
@@ -508,7 +552,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 await asyncio.sleep(args.cooldown_s)
                 before = server_cpu(args.server_pid if target.role == "ours" else None)
                 if target.role == "ours":
-                    phases_before = await phase_totals(client, target)
+                    phases_before, engine_before = await server_totals(client, target)
                 client_before = time.process_time()
                 runs[target.role, rate] = await run_schedule(
                     lambda request, target=target: send(client, target, request, args),
@@ -519,8 +563,10 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 )
                 client_cpu[target.role, rate] = round(time.process_time() - client_before, 2)
                 if target.role == "ours":
-                    await asyncio.sleep(2.5)  # every replica has published its counts
-                    after = await phase_totals(client, target)
+                    # every replica has published its counts, the worker reported its own
+                    await asyncio.sleep(2.5)
+                    after, engine_after = await server_totals(client, target)
+                    steps[rate] = step_means(engine_before, engine_after)
                     phases[rate] = {
                         phase: round((total - phases_before[phase][0]) / done * 1000, 2)
                         for phase, (total, count) in after.items()
@@ -535,6 +581,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
         "runs": runs,
         "server_cpu_s": cpu,
         "phase_ms": phases,
+        "step_ms": steps,
         "client_cpu_s": client_cpu,
     }
 
@@ -603,7 +650,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
 
     targets: list[Target] = result["targets"]
     key = args.load_key
-    rows, runs, ratios, versus_engine = [], [], [], []
+    rows, runs, ratios, versus_engine, steps = [], [], [], [], []
     for level, schedule in schedules.items():
         by_role = {}
         for target in targets:
@@ -629,6 +676,17 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
                     "ttft_p50": ratio(ours["ttft_p50_ms"], engine["ttft_p50_ms"]),
                     "tpot_p50": ratio(ours["tpot_p50_ms"], engine["tpot_p50_ms"]),
                 }
+            )
+        worker = result["step_ms"].get(level)
+        if worker is not None:
+            alone = result["engine_step_ms"].get(level, {})
+            steps.append(
+                {key: level, "worker": worker, "engine": alone or None}
+                | {
+                    f"worker_vs_engine_{name}": ratio(worker[name], alone.get(name))
+                    for name in ("step", "host", "decode_step")
+                }
+                | {"tpot_p50_vs_decode_step": ratio(ours["tpot_p50_ms"], worker["decode_step"])}
             )
     names = [t.name for t in targets]
 
@@ -705,6 +763,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
                 for (role, level), spent in result["client_cpu_s"].items()
             },
             "phase_ms": {str(level): ms for level, ms in result["phase_ms"].items()},
+            "step_ms": steps,
             "runs": runs,
         },
         plot,
@@ -721,8 +780,23 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             f"{key} {r[key]:g}: HTTP / in-process engine: output tok/s {fmt(r['out_tok_s'])}, "
             f"p50 TTFT {fmt(r['ttft_p50'])}, p50 TPOT {fmt(r['tpot_p50'])} (lower is better)"
         )
-    for level, ms in result["phase_ms"].items():
-        parts = ", ".join(f"{phase} {value:.1f}" for phase, value in ms.items())
+
+    def shown(figures: dict | None, name: str) -> str:
+        value = None if figures is None else figures[name]
+        return "n/a" if value is None else f"{value:.2f}"
+
+    for s in steps:
+        w, e = s["worker"], s["engine"]
+        print(
+            f"{key} {s[key]:g}: the worker's mean step {shown(w, 'step')} ms (host "
+            f"{shown(w, 'host')}), decode step {shown(w, 'decode_step')} ms; in-process "
+            f"{shown(e, 'step')} (host {shown(e, 'host')}), {shown(e, 'decode_step')}: worker / "
+            f"in-process {fmt(s['worker_vs_engine_step'])}, decode "
+            f"{fmt(s['worker_vs_engine_decode_step'])}; p50 TPOT over HTTP / the worker's "
+            f"decode step {fmt(s['tpot_p50_vs_decode_step'])}"
+        )
+    for level, phase_ms in result["phase_ms"].items():
+        parts = ", ".join(f"{phase} {value:.1f}" for phase, value in phase_ms.items())
         print(f"{key} {level:g}: mean ms per request before its first token: {parts}")
     for level, spent in result["server_cpu_s"].items():
         wall = result["runs"]["ours", level][1]
@@ -887,10 +961,10 @@ def main() -> None:
     if args.dry_run:
         print_schedule(schedules, args.load_key)
         return
-    engine_runs = {}
+    engine_runs, engine_steps = {}, {}
     if args.engine:  # first: the server is not up yet, so it has the cores to itself
         args.engine_settings = repr(engine_settings(args.serve_args))
-        engine_runs = bench_engine(args, schedules)
+        engine_runs, engine_steps = bench_engine(args, schedules)
     server = start_server(args) if args.start else None
     args.server_pid = server.pid if server is not None else None
     try:
@@ -901,6 +975,7 @@ def main() -> None:
     if engine_runs:
         result["targets"].append(ENGINE)
         result["runs"] |= {(ENGINE.role, level): run for level, run in engine_runs.items()}
+    result["engine_step_ms"] = engine_steps
     write_report(args, schedules, result)
 
 

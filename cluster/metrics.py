@@ -101,6 +101,26 @@ class _ClusterCollector(Collector):
                 lambda load: load.engine.prefix_cache.hits,
             ),
             "generated_tokens": ("tokens generated", lambda load: load.engine.generated_tokens),
+            "engine_steps": (
+                "engine steps that ran a batch",
+                lambda load: load.engine.steps,
+            ),
+            "engine_step_seconds": (
+                "time in those steps (over an interval, / engine_steps: the mean step)",
+                lambda load: load.engine.step_seconds,
+            ),
+            "engine_host_seconds": (
+                "of that time, outside the model's forward (scheduling, batch, sampling)",
+                lambda load: load.engine.host_seconds,
+            ),
+            "engine_decode_steps": (
+                "engine steps of decodes only (one token a sequence, no prompt token)",
+                lambda load: load.engine.decode_steps,
+            ),
+            "engine_decode_seconds": (
+                "time in those decode steps",
+                lambda load: load.engine.decode_seconds,
+            ),
             "kv_transfers": (
                 "KV transfers pulled into the worker",
                 lambda load: load.transfers.pulls,

@@ -426,6 +426,11 @@ def engine_load(stats: EngineStats, queued_prompt_tokens: int = 0) -> EngineLoad
             stats.spec_proposed, stats.spec_accepted, stats.spec_steps, stats.spec_tokens
         ),
         queued_prompt_tokens=queued_prompt_tokens,
+        steps=stats.steps,
+        step_seconds=stats.step_seconds,
+        host_seconds=stats.host_seconds,
+        decode_steps=stats.decode_steps,
+        decode_seconds=stats.decode_seconds,
     )
 
 

@@ -93,6 +93,14 @@ class EngineStats:
     #: seconds of those steps spent outside the model's forward (scheduling, building
     #: the batch, sampling, detokenizing, outputs): the host overhead, moving average
     recent_host_time: float = 0.0
+    #: seconds in every step that ran a batch so far, and of them outside the forward:
+    #: over an interval, ``step_seconds`` / ``steps`` is the mean step time exactly
+    step_seconds: float = 0.0
+    host_seconds: float = 0.0
+    #: of those steps, the ones of decodes only (one token a sequence, no prompt token),
+    #: and their seconds: a decode step's mean, which a stream's time per token follows
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
     spec_proposed: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # of them accepted
     spec_steps: int = 0  # verification steps (one per speculating sequence and step)
@@ -189,6 +197,10 @@ class Engine:
         self._peak_used_blocks = 0
         self._step_time = 0.0
         self._host_time = 0.0
+        self._step_seconds = 0.0  # totals of the steps that ran a batch
+        self._host_seconds = 0.0
+        self._decode_steps = 0  # of them, decodes only
+        self._decode_seconds = 0.0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -285,6 +297,7 @@ class Engine:
             if self._steps > steps:  # a batch ran
                 host = time.perf_counter() - started - self.runner.forward_time
                 self._host_time = host if steps == 0 else 0.8 * self._host_time + 0.2 * host
+                self._host_seconds += host
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
@@ -301,6 +314,7 @@ class Engine:
         if not batch.items:
             return []
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
+        prompt_tokens = self._prompt_tokens
         started = time.perf_counter()
         chunks = [seq.chunk(n) for seq, n in batch.items]
         logits = self.runner.execute(chunks)
@@ -414,6 +428,10 @@ class Engine:
                 outputs += self._emit(group, seq)
         elapsed = time.perf_counter() - started
         self._step_time = elapsed if not self._steps else 0.8 * self._step_time + 0.2 * elapsed
+        self._step_seconds += elapsed
+        if batch.num_tokens == len(batch.items) and self._prompt_tokens == prompt_tokens:
+            self._decode_steps += 1
+            self._decode_seconds += elapsed
         self._steps += 1
         self._batch_size_sum += len(batch.items)
         self._tokens_sum += batch.num_tokens
@@ -737,6 +755,10 @@ class Engine:
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
             recent_step_time=self._step_time,
             recent_host_time=self._host_time,
+            step_seconds=self._step_seconds,
+            host_seconds=self._host_seconds,
+            decode_steps=self._decode_steps,
+            decode_seconds=self._decode_seconds,
             spec_proposed=self.speculator.proposed,
             spec_accepted=self.speculator.accepted,
             spec_steps=self.speculator.steps,

@@ -66,6 +66,14 @@ class EngineLoad:
     # prompt tokens of its sequences not computed yet (waiting or partly prefilled): a
     # prefill worker's queue, which its pool scales by
     queued_prompt_tokens: int = 0
+    # counters (``EngineStats``): steps that ran a batch, ever; seconds in them; of
+    # those, outside the forward; the steps of decodes only and their seconds. Over an
+    # interval, seconds / steps is a mean step time
+    steps: int = 0
+    step_seconds: float = 0.0
+    host_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
 
 
 @dataclass(slots=True)

@@ -1046,6 +1046,14 @@ def test_metrics_parse_and_move(server):
         assert time.monotonic() < deadline, "the worker's generated tokens did not move"
         time.sleep(0.2)
         after = _samples(server)
+    # a prefill step and four decode steps at least (other tests' requests may add more)
+    steps = moved("tessera_worker_engine_steps_total", worker="mixed-0")
+    step_s = moved("tessera_worker_engine_step_seconds_total", worker="mixed-0")
+    host_s = moved("tessera_worker_engine_host_seconds_total", worker="mixed-0")
+    assert steps >= 5 and 0 < host_s < step_s, (steps, host_s, step_s)
+    decode_steps = moved("tessera_worker_engine_decode_steps_total", worker="mixed-0")
+    decode_s = moved("tessera_worker_engine_decode_seconds_total", worker="mixed-0")
+    assert 4 <= decode_steps < steps and 0 < decode_s < step_s, (decode_steps, decode_s)
     assert after[("tessera_worker_status", (("status", "healthy"), ("worker", "mixed-0")))] == 1
     assert after[("tessera_worker_total_kv_blocks", (("worker", "mixed-0"),))] == 256
     assert ("tessera_worker_kv_usage_ratio", (("worker", "mixed-0"),)) in after

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -180,18 +181,34 @@ def test_phases_are_observable(make_engine):
 
 
 def test_the_host_overhead_is_the_step_less_its_forward(make_engine):
-    """``recent_host_time``: what a step spends outside the model's forward."""
+    """``recent_host_time``: what a step spends outside the model's forward; the totals
+    ``step_seconds`` and ``host_seconds`` add up every step's."""
     engine = make_engine()
     engine.add_request("h", "word " * 30, SamplingParams(max_tokens=8, temperature=0))
-    assert engine.stats().recent_host_time == 0.0
+    stats = engine.stats()
+    assert stats.recent_host_time == stats.step_seconds == stats.host_seconds == 0.0
     started = time.perf_counter()
     engine.step()  # the first batch: the average is this step's own figure
     elapsed = time.perf_counter() - started
     forward = engine.runner.forward_time
     assert 0.0 < forward < elapsed
-    assert 0.0 < engine.stats().recent_host_time <= elapsed - forward
-    run_engine(engine)
-    assert 0.0 < engine.stats().recent_host_time < engine.stats().recent_step_time
+    stats = engine.stats()
+    assert 0.0 < stats.recent_host_time <= elapsed - forward
+    assert stats.host_seconds == stats.recent_host_time
+    assert forward < stats.step_seconds == stats.recent_step_time <= elapsed
+    host_times, step_times = [stats.host_seconds], [stats.step_seconds]
+    while engine.has_work():
+        engine.step()
+        stats = engine.stats()
+        host_times.append(stats.host_seconds)
+        step_times.append(stats.step_seconds)
+    assert stats.steps == 8  # the prompt's step, then one per further token
+    assert stats.decode_steps == 7  # all but the prompt's
+    assert stats.decode_seconds == pytest.approx(stats.step_seconds - step_times[0])
+    assert all(a < b for a, b in itertools.pairwise(host_times))  # each step adds its own
+    assert all(a < b for a, b in itertools.pairwise(step_times))
+    assert 0.0 < stats.recent_host_time < stats.recent_step_time
+    assert 0.0 < stats.host_seconds < stats.step_seconds <= time.perf_counter() - started
 
 
 async def test_async_api_streams_and_abort_on_early_exit(make_engine):
