@@ -13,6 +13,7 @@ process started it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -46,6 +47,11 @@ SERVE_METRICS_EXPORT_MS = "1000"
 #: How often Ray's log monitor looks for new log files (``LOG_NAME_UPDATE_INTERVAL_S``,
 #: Ray's default 0.5 s); lines of files it knows are still read as they come.
 LOG_NAME_UPDATE_S = "5"
+#: In a Ray that ``tessera serve`` starts: the nice value of its Ray actor processes
+#: (``RAY_worker_niceness``, Ray's default 15), so the workers start at it, and the one
+#: that ``yield_to_workers`` gives every other process of the server once it is up.
+WORKER_NICENESS = "0"
+FRONT_END_NICENESS = 19
 
 
 def haproxy_available() -> bool:
@@ -131,6 +137,56 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process under it, from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            children[ppid].append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children[pid]
+    return tree
+
+
+def yield_to_workers(root: int, niceness: int = FRONT_END_NICENESS) -> int:
+    """Give process ``root`` and every process under it but the workers the nice value
+    ``niceness``, as ``renice -n`` does (``setpriority`` on each process id: its main
+    thread, and the threads it starts from now on); return how many changed.
+
+    The workers (``ray::WorkerActor``) and Ray's idle worker processes (``ray::IDLE``,
+    which may become workers) keep theirs: ``WORKER_NICENESS`` where ``tessera serve``
+    started Ray. On a machine whose cores the workers' compute threads fill, every
+    wake-up of another process (Serve's replica, proxy, HAProxy and controller, the
+    scheduler, Ray's GCS, raylet and agents) preempted one of them, and each OpenMP
+    region waits for its slowest thread: with the rest at 19 and the worker at 0, HTTP
+    gave 349.9 / 425.2 and 380.2 / 469.3 tok/s at 16 / 64 concurrent against 289.4 /
+    364.2 and 341.6 / 426.5 with every actor at Ray's 15 and Ray's own processes at 0
+    (alternating, 2-core Xeon). Only raising nice values: no privilege needed."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    changed = 0
+    for pid in _process_tree(root):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                title = cmdline.read().split(b"\0", 1)[0].decode(errors="replace")
+            if title.startswith(("ray::WorkerActor", "ray::IDLE")):
+                continue
+            if os.getpriority(os.PRIO_PROCESS, pid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, pid, niceness)
+                changed += 1
+        except OSError:  # gone meanwhile, or not ours to change
+            continue
+    return changed
+
+
 def front_door_text() -> str:
     """Which front door a Ray that this process started has, for the ready line."""
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
@@ -188,6 +244,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
     if local_ray:  # its processes get this environment
         for name, value in local_ray_env().items():
             os.environ.setdefault(name, value)
+        os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
     if owns_ray:
         _say("starting Ray ..." if config.address is None else f"joining Ray at {config.address}")
         ray.init(
@@ -225,6 +282,12 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
             cluster.worker_num_cpus, cluster.precision, cluster.device
         )
         door = f", behind {front_door_text()}" if local_ray else ""
+        if local_ray:
+            logger.info(
+                "%d of the server's processes now at nice %d",
+                yield_to_workers(os.getpid()),
+                FRONT_END_NICENESS,
+            )
         _say(
             f"ready at {url}{grpc}{door} in {time.perf_counter() - start:.1f} s: model "
             f"{config.model_name!r}, {config.workers_text}, {precision}; try "
