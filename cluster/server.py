@@ -52,6 +52,9 @@ LOG_NAME_UPDATE_S = "5"
 #: that ``yield_to_workers`` gives every other process of the server once it is up.
 WORKER_NICENESS = "0"
 FRONT_END_NICENESS = 19
+#: How often the server gives that nice value again to processes started since (a Serve
+#: replica added, the scheduler restarted after a failure: they start at the workers').
+YIELD_PERIOD_S = 30.0
 
 
 def haproxy_available() -> bool:
@@ -296,7 +299,9 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         )
         try:
             while True:
-                time.sleep(3600)
+                time.sleep(YIELD_PERIOD_S if local_ray else 3600)
+                if local_ray:
+                    yield_to_workers(os.getpid())
         except KeyboardInterrupt:
             _say(f"draining (up to {config.graceful_shutdown_s:g} s for ongoing requests) ...")
         return 0

@@ -93,8 +93,9 @@ class EngineStats:
     #: seconds of those steps spent outside the model's forward (scheduling, building
     #: the batch, sampling, detokenizing, outputs): the host overhead, moving average
     recent_host_time: float = 0.0
-    #: seconds in every step that ran a batch so far, and of them outside the forward:
-    #: over an interval, ``step_seconds`` / ``steps`` is the mean step time exactly
+    #: seconds in every ``step`` call that ran a batch so far, and of them outside the
+    #: forward (``step_seconds`` less the forwards): over an interval,
+    #: ``step_seconds`` / ``steps`` is the mean step time exactly
     step_seconds: float = 0.0
     host_seconds: float = 0.0
     #: of those steps, the ones of decodes only (one token a sequence, no prompt token),
@@ -197,10 +198,11 @@ class Engine:
         self._peak_used_blocks = 0
         self._step_time = 0.0
         self._host_time = 0.0
-        self._step_seconds = 0.0  # totals of the steps that ran a batch
+        self._step_seconds = 0.0  # totals of the steps that ran a batch (``step``)
         self._host_seconds = 0.0
         self._decode_steps = 0  # of them, decodes only
         self._decode_seconds = 0.0
+        self._decode_only = False  # whether the last batch was decodes only
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -295,9 +297,14 @@ class Engine:
             outputs += self._run_batch()
             outputs += self._drain_inbox()  # aborts that arrived during the batch
             if self._steps > steps:  # a batch ran
-                host = time.perf_counter() - started - self.runner.forward_time
+                wall = time.perf_counter() - started
+                host = wall - self.runner.forward_time
                 self._host_time = host if steps == 0 else 0.8 * self._host_time + 0.2 * host
+                self._step_seconds += wall  # the totals: this whole call, host a part of it
                 self._host_seconds += host
+                if self._decode_only:
+                    self._decode_steps += 1
+                    self._decode_seconds += wall
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
@@ -428,10 +435,9 @@ class Engine:
                 outputs += self._emit(group, seq)
         elapsed = time.perf_counter() - started
         self._step_time = elapsed if not self._steps else 0.8 * self._step_time + 0.2 * elapsed
-        self._step_seconds += elapsed
-        if batch.num_tokens == len(batch.items) and self._prompt_tokens == prompt_tokens:
-            self._decode_steps += 1
-            self._decode_seconds += elapsed
+        self._decode_only = (
+            batch.num_tokens == len(batch.items) and self._prompt_tokens == prompt_tokens
+        )
         self._steps += 1
         self._batch_size_sum += len(batch.items)
         self._tokens_sum += batch.num_tokens
