@@ -89,7 +89,8 @@ class EngineStats:
     prefix_cache: PrefixCacheStats
     peak_used_blocks: int  # most blocks in use at any step so far
     shared_blocks: int  # blocks held by more than one sequence right now
-    recent_step_time: float  # seconds, moving average over the last steps that ran a batch
+    #: seconds a ``step`` call that ran a batch took, moving average over the last ones
+    recent_step_time: float
     #: seconds of those steps spent outside the model's forward (scheduling, building
     #: the batch, sampling, detokenizing, outputs): the host overhead, moving average
     recent_host_time: float = 0.0
@@ -297,10 +298,12 @@ class Engine:
             outputs += self._run_batch()
             outputs += self._drain_inbox()  # aborts that arrived during the batch
             if self._steps > steps:  # a batch ran
+                # every figure is of this whole call, so the host time is a part of it
                 wall = time.perf_counter() - started
                 host = wall - self.runner.forward_time
+                self._step_time = wall if steps == 0 else 0.8 * self._step_time + 0.2 * wall
                 self._host_time = host if steps == 0 else 0.8 * self._host_time + 0.2 * host
-                self._step_seconds += wall  # the totals: this whole call, host a part of it
+                self._step_seconds += wall
                 self._host_seconds += host
                 if self._decode_only:
                     self._decode_steps += 1
@@ -322,7 +325,6 @@ class Engine:
             return []
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
         prompt_tokens = self._prompt_tokens
-        started = time.perf_counter()
         chunks = [seq.chunk(n) for seq, n in batch.items]
         logits = self.runner.execute(chunks)
         # the rows' argmax where the LM head took it as it wrote them (a Q8_0 head on the
@@ -433,8 +435,6 @@ class Engine:
                 else:
                     self._append_token(group, seq, result.token_id, result.logprob)
                 outputs += self._emit(group, seq)
-        elapsed = time.perf_counter() - started
-        self._step_time = elapsed if not self._steps else 0.8 * self._step_time + 0.2 * elapsed
         self._decode_only = (
             batch.num_tokens == len(batch.items) and self._prompt_tokens == prompt_tokens
         )
