@@ -88,6 +88,11 @@ class Scheduler:
         self._placed = self._refused = self._failovers = 0
         # request id -> its prefill source's worker id, while the request is placed
         self._paired: dict[str, str] = {}
+        # True once every pool has had its starting workers healthy (or, restarted, the
+        # cluster it takes back was up): until then no idle worker is drained, since a
+        # pool that waits for its last workers to load is not idle, and ``wait_ready``
+        # waits for every starting worker.
+        self._up = False
         if self.restarted:  # nobody calls start() on a restarted actor: resume at once
             self._resuming = asyncio.get_running_loop().create_task(self.start())
 
@@ -98,7 +103,9 @@ class Scheduler:
             return
         # A restarted scheduler that finds no worker (its last incarnation died before
         # it started any, or every one is gone) starts the pools as a new one does.
-        if not (self.restarted and self._recover()):
+        if self.restarted and self._recover():
+            self._up = True
+        else:
             for pool in self.config.pools:
                 for _ in range(pool.workers):
                     self._add_worker(pool.role)
@@ -128,16 +135,20 @@ class Scheduler:
         while True:
             if self.start_errors and len(self.start_errors) >= MAX_START_FAILURES:
                 raise RuntimeError(f"workers failed to start: {self.start_errors[0]}")
-            ready = all(
-                sum(w.role == pool.role and w.status is WorkerStatus.HEALTHY for w in self.registry)
-                >= (1 if any_healthy else pool.workers)
-                for pool in self.config.pools
-            )
-            if ready:
+            if self._pools_ready(any_healthy):
                 return self.stats()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers not ready after {timeout_s} s: {self.stats()}")
             await asyncio.sleep(0.1)
+
+    def _pools_ready(self, any_healthy: bool = False) -> bool:
+        """Whether every pool has its starting number of workers healthy (one each with
+        ``any_healthy``)."""
+        return all(
+            sum(w.role == pool.role and w.status is WorkerStatus.HEALTHY for w in self.registry)
+            >= (1 if any_healthy else pool.workers)
+            for pool in self.config.pools
+        )
 
     async def shutdown(self) -> None:
         """Stop the monitor and every worker this scheduler started."""
@@ -299,6 +310,7 @@ class Scheduler:
 
     def _autoscale(self) -> None:
         now = time.monotonic()
+        self._up = self._up or self._pools_ready()
         paired = self._paired_counts()
         for role, autoscaler in self.autoscalers.items():
             pool = [w for w in self.registry if w.role == role]
@@ -313,7 +325,7 @@ class Scheduler:
             for _ in range(decision.add):
                 self._add_worker(role)
                 self._event(f"scaled {role} up to {len(pool) + 1} workers")
-            for worker_id in decision.drain:
+            for worker_id in decision.drain if self._up else ():
                 self.registry.workers[worker_id].status = WorkerStatus.DRAINING
                 self._event(f"draining idle worker {worker_id}")
 

@@ -151,3 +151,24 @@ def test_a_pairing_ends_with_its_placement():
     # its decode worker is gone (removed): nothing will pull for r1 any more
     scheduler.registry.remove(scheduler.registry.workers["decode-2"])
     assert scheduler._paired_counts() == {}
+
+
+def test_nothing_is_drained_until_every_starting_worker_is_healthy():
+    scheduler = _scheduler()
+    scheduler.registry.workers["decode-2"].status = WorkerStatus.STARTING  # still loading
+    for worker_id in ("prefill-0", "prefill-1"):
+        _report(scheduler, worker_id, idle_s=60.0)  # idle past downscale_delay_s
+    scheduler._autoscale()
+    assert [w.status for w in scheduler.registry] == [WorkerStatus.HEALTHY] * 2 + [
+        WorkerStatus.STARTING
+    ]
+    assert not any("draining" in event for event in scheduler.events)
+    scheduler.registry.workers["decode-2"].status = WorkerStatus.HEALTHY  # it registered
+    scheduler._autoscale()
+    assert "draining idle worker prefill-1" in scheduler.events[-1]
+    # once up, a worker starting later (a scale-up) holds no drain back
+    scheduler.registry.workers["decode-2"].status = WorkerStatus.STARTING
+    _report(scheduler, "prefill-0", idle_s=60.0)
+    scheduler.registry.workers["prefill-1"].status = WorkerStatus.HEALTHY
+    scheduler._autoscale()
+    assert "draining idle worker prefill-1" in scheduler.events[-1]
