@@ -9,7 +9,10 @@ import torch
 
 from tessera.workers.model.loader import builtin_model_path
 from tessera.workers.quant.kernels import native_kernels
-from tests.helpers import RAY_NAMESPACE, TransformersReference, save_random_llama
+from tests.helpers import RAY_NAMESPACE, TransformersReference, save_random_llama, weights_digest
+
+#: The session's shared loads, with their weights' digest when loaded (see below).
+_SHARED_LOADS: list = []
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,7 +58,22 @@ def smollm2(smollm2_path):
     """Our load of the built-in model, float32, shared by every engine in the session."""
     from tessera.workers.model.loader import load_model
 
-    return load_model(smollm2_path, "float32")
+    loaded = load_model(smollm2_path, "float32")
+    _SHARED_LOADS.append((loaded, weights_digest(loaded.model)))
+    return loaded
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_weights_unchanged(request):
+    """After each test module: the session's shared model still has the weights it was
+    loaded with. Every in-process engine of the session computes with them, so a stray
+    write into them (a kernel out of bounds) would shift every later test's numbers
+    while the Ray workers' own loads stayed right."""
+    yield
+    for loaded, digest in _SHARED_LOADS:
+        assert weights_digest(loaded.model) == digest, (
+            f"{request.module.__name__} changed the shared SmolLM2 load's weights"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,3 +173,22 @@ def save_random_llama(path: Path, tokenizer, **config):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
+
+
+def weights_digest(model: torch.nn.Module) -> int:
+    """A CRC-32 over the bytes of every storage reachable from ``model`` (its weights,
+    packed weights and tables), each storage once, in the order they are reached (not by
+    address: a storage may move, as ``move_to_huge_pages`` moves them): what a test that
+    shares a loaded model must leave as it found it."""
+    from tessera.workers.hugepages import reachable_tensors
+
+    storages = {}
+    for tensor in reachable_tensors(model):
+        if tensor.device.type == "cpu":
+            storage = tensor.untyped_storage()
+            storages[(storage.data_ptr(), storage.nbytes())] = storage
+    crc = 0
+    for storage in storages.values():
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        crc = zlib.crc32(whole.numpy().data, crc)
+    return crc
