@@ -166,9 +166,13 @@ def test_nothing_is_drained_until_every_starting_worker_is_healthy():
     scheduler.registry.workers["decode-2"].status = WorkerStatus.HEALTHY  # it registered
     scheduler._autoscale()
     assert "draining idle worker prefill-1" in scheduler.events[-1]
-    # once up, a worker starting later (a scale-up) holds no drain back
-    scheduler.registry.workers["decode-2"].status = WorkerStatus.STARTING
-    _report(scheduler, "prefill-0", idle_s=60.0)
-    scheduler.registry.workers["prefill-1"].status = WorkerStatus.HEALTHY
+
+
+def test_once_up_a_worker_starting_again_holds_no_drain_back():
+    scheduler = _scheduler()
+    scheduler._autoscale()  # every starting worker healthy: the cluster is up
+    scheduler.registry.workers["decode-2"].status = WorkerStatus.STARTING  # e.g. restarting
+    for worker_id in ("prefill-0", "prefill-1"):
+        _report(scheduler, worker_id, idle_s=60.0)
     scheduler._autoscale()
     assert "draining idle worker prefill-1" in scheduler.events[-1]
