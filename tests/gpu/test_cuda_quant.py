@@ -52,7 +52,8 @@ def test_one_hot_rows_give_ggufs_dequantised_weights_bit_for_bit(backend, qtype)
     pins the nibble order and Q4_1's two roundings (no fused multiply-add)."""
     packed, reference = random_packed(qtype, ODD)
     weight, eye = packed.to("cuda"), torch.eye(ODD[1], device="cuda")
-    for start in range(0, ODD[1], 32):  # 32 rows at a time: the split-K path
-        got = quant_matmul(eye[start : start + 32], weight, backend=backend)
-        assert torch.equal(got.cpu(), reference.t()[start : start + 32])
+    for at_once in (1, 3, 32):  # the one-row kernel (up to triton_mm.GEMV_ROWS), tl.dot's
+        for start in range(0, ODD[1], at_once):
+            got = quant_matmul(eye[start : start + at_once], weight, backend=backend)
+            assert torch.equal(got.cpu(), reference.t()[start : start + at_once])
     assert quant_matmul(eye[:0], weight, backend=backend).shape == (0, ODD[0])
