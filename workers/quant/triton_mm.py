@@ -35,7 +35,7 @@ class Tiling(NamedTuple):
     stages: int
 
 
-#: The tilings ``gguf_mm`` uses unless told: the best of ~160 variants timed the way
+#: The tilings ``gguf_mm`` uses unless told: the best of ~150 variants timed the way
 #: ``benchmarks/cuda_quant_matmul.py`` times them (one H200, stop 43: one SmolLM2
 #: step's 121 matmuls in a CUDA graph). At 1 / 2 / 4 rows, one row per program (no
 #: tensor-core tile to fill): 0.74 / 0.85 / 1.06 ms, against cuBLAS on dense float32
