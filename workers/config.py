@@ -89,9 +89,9 @@ class EngineConfig:
         "keep a GGUF model's Q4_0/Q4_1/Q8_0 matrices packed as the file stores them and "
         "multiply with them directly, on the CPU (float32, the exact mode: dequantised "
         "inside the kernel; the fast mode and bfloat16: Q4 through the bf16 x Q4 kernel, "
-        "see README) and on CUDA (float32: one Triton kernel dequantises in registers; "
-        "5x less GPU memory, but for a model as small as SmolLM2 steps slower than dense "
-        "ones); off: dequantise every weight to a dense one at load (then auto is float32)",
+        "see README) and on CUDA (float32: Triton kernels dequantise in registers; 5x "
+        "less GPU memory, as fast as dense weights for a few sequences, slower for large "
+        "batches); off: dequantise every weight to a dense one at load (then auto is float32)",
     )
     cuda_graphs: bool = _setting(
         True,

@@ -1,5 +1,5 @@
 """Packed GGUF weights on CUDA: dequantised there bit for bit as gguf does on the CPU,
-and ``quant_matmul`` on CUDA (the fused Triton kernel, and the torch path) the product
+and ``quant_matmul`` on CUDA (the fused Triton kernels, and the torch path) the product
 with those rows. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_cuda_builds_of_torch_bring_the_fused_kernel():
     assert triton_mm.available()  # else quant_matmul dequantises in torch (slower)
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])  # auto: the Triton kernel
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # auto: the Triton kernels
 @pytest.mark.parametrize("qtype", list(QuantType))
 @pytest.mark.parametrize("rows", (*ROWS, 100))
 def test_quant_matmul_on_cuda_is_the_product_with_the_dequantised_rows(backend, qtype, rows):
@@ -42,6 +42,18 @@ def test_quant_matmul_on_cuda_is_the_product_with_the_dequantised_rows(backend, 
     torch.testing.assert_close(y, x @ reference.cuda().t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match=r"^quant_matmul: x is on cpu, the weight on cuda:0$"):
         quant_matmul(x.cpu(), packed.to("cuda"))
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q4_1, QuantType.Q8_0])
+@pytest.mark.parametrize("rows", [1, 64])  # gemv, tl.dot
+def test_a_product_of_too_many_programs_to_split_is_the_product_too(qtype, rows):
+    """Past ``SPLIT_PROGRAMS`` output tiles (SmolLM2's tied head, at every step) a product
+    is not split: one program sums each output's blocks, the last tile part empty."""
+    shape = (16 * triton_mm.SPLIT_PROGRAMS + 27, 96)
+    packed, reference = random_packed(qtype, shape, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).cuda()
+    y = quant_matmul(x, packed.to("cuda"))
+    torch.testing.assert_close(y, x @ reference.cuda().t(), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

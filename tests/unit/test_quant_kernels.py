@@ -3,9 +3,11 @@ gguf's own dequantisation and ``x @ dequantised.T``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sysconfig
@@ -19,7 +21,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
 from tessera.workers.model.loader import builtin_model_path
-from tessera.workers.quant import PackedWeight, QuantType, int4, kernels, quant_matmul
+from tessera.workers.quant import PackedWeight, QuantType, int4, kernels, quant_matmul, triton_mm
 from tessera.workers.quant.int4 import Int4Weight, Q4Weight, Q8Weight, bf16_q4_weight
 
 ROWS = (1, 7, 16, 64)
@@ -593,3 +595,23 @@ def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     ref = x.float() @ dense.T
     bound = 2**-7 * (x.float().abs() @ dense.abs().T)  # bf16 d, m and output rounding
     assert ((weight.matmul(x).float() - ref).abs() <= bound).all()
+
+
+def test_the_cuda_kernels_tilings_by_row_count_and_their_checks():
+    """Which Triton kernel ``gguf_mm`` takes per row count (no GPU needed to choose), and
+    the limits a tiling given to it is held to before any launch."""
+    assert [triton_mm.tiling(rows).kernel for rows in (0, 1, 4, 5, 64, 4096)] == [
+        "gemv", "gemv", "gemv", "dot", "dot", "dot",
+    ]  # fmt: skip
+    cases = [
+        ({"kernel": "mv"}, "kernel: must be 'dot' or 'gemv', got 'mv'"),
+        ({"kb": 3}, "kb: must be a power of two >= 1, got 3"),
+        ({"tile_n": 8}, "tile_n: must be a power of two >= 16, got 8"),
+        ({"warps": 0}, "warps: must be a power of two >= 1, got 0"),
+        ({"split": 0}, "split: must be >= 1, got 0"),
+        ({"stages": 0}, "stages: must be >= 1, got 0"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            dataclasses.replace(triton_mm.DOT, **change)
+    assert dataclasses.replace(triton_mm.GEMV, tile_n=8).tile_n == 8  # one row: any power

@@ -1,5 +1,6 @@
-"""``quant_matmul`` on CUDA in one Triton kernel: each program dequantises a tile of a
-packed GGUF weight's blocks in registers and multiplies it with its rows of ``x``.
+"""``quant_matmul`` on CUDA in Triton kernels: each program dequantises a tile of a
+packed GGUF weight's blocks in registers and multiplies it with its rows of ``x`` (one
+row per program up to ``GEMV_ROWS`` rows, ``tl.dot`` tiles above).
 
 float32 in, float32 sums, float32 out, as the CPU's exact kernel: a weight element is
 what ``gguf.dequantize`` gives (fp16 scales widened exactly; Q4_1's ``d * q + m`` kept
@@ -17,33 +18,47 @@ Triton ships with CUDA builds of torch; without it ``available()`` is False and
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from tessera.workers.quant.blocks import BLOCK_SIZE, PackedWeight
 
 
-class Tiling(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Tiling:
     """How ``gguf_mm`` splits one product into programs."""
 
-    kernel: str  # "dot": rows x tile_n outputs by tl.dot; "gemv": one row per program
-    kb: int  # blocks of 32 per loop step
-    tile_n: int  # output features per program
+    kernel: Literal["dot", "gemv"]  # dot: 16-64 rows x tile_n outputs; gemv: one row
+    kb: int  # blocks of 32 per loop step (a power of two)
+    tile_n: int  # output features per program (a power of two; tl.dot: 16 or more)
     split: int  # programs that share each output's blocks (split-K), at most
-    warps: int
-    stages: int
+    warps: int  # a power of two
+    stages: int  # software pipelining depth (1: none)
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("dot", "gemv"):
+            raise ValueError(f"kernel: must be 'dot' or 'gemv', got {self.kernel!r}")
+        smallest_n = 16 if self.kernel == "dot" else 1
+        for name, low in (("kb", 1), ("tile_n", smallest_n), ("warps", 1)):
+            value = getattr(self, name)
+            if value < low or value & (value - 1):
+                raise ValueError(f"{name}: must be a power of two >= {low}, got {value}")
+        for name in ("split", "stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
-#: The tilings ``gguf_mm`` uses unless told: the best of ~150 variants timed the way
-#: ``benchmarks/cuda_quant_matmul.py`` times them (one H200, stop 43: one SmolLM2
-#: step's 121 matmuls in a CUDA graph). At 1 / 2 / 4 rows, one row per program (no
-#: tensor-core tile to fill): 0.74 / 0.85 / 1.06 ms, against cuBLAS on dense float32
-#: weights 0.83 / 1.64 / 1.22; at 16 / 64 rows, tl.dot tiles: 1.23 / 2.06 ms (cuBLAS
-#: 1.25 / 1.51). The tiling before (2 blocks per step, split 4, 4 warps, 3 stages, tl.dot
-#: at every row count) took 1.61 / 1.64 / 3.28 ms at 1 / 16 / 64 rows. Short programs,
-#: one warp, no pipelining and a deep split win: this model's products have too few
-#: outputs to fill the GPU otherwise.
+#: The tilings ``gguf_mm`` uses unless told: the best of ~150 variants swept on an H200
+#: (stop 43). ``benchmarks/cuda_quant_matmul.py`` (one SmolLM2 step's 121 matmuls in a
+#: CUDA graph), the same machine: 0.74 / 1.06 / 1.22 / 2.01 ms at 1 / 4 / 16 / 64 rows,
+#: against cuBLAS on dense float32 weights 0.81 / 1.20 / 1.24 / 1.49, and 1.61 / 1.64 /
+#: 3.27 ms at 1 / 16 / 64 rows for the tiling before (tl.dot at every row count, 2 blocks
+#: per step, split 4, 4 warps, 3 stages). Up to 4 rows one row per program: tl.dot pads
+#: x to 16 rows, so most of its work was on zero rows. Short programs, one warp, no
+#: pipelining and a deep split win: this model's products have too few outputs to fill
+#: the GPU otherwise.
 GEMV = Tiling("gemv", kb=1, tile_n=16, split=16, warps=1, stages=1)
 DOT = Tiling("dot", kb=1, tile_n=16, split=16, warps=1, stages=1)
 #: Rows up to which ``GEMV`` is used.
@@ -54,6 +69,10 @@ SPLIT_ROWS = 64
 #: Programs (output tiles x row tiles) past which a product is not split, for the same
 #: two reasons (SmolLM2's tied head: 3,072 tiles of 16 of its 49,152 outputs).
 SPLIT_PROGRAMS = 1024
+
+
+#: The most programs a CUDA grid's second axis holds (the gemv kernel's rows).
+GRID_ROWS = 65535
 
 
 def tiling(rows: int) -> Tiling:
@@ -152,8 +171,11 @@ def gguf_mm(x: torch.Tensor, weight: PackedWeight, tile: Tiling | None = None) -
     ``tile``: how the work is split (default ``tiling(M)``). Up to ``SPLIT_ROWS`` rows and
     ``SPLIT_PROGRAMS`` programs, ``tile.split`` programs share each output's blocks, and
     their partial sums are added after in a fixed order (deterministic)."""
-    tile = tile or tiling(x.shape[0])
     rows, nb, out = x.shape[0], weight.in_features // BLOCK_SIZE, weight.out_features
+    if tile is None:
+        tile = tiling(rows)
+    if tile.kernel == "gemv" and rows > GRID_ROWS:  # the grid's second axis: one per row
+        raise ValueError(f"gguf_mm: the gemv kernel takes at most {GRID_ROWS} rows, got {rows}")
     tile_m = 1 if tile.kernel == "gemv" else min(64, max(16, 1 << (rows - 1).bit_length()))
     grid = (-(-out // tile.tile_n), -(-rows // tile_m))
     split = tile.split if rows <= SPLIT_ROWS and grid[0] * grid[1] <= SPLIT_PROGRAMS else 1
