@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -204,6 +205,7 @@ class Engine:
         self._decode_steps = 0  # of them, decodes only
         self._decode_seconds = 0.0
         self._decode_only = False  # whether the last batch was decodes only
+        self._counted = self._counts()  # as of the last whole step: what stats() reports
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -308,6 +310,7 @@ class Engine:
                 if self._decode_only:
                     self._decode_steps += 1
                     self._decode_seconds += wall
+                self._counted = self._counts()
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
@@ -737,12 +740,15 @@ class Engine:
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> EngineStats:
+        """The engine's state now, and its counters as of its last whole step.
+
+        Another thread may call this while ``step`` runs (the worker's reports): its
+        counters (steps, tokens, seconds) are the snapshot ``step`` took when it last
+        ended, so one report never counts a step's tokens without the step."""
         # list() copies under the GIL: stats may be read while another thread runs step().
         seqs = [seq for group in list(self.groups.values()) for seq in list(group.seqs)]
         phases = collections.Counter(seq.phase.value for seq in seqs)
-        steps = max(self._steps, 1)
         return EngineStats(
-            steps=self._steps,
             running=sum(len(group.seqs) for group in list(self.batcher.running)),
             waiting=sum(len(group.seqs) for group in list(self.batcher.waiting)),
             phases=dict(phases),
@@ -750,23 +756,31 @@ class Engine:
             total_blocks=self.kv.pool.num_blocks,
             free_blocks=self.kv.num_free_blocks,
             kv_usage=self.kv.usage,
-            last_batch_size=self._last[0],
-            last_num_tokens=self._last[1],
-            mean_batch_size=self._batch_size_sum / steps,
-            mean_tokens_per_step=self._tokens_sum / steps,
-            prompt_tokens=self._prompt_tokens,
-            generated_tokens=self._generated_tokens,
             prefix_cache=self.kv.prefix_cache_stats(),
-            peak_used_blocks=self._peak_used_blocks,
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
-            recent_step_time=self._step_time,
-            recent_host_time=self._host_time,
-            step_seconds=self._step_seconds,
-            host_seconds=self._host_seconds,
-            decode_steps=self._decode_steps,
-            decode_seconds=self._decode_seconds,
-            spec_proposed=self.speculator.proposed,
-            spec_accepted=self.speculator.accepted,
-            spec_steps=self.speculator.steps,
-            spec_tokens=self.speculator.tokens,
+            **self._counted,
         )
+
+    def _counts(self) -> dict[str, Any]:
+        """``EngineStats``' step counters, live: only ``step`` reads them, between steps."""
+        steps = max(self._steps, 1)
+        return {
+            "steps": self._steps,
+            "last_batch_size": self._last[0],
+            "last_num_tokens": self._last[1],
+            "mean_batch_size": self._batch_size_sum / steps,
+            "mean_tokens_per_step": self._tokens_sum / steps,
+            "prompt_tokens": self._prompt_tokens,
+            "generated_tokens": self._generated_tokens,
+            "peak_used_blocks": self._peak_used_blocks,
+            "recent_step_time": self._step_time,
+            "recent_host_time": self._host_time,
+            "step_seconds": self._step_seconds,
+            "host_seconds": self._host_seconds,
+            "decode_steps": self._decode_steps,
+            "decode_seconds": self._decode_seconds,
+            "spec_proposed": self.speculator.proposed,
+            "spec_accepted": self.speculator.accepted,
+            "spec_steps": self.speculator.steps,
+            "spec_tokens": self.speculator.tokens,
+        }

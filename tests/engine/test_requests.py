@@ -212,6 +212,33 @@ def test_the_host_overhead_is_the_step_less_its_forward(make_engine):
     assert 0.0 < stats.host_seconds < stats.step_seconds <= time.perf_counter() - started
 
 
+def test_stats_read_while_a_step_runs_count_whole_steps(make_engine):
+    """The worker's report thread reads ``stats()`` while steps run: a read after a step
+    appended its tokens but before it ended shows the counters of the step before (a
+    report once showed a request's 5 tokens with 3 of its 4 decode steps)."""
+    engine = make_engine()
+    engine.add_request("s", "word " * 30, SamplingParams(max_tokens=3, temperature=0))
+    engine.step()  # the prompt's step
+    before = engine.stats()
+    seen = []
+    emit = engine._emit
+
+    def emit_and_read(*args):
+        seen.append(engine.stats())  # the step's token is appended, the step not ended
+        return emit(*args)
+
+    engine._emit = emit_and_read
+    engine.step()
+    after = engine.stats()
+
+    def counts(stats):
+        return stats.steps, stats.generated_tokens, stats.decode_steps, stats.step_seconds
+
+    assert len(seen) == 1 and counts(seen[0]) == counts(before)
+    assert counts(after)[:3] == (before.steps + 1, before.generated_tokens + 1, 1)
+    assert after.step_seconds > before.step_seconds
+
+
 async def test_async_api_streams_and_abort_on_early_exit(make_engine):
     engine = AsyncEngine(make_engine())
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
