@@ -69,8 +69,6 @@ SPLIT_ROWS = 64
 #: Programs (output tiles x row tiles) past which a product is not split, for the same
 #: two reasons (SmolLM2's tied head: 3,072 tiles of 16 of its 49,152 outputs).
 SPLIT_PROGRAMS = 1024
-
-
 #: The most programs a CUDA grid's second axis holds (the gemv kernel's rows).
 GRID_ROWS = 65535
 
