@@ -438,7 +438,7 @@ def test_q8_bf16_head_takes_the_argmax_of_the_logits_it_writes(native, bf16_path
 def test_q8_f32_head_takes_the_argmax_of_the_logits_it_writes(native):
     """The exact mode's head: see below."""
     if not native.tiled_f32_available():
-        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     check_head_argmax(native, exact=True)
 
 
@@ -512,7 +512,7 @@ def test_native_q4_f32_matmul_is_the_float32_product_with_the_files_weights(nati
     ``Q4Weight.dequantize`` shows), float32 products and sums, so equal to x @ dense.T to
     float32 rounding; a row's numbers are the same alone."""
     if not native.tiled_f32_available():
-        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
     weight = Q4Weight.from_packed(packed, exact=True)
     assert torch.equal(weight.dequantize(), dense)
@@ -526,7 +526,7 @@ def test_native_q8_f32_matmul_is_the_float32_product_with_the_files_weights(nati
     """The exact mode's tied head: Q8_0 weights (d * q, as gguf) times float32 x in
     float32, equal to x @ dense.T to float32 rounding; batch-invariant."""
     if not native.tiled_f32_available():
-        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     packed, dense = random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)
     check_f32_rows_product(Q8Weight.from_packed(packed, exact=True), dense, rows)
 
@@ -537,7 +537,7 @@ def test_tiled_kernels_name_what_is_wrong(native):
     packed, _ = random_packed(QuantType.Q4_1, Q4_ODD)
     q4 = Q4Weight.from_packed(packed, exact=True) if native.tiled_f32_available() else None
     if q4 is None:
-        pytest.skip("no AVX-512 on this CPU")
+        pytest.skip("no AVX-512 or AVX2 on this CPU")
     q8 = Q8Weight.from_packed(random_packed(QuantType.Q8_0, Q4_ODD)[0], exact=True)
     x = torch.randn(2, Q4_ODD[1])
     kernels = [("q4_f32_mm", native.q4_f32_mm)]
@@ -571,7 +571,7 @@ F32_MODEL_CASES = [(n, r) for n in LAYER_SHAPES for r in ROWS] + [
 @pytest.mark.parametrize(("names", "rows"), F32_MODEL_CASES)
 def test_native_tiled_f32_matmul_model_shapes(native, model_tensors, names, rows):
     if not native.tiled_f32_available():
-        pytest.skip("no AVX-512 on this CPU: the exact mode keeps gguf_mm's layout")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     packed = PackedWeight.cat([PackedWeight.from_gguf(model_tensors[n]) for n in names])
     tiled = Q8Weight if packed.qtype is QuantType.Q8_0 else Q4Weight
     weight = tiled.from_packed(packed, exact=True)

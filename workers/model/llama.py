@@ -70,7 +70,7 @@ class Linear(nn.Module):
 
     - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
-      SmolLM2's weights instead of 538 MB. On a CPU with AVX-512 its Q4 matrices are
+      SmolLM2's weights instead of 538 MB. On a CPU with AVX-512 or AVX2 its Q4 matrices are
       an exact ``Q4Weight`` instead: the same numbers and arithmetic in a layout with
       one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` at 1-16 rows);
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the

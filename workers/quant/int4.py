@@ -95,7 +95,7 @@ class Q4Weight:
     ``d`` and ``m`` as ``[out / 16, in / 32, 16]``.
 
     ``exact``: the exact mode's weight, multiplied in float32 (``csrc/tiled_f32.cpp``: each
-    weight dequantised as gguf does, needs AVX-512); else the fast and bfloat16 modes',
+    weight dequantised as gguf does, needs AVX-512 or AVX2); else the fast and bfloat16 modes',
     its inputs rounded to bf16 (``csrc/q4_bf16.cpp``, needs AVX512_BF16)."""
 
     nibbles: torch.Tensor  # uint8 [out / 16 * in / 32 * 256]
@@ -120,7 +120,7 @@ class Q4Weight:
             raise ValueError(
                 f"Q4Weight: {weight.qtype.name} [{weight.out_features}, {weight.in_features}] "
                 "needs a 4-bit type, out_features % 16 == 0, the CPU and the "
-                + ("AVX-512 float32 kernel" if exact else "AVX512_BF16 kernel")
+                + ("AVX-512 or AVX2 float32 kernel" if exact else "AVX512_BF16 kernel")
             )
         out, in_features = weight.shape
         nb = in_features // BLOCK_SIZE
@@ -181,7 +181,7 @@ class Q8Weight:
     as ``[out / 16, in / 32, 16]``. A tied LM head.
 
     ``exact``: the exact mode's head, multiplied in float32 (``csrc/tiled_f32.cpp``, needs
-    AVX-512); else the fast and bfloat16 modes', its inputs rounded to bf16
+    AVX-512 or AVX2); else the fast and bfloat16 modes', its inputs rounded to bf16
     (``csrc/q8_bf16.cpp``, needs AVX512_BF16)."""
 
     qs: torch.Tensor
@@ -205,7 +205,7 @@ class Q8Weight:
             raise ValueError(
                 f"Q8Weight: {weight.qtype.name} [{weight.out_features}, {weight.in_features}] "
                 "needs Q8_0, out_features % 16 == 0, the CPU and the "
-                + ("AVX-512 float32 kernel" if exact else "AVX512_BF16 kernel")
+                + ("AVX-512 or AVX2 float32 kernel" if exact else "AVX512_BF16 kernel")
             )
         out, in_features = weight.shape
         nb = in_features // BLOCK_SIZE

@@ -59,7 +59,14 @@ SOURCES = tuple(
 #: Included by the sources: not compiled alone, but part of the cache key.
 HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("amx_tiles.h", "bf16_blocks.h", "rows.h", "tile_argmax.h", "tiled_layouts.h")
+    for name in (
+        "amx_tiles.h",
+        "bf16_blocks.h",
+        "rows.h",
+        "tile_argmax.h",
+        "tiled_layouts.h",
+        "vec16.h",
+    )
 )
 EXTENSION_NAME = "tessera_kernels"
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")

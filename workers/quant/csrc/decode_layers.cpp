@@ -25,18 +25,17 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define TESSERA_DECODE_AVX512 1
-#else
-#define TESSERA_DECODE_AVX512 0
-#endif
+#include "vec16.h"
+
+// The vector paths (AVX-512 or AVX2: vec16.h); the loops after each take the rest.
+#define TESSERA_DECODE_VEC (TESSERA_VEC16 != 0)
 
 namespace tessera {
 
@@ -118,44 +117,25 @@ inline T round_to(float v) {
   return static_cast<T>(v);
 }
 
-#if TESSERA_DECODE_AVX512
+#if TESSERA_DECODE_VEC
+using vec16::F;
+
 template <typename T>
-inline __m512 load16(const T* p);
+inline F load16(const T* p);
 
 template <>
-inline __m512 load16<float>(const float* p) {
-  return _mm512_loadu_ps(p);
+inline F load16<float>(const float* p) {
+  return vec16::load(p);
 }
 
 template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+inline F load16<c10::BFloat16>(const c10::BFloat16* p) {
+  return vec16::load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
 template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
-
-#if TESSERA_DECODE_AVX512
-// e^x for 16 lanes, within ~2 ulp of expf (Cephes' polynomial after x = n ln2 + r);
-// -inf and very negative x give 0.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+inline F load16<c10::Half>(const c10::Half* p) {
+  return vec16::load_half(reinterpret_cast<const uint16_t*>(p));
 }
 #endif
 
@@ -163,22 +143,25 @@ inline __m512 exp16(__m512 x) {
 inline float exp_shifted(float* x, int64_t n, float shift) {
   int64_t i = 0;
   float sum = 0.f;
-#if TESSERA_DECODE_AVX512
-  const __m512 s = _mm512_set1_ps(shift);
-  __m512 acc = _mm512_setzero_ps();
+#if TESSERA_DECODE_VEC
+  const F s = vec16::set1(shift);
+  F acc = vec16::zero();
   for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
-    _mm512_storeu_ps(x + i, e);
-    acc = _mm512_add_ps(acc, e);
+    const F e = vec16::exp(vec16::sub(vec16::load(x + i), s));
+    vec16::store(x + i, e);
+    acc = vec16::add(acc, e);
   }
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), s));
-    _mm512_mask_storeu_ps(x + i, mask, e);
-    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+  if (i < n) {  // the last n - i values through a 16-lane buffer, its other lanes unused
+    const int rest = static_cast<int>(n - i);
+    float tail[16] = {0};
+    std::copy(x + i, x + n, tail);
+    const F e = vec16::exp(vec16::sub(vec16::load(tail), s));
+    vec16::store(tail, e);
+    std::copy(tail, tail + rest, x + i);
+    acc = vec16::add(acc, vec16::select(vec16::first(rest), vec16::zero(), e));
     i = n;
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = vec16::reduce_add(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - shift);
@@ -191,12 +174,12 @@ inline float exp_shifted(float* x, int64_t n, float shift) {
 template <typename T>
 void swiglu_row(const T* gate, const T* up, T* out, int64_t n) {
   int64_t i = 0;
-#if TESSERA_DECODE_AVX512
+#if TESSERA_DECODE_VEC
   float silu[16];
   for (; i + 16 <= n; i += 16) {
-    const __m512 g = load16<T>(gate + i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const F g = load16<T>(gate + i);
+    const F e = vec16::exp(vec16::sub(vec16::zero(), g));
+    vec16::store(silu, vec16::div(g, vec16::add(vec16::set1(1.f), e)));
     for (int j = 0; j < 16; ++j)
       out[i + j] = round_to<T>(f32(round_to<T>(silu[j])) * f32(up[i + j]));
   }
@@ -258,8 +241,8 @@ void rotate(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if TESSERA_DECODE_AVX512
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16<T>(src + i));
+#if TESSERA_DECODE_VEC
+  for (; i + 16 <= n; i += 16) vec16::store(dst + i, load16<T>(src + i));
 #endif
   for (; i < n; ++i) dst[i] = f32(src[i]);
 }
@@ -267,10 +250,10 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 // acc[0..n) += p * v[0..n)
 inline void axpy(float p, const float* v, float* acc, int64_t n) {
   int64_t i = 0;
-#if TESSERA_DECODE_AVX512
-  const __m512 pv = _mm512_set1_ps(p);
+#if TESSERA_DECODE_VEC
+  const F pv = vec16::set1(p);
   for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+    vec16::store(acc + i, vec16::fmadd(pv, vec16::load(v + i), vec16::load(acc + i)));
 #endif
   for (; i < n; ++i) acc[i] += p * v[i];
 }
@@ -299,59 +282,45 @@ inline void for_each_row(const C* cache, const int64_t* table, int64_t n, int64_
   }
 }
 
-#if TESSERA_DECODE_AVX512
-// Lane t of the result: the sum of v[t]'s 16 lanes, by a tree of unpacks, shuffles and
-// adds (15 adds for 16 vectors, instead of one horizontal reduction per vector).
-inline __m512 lane_sums16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i] and v[2i + 1] folded to pairs
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: v[4i .. 4i + 3]'s partial sums
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)  // the four 128-bit lanes of each x summed in pairs
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
-                       _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
-}
-
+#if TESSERA_DECODE_VEC
 // G query heads q [G, D] (float32, D == 16 * NV) sharing one KV head attend over a
 // sequence's n cached tokens (in the cache's dtype C); out [G, D] in T. k_cache / v_cache
 // point at this KV head's first element of block 0; a token's row is kv_size apart from
 // the next in its block. Each K and V row is read once for the G heads and kept in NV
 // registers; each head's V accumulator stays in registers over the whole sequence.
 // Scores (q . k * scale, into scores [G, n]) go 16 tokens at a time: each token's NV
-// products are one vector of 16 partial sums, and lane_sums16 folds 16 tokens' vectors
+// products are one vector of 16 partial sums, and vec16::lane_sums folds 16 tokens' vectors
 // at once. A row's numbers depend only on its own q and cache, never on the batch.
 template <typename T, typename C, int NV, int G>
 void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int64_t* table,
                   int64_t n, int64_t block_size, int64_t kv_size, float scale, float* scores,
                   T* out) {
   constexpr int64_t D = 16 * NV;
-  __m512 part[G][16];
+  F part[G][16];
   int64_t first = 0;  // the token of part[.][0]
   int filled = 0;
   const auto flush = [&]() {
-    const __mmask16 mask = static_cast<__mmask16>((1u << filled) - 1u);
     for (int g = 0; g < G; ++g) {
-      for (int j = filled; j < 16; ++j) part[g][j] = _mm512_setzero_ps();
-      const __m512 s = _mm512_mul_ps(lane_sums16(part[g]), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * n + first, mask, s);
+      for (int j = filled; j < 16; ++j) part[g][j] = vec16::zero();
+      const F s = vec16::mul(vec16::lane_sums(part[g]), vec16::set1(scale));
+      if (filled == 16) {
+        vec16::store(scores + g * n + first, s);
+      } else {
+        float lanes[16];
+        vec16::store(lanes, s);
+        std::copy(lanes, lanes + filled, scores + g * n + first);
+      }
     }
     first += filled;
     filled = 0;
   };
   for_each_row(k_cache, table, n, block_size, kv_size, D, [&](const C* k, int64_t) {
-    __m512 kv[NV];
+    F kv[NV];
     for (int i = 0; i < NV; ++i) kv[i] = load16<C>(k + 16 * i);
     for (int g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-      for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * i), kv[i], a);
+      F a = vec16::mul(vec16::load(qg), kv[0]);
+      for (int i = 1; i < NV; ++i) a = vec16::fmadd(vec16::load(qg + 16 * i), kv[i], a);
       part[g][filled] = a;
     }
     if (++filled == 16) flush();
@@ -363,43 +332,45 @@ void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int6
     float mx = sg[0];
     int64_t t = 0;
     if (n >= 16) {
-      __m512 m = _mm512_loadu_ps(sg);
-      for (t = 16; t + 16 <= n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
-      mx = _mm512_reduce_max_ps(m);
+      F m = vec16::load(sg);
+      for (t = 16; t + 16 <= n; t += 16) m = vec16::max(m, vec16::load(sg + t));
+      mx = vec16::reduce_max(m);
     }
     for (; t < n; ++t) mx = std::max(mx, sg[t]);
     sums[g] = exp_shifted(sg, n, mx);
   }
-  __m512 acc[G][NV];
+  F acc[G][NV];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) acc[g][i] = vec16::zero();
   for_each_row(v_cache, table, n, block_size, kv_size, D, [&](const C* v, int64_t t) {
-    __m512 vv[NV];
+    F vv[NV];
     for (int i = 0; i < NV; ++i) vv[i] = load16<C>(v + 16 * i);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * n + t]);
-      for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+      const F p = vec16::set1(scores[g * n + t]);
+      for (int i = 0; i < NV; ++i) acc[g][i] = vec16::fmadd(p, vv[i], acc[g][i]);
     }
   });
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
+    const F inv = vec16::set1(1.f / sums[g]);
     T* o = out + g * D;
     for (int i = 0; i < NV; ++i) {
-      const __m512 r = _mm512_mul_ps(acc[g][i], inv);
+      const F r = vec16::mul(acc[g][i], inv);
       if constexpr (std::is_same_v<T, float>) {
-        _mm512_storeu_ps(o + 16 * i, r);
+        vec16::store(o + 16 * i, r);
       } else {
         float lanes[16];
-        _mm512_storeu_ps(lanes, r);
+        vec16::store(lanes, r);
         for (int e = 0; e < 16; ++e) o[16 * i + e] = round_to<T>(lanes[e]);
       }
     }
   }
 }
 
-// Query heads attend_heads takes at once: their V accumulators (G * NV zmm) stay in
-// registers.
-constexpr int heads_at_once(int nv) { return nv <= 4 ? 4 : nv <= 8 ? 2 : 1; }
+// Query heads attend_heads takes at once: their V accumulators (G * NV vectors) stay in
+// registers (32 zmm; AVX2's 16 ymm hold half as many 16-lane vectors).
+constexpr int heads_at_once(int nv) {
+  return TESSERA_VEC16 == 512 ? (nv <= 4 ? 4 : nv <= 8 ? 2 : 1) : (nv <= 2 ? 4 : nv <= 4 ? 2 : 1);
+}
 #endif
 
 // One (sequence, KV head) attention task on any CPU and head_dim D: the `group` query
@@ -635,7 +606,7 @@ class DecodeLayers {
               int64_t B, T* out) const {
 #define TESSERA_ATTEND(NV) \
   return attend_all<T, C, NV>(qkv, row, k_cache, v_cache, seq_lens, tables, width, block_size, B, out)
-    switch (head_dim_) {  // the AVX-512 kernel keeps a row in head_dim / 16 registers
+    switch (head_dim_) {  // the vector kernel keeps a row in head_dim / 16 vectors
       case 16: TESSERA_ATTEND(1);
       case 32: TESSERA_ATTEND(2);
       case 64: TESSERA_ATTEND(4);
@@ -677,7 +648,7 @@ class DecodeLayers {
         const C* k = k_cache + kvh * D;
         const C* v = v_cache + kvh * D;
         T* o = out + b * num_heads_ * D + kvh * group * D;
-#if TESSERA_DECODE_AVX512
+#if TESSERA_DECODE_VEC
         if constexpr (NV > 0) {
           for (int64_t g = 0; g < group; g += heads_at_once(NV)) {
             const float* qg = q.data() + g * D;

@@ -34,6 +34,7 @@
 
 #include "rows.h"
 #include "tiled_layouts.h"
+#include "vec16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>

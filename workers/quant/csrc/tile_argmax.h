@@ -18,8 +18,8 @@ class TileArgmax {
  public:
   struct Range {
     int64_t first_tile = 0;
-    std::vector<__m512> best;   // [T]: each lane's largest value
-    std::vector<__m512i> tile;  // [T]: the tile (int32 lanes) that value first came in
+    std::vector<vec16::F> best;  // [T]: each lane's largest value
+    std::vector<vec16::I> tile;  // [T]: the tile (int32 lanes) that value first came in
     std::vector<uint8_t> nan;   // [T]: whether the row held a NaN
   };
 
@@ -28,8 +28,8 @@ class TileArgmax {
   Range begin(int64_t first_tile) const {
     Range range;
     range.first_tile = first_tile;
-    range.best.assign(rows_, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
-    range.tile.assign(rows_, _mm512_set1_epi32(static_cast<int32_t>(first_tile)));
+    range.best.assign(rows_, vec16::set1(-std::numeric_limits<float>::infinity()));
+    range.tile.assign(rows_, vec16::set1_i(static_cast<int32_t>(first_tile)));
     range.nan.assign(rows_, 0);
     return range;
   }
@@ -38,14 +38,14 @@ class TileArgmax {
   // the tile; row stride N).
   void scan(Range& range, const float* y, int64_t N, int64_t tile, int64_t r0,
             int64_t rows) const {
-    const __m512i here = _mm512_set1_epi32(static_cast<int32_t>(tile));
+    const vec16::I here = vec16::set1_i(static_cast<int32_t>(tile));
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 v = _mm512_loadu_ps(y + r * N);
-      __m512& best = range.best[r0 + r];
-      const __mmask16 above = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-      best = _mm512_mask_mov_ps(best, above, v);
-      range.tile[r0 + r] = _mm512_mask_mov_epi32(range.tile[r0 + r], above, here);
-      range.nan[r0 + r] |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+      const vec16::F v = vec16::load(y + r * N);
+      vec16::F& best = range.best[r0 + r];
+      const vec16::Mask above = vec16::greater(v, best);
+      best = vec16::select(above, best, v);
+      range.tile[r0 + r] = vec16::select(above, range.tile[r0 + r], here);
+      range.nan[r0 + r] |= vec16::any_nan(v);
     }
   }
 
@@ -58,17 +58,17 @@ class TileArgmax {
   void result(const float* y, int64_t N, int64_t* out) {
     std::sort(ranges_.begin(), ranges_.end(),
               [](const Range& a, const Range& b) { return a.first_tile < b.first_tile; });
-    alignas(64) float values[16];
-    alignas(64) int32_t tiles[16];
+    float values[16];
+    int32_t tiles[16];
     for (int64_t r = 0; r < rows_; ++r) {
       bool nan = false;
       float best = 0.0f;
       int64_t column = -1;
       for (const Range& range : ranges_) {
         nan |= range.nan[r] != 0;
-        _mm512_store_ps(values, range.best[r]);
-        _mm512_store_si512(tiles, range.tile[r]);
-        const float top = _mm512_reduce_max_ps(range.best[r]);
+        vec16::store(values, range.best[r]);
+        vec16::store_i(tiles, range.tile[r]);
+        const float top = vec16::reduce_max(range.best[r]);
         if (column >= 0 && !(top > best)) continue;  // an earlier range holds it first
         int64_t first = -1;
         for (int lane = 0; lane < 16; ++lane) {

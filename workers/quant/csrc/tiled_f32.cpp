@@ -1,11 +1,12 @@
 // y[T, N] = x[T, K] @ W^T in float32 for GGUF Q4_0 / Q4_1 / Q8_0 weights W [N, K] in
 // the tiled layouts of the bf16 kernels (Q4Weight: csrc/q4_bf16.cpp; Q8Weight:
-// csrc/q8_bf16.cpp): the exact mode's matmuls on CPUs with AVX-512.
+// csrc/q8_bf16.cpp): the exact mode's matmuls on CPUs with AVX-512 or AVX2 (vec16.h: a
+// 16-lane vector is one zmm or two ymm; each lane's arithmetic is the same on both).
 //
 // Each weight is dequantised exactly as gguf does, w = d * q + m (Q4_1), d * (q - 8)
 // (Q4_0) or d * q (Q8_0), a product and a sum rounded separately (the build's
 // -ffp-contract=off), and multiplied with float32 x in float32: only the order of the
-// sums differs from x @ gguf.dequantize(W).T. In these layouts one zmm lane is one
+// sums differs from x @ gguf.dequantize(W).T. In these layouts one vector lane is one
 // output, so for each input k a tile's 16 weights are one vector (a shift or two, a
 // conversion and the scale make them), with no transpose (gguf_mm, on the file's layout,
 // transposes 16 dequantised rows into a buffer per tile above 4 rows of x), and every row
@@ -31,32 +32,29 @@
 
 #include "rows.h"
 #include "tiled_layouts.h"
+#include "vec16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define TESSERA_TILED_F32 1
-#else
-#define TESSERA_TILED_F32 0
-#endif
+#define TESSERA_TILED_F32 (TESSERA_VEC16 != 0)
 
 namespace tessera {
 
 namespace {
 
 using tiled::kBlock;
-constexpr int kRowsF32 = 8;  // rows of x one micro-kernel holds: 2 accumulators each
+// Rows of x one micro-kernel holds, 2 accumulators each: 8 in AVX-512's 32 zmm, 3 in
+// AVX2's 16 ymm (12 of them accumulators: a 16-lane vector is two ymm there).
+constexpr int kRowsF32 = TESSERA_VEC16 == 512 ? 8 : 3;
 constexpr int64_t kPassBytesF32 = 512 * 1024;
 
 #if TESSERA_TILED_F32
 
+using vec16::F;
+using vec16::I;
+
 #include "tile_argmax.h"
 
-inline __m512 load_half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // A Q4 tile's weights, dequantised in registers as they are used (Q41: Q4_1, else Q4_0).
-// Block b's nibbles are 4 zmm, step s holding inputs 8s .. 8s + 7: lane c is output c,
+// Block b's nibbles are 4 vectors, step s holding inputs 8s .. 8s + 7: lane c is output c,
 // input 8s + 2p at bits 4p.. and input 8s + 2p + 1 at bits 16 + 4p...
 template <bool Q41>
 struct Q4Tile {
@@ -68,18 +66,18 @@ struct Q4Tile {
         d(dp + tile * nb * 16),
         m(Q41 ? mp + tile * nb * 16 : nullptr) {}
 
-  static inline __m512 weights(__m512i v, int shift, __m512 dq, __m512 mq) {
-    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF));
-    if constexpr (Q41) return _mm512_add_ps(_mm512_mul_ps(dq, _mm512_cvtepi32_ps(q)), mq);
-    return _mm512_mul_ps(dq, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8))));
+  static inline F weights(I v, int shift, F dq, F mq) {
+    const I q = vec16::and_i(vec16::srli(v, shift), vec16::set1_i(0xF));
+    if constexpr (Q41) return vec16::add(vec16::mul(dq, vec16::to_float(q)), mq);
+    return vec16::mul(dq, vec16::to_float(vec16::sub_i(q, vec16::set1_i(8))));
   }
 
-  template <typename F>
-  inline void operator()(int64_t b, const F& f) const {
-    const __m512 dq = load_half16(d + b * 16);
-    const __m512 mq = Q41 ? load_half16(m + b * 16) : _mm512_setzero_ps();
+  template <typename Use>
+  inline void operator()(int64_t b, const Use& f) const {
+    const F dq = vec16::load_half(d + b * 16);
+    const F mq = Q41 ? vec16::load_half(m + b * 16) : vec16::zero();
     for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_loadu_si512(nibbles + b * 256 + s * 64);
+      const I v = vec16::load_i(nibbles + b * 256 + s * 64);
       for (int p = 0; p < 4; ++p) {
         f(8 * s + 2 * p, weights(v, 4 * p, dq, mq));
         f(8 * s + 2 * p + 1, weights(v, 16 + 4 * p, dq, mq));
@@ -96,17 +94,16 @@ struct Q8Tile {
   Q8Tile(const int8_t* qp, const uint16_t* dp, int64_t tile, int64_t nb)
       : qs(qp + tile * nb * 512), d(dp + tile * nb * 16) {}
 
-  template <typename F>
-  inline void operator()(int64_t b, const F& f) const {
-    const __m512 dq = load_half16(d + b * 16);
+  template <typename Use>
+  inline void operator()(int64_t b, const Use& f) const {
+    const F dq = vec16::load_half(d + b * 16);
     for (int p = 0; p < 16; ++p) {
       // 32 int16, lane c of the 32-bit view: input 2p in its low half, 2p + 1 in its high
-      const __m512i v = _mm512_cvtepi8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (b * 16 + p) * 32)));
-      const __m512i even = _mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16);
-      const __m512i odd = _mm512_srai_epi32(v, 16);
-      f(2 * p, _mm512_mul_ps(dq, _mm512_cvtepi32_ps(even)));
-      f(2 * p + 1, _mm512_mul_ps(dq, _mm512_cvtepi32_ps(odd)));
+      const I v = vec16::widen_s8(qs + (b * 16 + p) * 32);
+      const I even = vec16::srai(vec16::slli(v, 16), 16);
+      const I odd = vec16::srai(v, 16);
+      f(2 * p, vec16::mul(dq, vec16::to_float(even)));
+      f(2 * p + 1, vec16::mul(dq, vec16::to_float(odd)));
     }
   }
 };
@@ -114,9 +111,9 @@ struct Q8Tile {
 // A tile's weights from a buffer [K, 16] it was dequantised into (the same numbers).
 struct Buffered {
   const float* buf;
-  template <typename F>
-  inline void operator()(int64_t b, const F& f) const {
-    for (int k = 0; k < kBlock; ++k) f(k, _mm512_loadu_ps(buf + (b * kBlock + k) * 16));
+  template <typename Use>
+  inline void operator()(int64_t b, const Use& f) const {
+    for (int k = 0; k < kBlock; ++k) f(k, vec16::load(buf + (b * kBlock + k) * 16));
   }
 };
 
@@ -125,21 +122,21 @@ struct Buffered {
 template <int R, typename Weights>
 inline void tile_f32(const float* x, int64_t K, int64_t nb, const Weights& weights, float* y,
                      int64_t N) {
-  __m512 even[R], odd[R];
-  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  F even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = vec16::zero();
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kBlock;
-    weights(b, [&](int k, __m512 w) {
+    weights(b, [&](int k, F w) {
       for (int r = 0; r < R; ++r) {
-        const __m512 xk = _mm512_set1_ps(xb[r * K + k]);
+        const F xk = vec16::set1(xb[r * K + k]);
         if (k % 2 == 0)
-          even[r] = _mm512_fmadd_ps(w, xk, even[r]);
+          even[r] = vec16::fmadd(w, xk, even[r]);
         else
-          odd[r] = _mm512_fmadd_ps(w, xk, odd[r]);
+          odd[r] = vec16::fmadd(w, xk, odd[r]);
       }
     });
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(even[r], odd[r]));
+  for (int r = 0; r < R; ++r) vec16::store(y + r * N, vec16::add(even[r], odd[r]));
 }
 
 // rows (1..R) of x through one tile (tile_f32<rows>).
@@ -180,9 +177,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
         // more rows than one micro-kernel holds: dequantise the tile once for all of them
         buf.resize(K * 16);
         for (int64_t b = 0; b < nb; ++b)
-          direct(b, [&](int k, __m512 w) {
-            _mm512_storeu_ps(buf.data() + (b * kBlock + k) * 16, w);
-          });
+          direct(b, [&](int k, F w) { vec16::store(buf.data() + (b * kBlock + k) * 16, w); });
         const Buffered buffered{buf.data()};
         for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
           const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
@@ -220,7 +215,8 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                [=](int64_t tile) { return Q4Tile<false>(np, dp, nullptr, tile, nb); });
   }
 #else
-  TORCH_CHECK(false, "q4_f32_mm: this build has no AVX-512 kernel (tiled_f32_available())");
+  TORCH_CHECK(false,
+              "q4_f32_mm: this build has no AVX-512 or AVX2 kernel (tiled_f32_available())");
 #endif
   return y;
 }
@@ -249,7 +245,7 @@ torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const tor
     tiled_rows(x, s, y, make_tile);
   }
 #else
-  TORCH_CHECK(false, name, ": this build has no AVX-512 kernel (tiled_f32_available())");
+  TORCH_CHECK(false, name, ": this build has no AVX-512 or AVX2 kernel (tiled_f32_available())");
 #endif
   return y;
 }
@@ -271,7 +267,7 @@ std::tuple<torch::Tensor, torch::Tensor> q8_f32_mm_argmax(const torch::Tensor& x
 void register_tiled_f32(pybind11::module& m) {
   namespace py = pybind11;
   m.def("tiled_f32_available", &tiled_f32_available,
-        "whether this CPU build has the AVX-512 float32 kernels of the tiled layouts");
+        "whether this CPU build has the AVX-512 or AVX2 float32 kernels of the tiled layouts");
   m.def("q4_f32_mm", &q4_f32_mm,
         "y = x @ W^T in float32 for Q4_0/Q4_1 weights in the Q4Weight layout, each weight "
         "dequantised exactly as gguf does",
