@@ -9,6 +9,9 @@ stream, 16 / 64 = a batch or a prefill chunk):
   (what the model does today; 538 MB of weights read per step).
 * ``packed_fp32``: ``tessera.workers.quant.quant_matmul`` on the packed weights (~96 MB),
   fp32 activations and accumulation, weights dequantised exactly inside the kernel.
+* ``tiled_fp32``, where the CPU has AVX-512 or AVX2: the exact mode's kernels as the
+  model holds them (``Q4Weight`` / ``Q8Weight`` with ``exact=True``, ``csrc/tiled_f32.cpp``:
+  the same numbers as ``packed_fp32``, one output a vector lane).
 * ``int4_bf16`` (reference): torch's ``_weight_int4pack_mm_for_cpu`` (bf16 activations,
   int4 weights with group 32 bf16 scales/zeros; the same shapes, random weights). Not
   the same arithmetic: a floor for what a 4-bit kernel costs here.
@@ -100,8 +103,13 @@ def main() -> None:
     fast_paths = {}
     if native is not None and native.q4_bf16_available():
         fast_paths = {m: amx for m, amx in FAST_PATHS.items() if native.amx_available() or not amx}
-    methods = (*METHODS, *fast_paths)
+    tiled_path = native is not None and native.tiled_f32_available()
+    methods = (*METHODS, *(("tiled_fp32",) if tiled_path else ()), *fast_paths)
     weights = step_weights()
+    tiled = [
+        (Q8Weight if w.qtype is QuantType.Q8_0 else Q4Weight).from_packed(w, exact=True)
+        for w in (weights if tiled_path else ())
+    ]
     fast = [
         (Q8Weight if w.qtype is QuantType.Q8_0 else Q4Weight).from_packed(w)
         for w in (weights if fast_paths else ())
@@ -112,7 +120,7 @@ def main() -> None:
         "dense_fp32": sum(d.numel() * 4 for d in dense) / 1e6,
         "packed_fp32": sum(w.nbytes for w in weights) / 1e6,
         "int4_bf16": sum(p.numel() * p.element_size() + s.numel() * 2 for p, s in int4) / 1e6,
-        **{m: sum(w.nbytes for w in weights) / 1e6 for m in fast_paths},
+        **{m: sum(w.nbytes for w in weights) / 1e6 for m in (*fast_paths, "tiled_fp32")},
     }
     rows = []
     for T in args.rows:
@@ -132,6 +140,10 @@ def main() -> None:
             ],
         }
         ms = {m: time_step(calls[m], args.repeat) for m in METHODS}
+        if tiled_path:
+            ms["tiled_fp32"] = time_step(
+                [functools.partial(f.matmul, xs[f.in_features]) for f in tiled], args.repeat
+            )
         amx_before = bool(fast_paths) and native.amx_in_use()
         for m, amx in fast_paths.items():
             native.use_amx(amx)
@@ -145,6 +157,7 @@ def main() -> None:
                 "rows": T,
                 **{f"{m}_ms": ms[m] for m in methods},
                 "packed_speedup": ms["dense_fp32"] / ms["packed_fp32"],
+                **({"tiled_speedup": ms["dense_fp32"] / ms["tiled_fp32"]} if tiled_path else {}),
                 **(
                     {"amx_speedup": ms["fast_avx512"] / ms["fast_amx"]}
                     if len(fast_paths) == len(FAST_PATHS)
@@ -171,6 +184,7 @@ def main() -> None:
             "matmuls_per_step": len(weights),
             "native_kernel": native is not None,
             "avx512": bool(native is not None and native.avx512),
+            "tiled_fp32": tiled_path,
             "cpu_flags": _cpu_flags(),
             "repeat": args.repeat,
             "load_average": os.getloadavg(),
