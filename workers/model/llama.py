@@ -72,7 +72,8 @@ class Linear(nn.Module):
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
       SmolLM2's weights instead of 538 MB. On a CPU with AVX-512 or AVX2 its Q4 matrices are
       an exact ``Q4Weight`` instead: the same numbers and arithmetic in a layout with
-      one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` at 1-16 rows);
+      one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` at 1-16 rows on
+      AVX-512; 3-7x at 1-64 rows on AVX2, where ``gguf_mm`` has only its portable loop);
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;

@@ -10,9 +10,9 @@
 // updated right after each tile's values are stored (still in L1). `result` merges the
 // ranges in column order: each row's maximum at its smallest column, as argmax_rows gives
 // it. A row holding a NaN is read again whole by argmax_row (its first NaN), as
-// argmax_rows does. Included inside a kernel file's anonymous namespace, where AVX-512
-// is compiled in; the file includes <algorithm>, <limits>, <mutex>, <vector> and rows.h
-// (argmax_row_of).
+// argmax_rows does. Included inside a kernel file's anonymous namespace, where vec16.h's
+// types are compiled in (TESSERA_VEC16); the file includes <algorithm>, <limits>,
+// <mutex>, <vector>, rows.h (argmax_row_of) and vec16.h.
 
 class TileArgmax {
  public:

@@ -3,9 +3,9 @@
 // build is -march=native, so the CPU it runs on decides). The tiled layouts
 // (tiled_layouts.h) put one output in each lane of a 16-output tile, so the float32
 // kernels over them (tiled_f32.cpp) and the argmax taken as they write (tile_argmax.h)
-// are written once over these types. Every operation is lane by lane (but reduce_max), so
-// a lane's numbers are the same whichever width built it (exp included; lane_sums and the
-// reductions add in another order).
+// are written once over these types. Every operation is lane by lane but the reductions
+// (reduce_max, reduce_add, lane_sums, bits), so a lane's numbers are the same whichever
+// width built it (exp included); the reductions' sums add in another order.
 
 #pragma once
 
