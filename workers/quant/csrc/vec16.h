@@ -23,6 +23,15 @@
 
 namespace tessera::vec16 {
 
+// exp's constants, both widths: x clamped at kExpFloor, n = round(x log2 e), r = x - n ln 2
+// (ln 2 in two parts), e^r = 1 + r + r^2 p(r) with Cephes' polynomial p (highest degree
+// first), then e^x = e^r 2^n.
+constexpr float kExpFloor = -104.f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if TESSERA_VEC16 == 512
 
 struct F {
@@ -55,20 +64,15 @@ inline F load_bf16(const uint16_t* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
 }
 
-// e^x, within ~2 ulp of expf (Cephes' polynomial after x = n ln2 + r); -inf, NaN and very
-// negative x give 0.
+// e^x, within ~2 ulp of expf (kExpPoly); -inf, NaN and very negative x give 0.
 inline F exp(F a) {
-  const __m512 x = _mm512_max_ps(a.v, _mm512_set1_ps(-104.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 x = _mm512_max_ps(a.v, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return {_mm512_scalef_ps(p, n)};
 }
@@ -174,17 +178,13 @@ inline F load_bf16(const uint16_t* p) {
 // e^x as the AVX-512 exp computes it, lane for lane: the same polynomial, and scalef's
 // p * 2^n as two exact steps, p * 2^(n >> 1) * 2^(n - (n >> 1)) (n >= -150 stays in range).
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpFloor));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i k = _mm256_cvtps_epi32(_mm256_min_ps(n, _mm256_set1_ps(254.f)));
   const __m256i k1 = _mm256_srai_epi32(k, 1), k2 = _mm256_sub_epi32(k, k1);
