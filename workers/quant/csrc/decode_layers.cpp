@@ -367,7 +367,9 @@ void attend_heads(const float* q, const C* k_cache, const C* v_cache, const int6
 }
 
 // Query heads attend_heads takes at once: their V accumulators (G * NV vectors) stay in
-// registers (32 zmm; AVX2's 16 ymm hold half as many 16-lane vectors).
+// registers. AVX-512: G * NV <= 16, half of the 32 zmm. AVX2: G * NV <= 8, i.e. all 16
+// ymm (a 16-lane vector is two), so the K/V row and the weight spill; fewer heads at
+// once (1 at head_dim 64) is untried there.
 constexpr int heads_at_once(int nv) {
   return TESSERA_VEC16 == 512 ? (nv <= 4 ? 4 : nv <= 8 ? 2 : 1) : (nv <= 2 ? 4 : nv <= 4 ? 2 : 1);
 }
