@@ -23,6 +23,7 @@ from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
 from tessera.workers.quant.int4 import (
+    ALL_ROWS,
     Int4Weight,
     Q4Weight,
     Q8Weight,
@@ -38,8 +39,6 @@ Weight = torch.Tensor | PackedWeight
 NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT = 0, 1, 2, 3, 4
 #: Model dtypes the native decode stack has kernels for.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: ``Linear.int4_rows`` of a weight whose 4-bit kernel takes any number of rows.
-ALL_ROWS = 2**62
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +81,8 @@ class Linear(nn.Module):
       size; ~15% slower than a dense bf16 GEMM for long prompts, twice torch's int4 at
       16-64 rows); else as torch's ``Int4Weight`` for batches of at most ``int4_rows``
       rows and a dense bf16 ``weight`` for larger ones, where a GEMM wins
-      (``int4_row_limit`` measures where, once per process).
+      (``int4_row_limit`` measures where, once per process; where it never wins, as on
+      a CPU without native bf16, no dense copy is kept).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -138,6 +138,9 @@ class Linear(nn.Module):
                     return
                 if self.int4 is not None:
                     self.int4_rows = int4_row_limit(self.out_features, self.in_features)
+                    if self.int4_rows == ALL_ROWS:  # no dense copy: it would never run
+                        self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), False)
+                        return
             parts = [packed]
         dense = torch.cat([_dense(part) for part in parts]).t()
         _put(self.weight, dense, name)

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 INNER_K_TILES = 2
 #: Row counts at which ``int4_row_limit`` compares the two kernels.
 PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: ``int4_row_limit`` (and ``Linear.int4_rows``) where a 4-bit kernel takes any number of
+#: rows.
+ALL_ROWS = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,9 +245,12 @@ def bf16_q4_weight(weight: PackedWeight) -> Q4Weight | Int4Weight | None:
 @functools.cache
 def int4_row_limit(out_features: int, in_features: int) -> int:
     """The most rows for which torch's int4 kernel (``Int4Weight``) beats a dense bf16
-    GEMM on this CPU (0: never), timed on a matrix of the given shape. Measured once per
-    shape and process (~0.2 s each; SmolLM2 has five shapes). ``Q4Weight`` needs no
-    limit: it takes every row count."""
+    GEMM on this CPU (0: never), timed on a matrix of the given shape; ``ALL_ROWS`` where
+    it wins at every probed count (its time grows with the rows, so no crossover is
+    assumed past the last: on an AVX2 CPU without native bf16, torch's bf16 GEMM ran
+    40x slower than int4 at every count from 1 to 512 rows, and a 453-token prompt took
+    68 s through it). Measured once per shape and process (~0.2 s each; SmolLM2 has five
+    shapes). ``Q4Weight`` needs no limit: it takes every row count."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(
         0, 16, (out_features, in_features // 2), dtype=torch.uint8, generator=generator
@@ -259,12 +265,14 @@ def int4_row_limit(out_features: int, in_features: int) -> int:
         int4 = _best_time(lambda x=x: weight.matmul(x))
         gemm = _best_time(lambda x=x: torch.mm(x, dense))
         table.append(f"{rows}: int4 {int4 * 1e6:.0f} us, bf16 {gemm * 1e6:.0f} us")
-        if int4 < gemm:
-            limit = rows
-        else:
+        if int4 >= gemm:
             break
-    logger.info("int4 vs dense bf16 (%dx%d): %s; int4 up to %d rows",
-                out_features, in_features, "; ".join(table), limit)  # fmt: skip
+        limit = rows
+    else:
+        limit = ALL_ROWS
+    logger.info("int4 vs dense bf16 (%dx%d): %s; int4 up to %s rows",
+                out_features, in_features, "; ".join(table),
+                "any number of" if limit == ALL_ROWS else limit)  # fmt: skip
     return limit
 
 
