@@ -5,11 +5,12 @@ The extension (``csrc/gguf_mm.cpp``, the packed matmul; ``csrc/decode_layers.cpp
 every decoder layer of a decode step in one call; ``csrc/rows.cpp``, the sampler's row
 argmax) is compiled on first use with
 ``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
-(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and
-directory (each environment builds its own) and the CPU flags in /proc/cpuinfo: the
-kernel is built with ``-march=native``, so a machine with other flags builds its own.
-cpp_extension's file lock in that directory lets several processes start at once (one
-compiles, the others wait and load it).
+(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and build
+(environments with the same torch share one build, imported without ninja:
+``_load_built``) and the CPU flags in /proc/cpuinfo: the kernel is built with
+``-march=native``, so a machine with other flags builds its own. cpp_extension's file
+lock in that directory lets several processes start at once (one compiles, the others
+wait and load it).
 
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
 path runs instead: each call dequantises the weight in row chunks and multiplies. On
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -188,6 +190,9 @@ def native_available() -> bool:
 def native_kernels() -> ModuleType | None:
     """The compiled kernel module, built once per machine; ``None`` (warned) if it cannot be."""
     build_dir = kernel_cache_dir()
+    built = _load_built(build_dir)
+    if built is not None:
+        return built
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         fresh = not any(build_dir.glob(f"{EXTENSION_NAME}*.so"))
@@ -224,17 +229,38 @@ def native_kernels() -> ModuleType | None:
         return None
 
 
+def _load_built(build_dir: Path) -> ModuleType | None:
+    """The entry's module imported straight from its ``.so`` where a finished build left
+    one (no ``lock``: cpp_extension holds it while it builds), else None.
+
+    Without ninja: ``cpp_extension.load`` would rerun it, and ninja rebuilds whenever the
+    command line changed, which it does for every environment (the include paths name
+    torch's directory). The entry is keyed by torch's version and build, not its
+    directory, so every environment with the same torch shares one build (the extension
+    links torch's libraries by name, which the process has loaded already)."""
+    path = build_dir / f"{EXTENSION_NAME}.so"
+    if not path.exists() or (build_dir / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # a build cut short: rebuild it
+        logger.info("rebuilding %s, which did not load: %s", path, exc)
+        return None
+    return module
+
+
 def kernel_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/tessera/kernels/<hash of sources and headers, torch's version and
-    directory, CPU flags, flags>``."""
+    build, CPU flags, flags>``."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     digest = hashlib.sha256()
     parts = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
-    # torch's directory too: the build's include paths name it, so two environments
-    # sharing one entry (the README test's fresh venv beside the suite's) would each
-    # rebuild it (ninja sees a new command line) and take turns
-    torch_dir = str(Path(torch.__file__).resolve().parent).encode()
-    for part in (*parts, torch.__version__.encode(), torch_dir, _cpu_flags().encode()):
+    torch_build = f"{torch.__version__} {torch.version.git_version}".encode()
+    for part in (*parts, torch_build, _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
