@@ -53,7 +53,15 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[base]}.{kind}"
 
 
-def _write_gguf(path, model, qtype: GGMLQuantizationType, source: GGUFReader) -> None:
+@pytest.fixture(scope="module")
+def tokenizer_fields(smollm2_path) -> dict[str, list]:
+    """The built-in file's tokenizer fields, read once (~4 s each time)."""
+    fields = GGUFReader(str(smollm2_path)).fields
+    names = ("tokens", "token_type", "merges")
+    return {name: fields[f"tokenizer.ggml.{name}"].contents() for name in names}
+
+
+def _write_gguf(path, model, qtype: GGMLQuantizationType, tokenizer: dict[str, list]) -> None:
     writer = GGUFWriter(str(path), "llama")
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -67,9 +75,9 @@ def _write_gguf(path, model, qtype: GGMLQuantizationType, source: GGUFReader) ->
     writer.add_vocab_size(VOCAB)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(source.fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(source.fields["tokenizer.ggml.merges"].contents())
+    writer.add_token_list(tokenizer["tokens"])
+    writer.add_token_types(tokenizer["token_type"])
+    writer.add_token_merges(tokenizer["merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
@@ -89,7 +97,7 @@ def _write_gguf(path, model, qtype: GGMLQuantizationType, source: GGUFReader) ->
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
-def test_gguf_weight_type_matches_transformers(qtype, tmp_path, smollm2_path):
+def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -104,7 +112,7 @@ def test_gguf_weight_type_matches_transformers(qtype, tmp_path, smollm2_path):
     )
     model = transformers.LlamaForCausalLM(config)
     path = tmp_path / f"tiny-{qtype}.gguf"
-    _write_gguf(path, model, GGMLQuantizationType[qtype], GGUFReader(str(smollm2_path)))
+    _write_gguf(path, model, GGMLQuantizationType[qtype], tokenizer_fields)
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
