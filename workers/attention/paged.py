@@ -3,7 +3,8 @@
 Cache layout: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``;
 token ``j`` of sequence ``i`` lives in block ``block_tables[i, j // block_size]`` at offset
 ``j % block_size``. Decode sequences run as one batched tiled online-softmax ("flash") loop;
-multi-token sequences go one by one through ``scaled_dot_product_attention``.
+multi-token sequences go one by one through torch's flash kernel (causal chunks on the CPU)
+or ``scaled_dot_product_attention``.
 """
 
 from __future__ import annotations
@@ -190,6 +191,20 @@ def _attend(
     return out.to(q.dtype), lse
 
 
+def _flash_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention: q [B, H, Q, D] over k/v [B, H, S, D] -> (out, lse)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, is_causal=is_causal, attn_mask=bias, scale=scale
+    )
+
+
 def _sequence_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -212,6 +227,26 @@ def _sequence_attention(
                 f"mask must be bool [{q_len}, {seq_len}], got {mask.dtype} {tuple(mask.shape)}"
             )
         is_causal = False
+    elif q.device.type == "cpu":
+        # Causal chunks on the CPU: torch's flash kernel (tiled, float32 sums) called
+        # directly, K/V repeated per query head; SDPA's dispatch took its math path for
+        # grouped-query K/V (scores materialised, masked with where/isneginf), ~3x slower
+        # for a 250-token prompt (5.8 against 1.8 ms a layer on 2 AVX2 cores; a 1,024-token
+        # prompt's prefill went from 212-216 to 307-330 tok/s).
+        group = num_heads // num_kv_heads
+        bias = None
+        if q_len != seq_len:  # cached tokens before the chunk: its causal mask as a bias
+            bias = torch.zeros(q_len, seq_len, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~causal_mask(q_len, seq_len, q.device), -math.inf)
+        out, _ = _flash_cpu(
+            q.transpose(0, 1)[None],
+            k.repeat_interleave(group, dim=0)[None],
+            v.repeat_interleave(group, dim=0)[None],
+            bias,
+            q_len == seq_len,
+            scale,
+        )
+        return out[0].transpose(0, 1)
     elif q_len == seq_len:
         # SDPA's causal mask is top-left aligned: right only when no tokens were cached before.
         is_causal = True
