@@ -640,6 +640,47 @@ def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     assert ((weight.matmul(x).float() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize(("dense_wins_from", "limit"), [(None, int4.ALL_ROWS), (16, 8), (1, 0)])
+def test_int4_row_limit_and_the_dense_copy_follow_the_measured_crossover(
+    monkeypatch, dense_wins_from, limit
+):
+    """The bfloat16 mode without the native kernel: torch's int4 up to the last probed row
+    count where it beat the dense bf16 GEMM, every count where it beat it at all of them
+    (a CPU without native bf16: no dense copy kept), none where it never did. The
+    timings are given; the rows' products are torch's int4 kernel's either way."""
+    from torch import nn
+
+    from tessera.workers.model import llama
+
+    calls = iter(range(2 * len(int4.PROBE_ROWS)))  # int4, then the GEMM, at each count
+
+    def timed(fn, repeats: int = 5) -> float:
+        index = next(calls)
+        rows = int4.PROBE_ROWS[index // 2]
+        if index % 2 == 0:
+            return 1.0
+        return 0.5 if dense_wins_from is not None and rows >= dense_wins_from else 2.0
+
+    monkeypatch.setattr(int4, "_best_time", timed)
+    int4.int4_row_limit.cache_clear()
+    try:
+        assert int4.int4_row_limit(32, 64) == limit
+    finally:
+        int4.int4_row_limit.cache_clear()
+    monkeypatch.setattr(int4, "native_kernels", lambda: None)  # torch's int4 layout
+    monkeypatch.setattr(llama, "int4_row_limit", lambda out_features, in_features: limit)
+    packed, _ = random_packed(QuantType.Q4_0, Q4_ODD)
+    linear = llama.Linear(packed.in_features, packed.out_features, bias=False)
+    linear.weight = nn.Parameter(linear.weight.to(torch.bfloat16), requires_grad=False)
+    linear.load_weight([packed], "w")
+    assert isinstance(linear.int4, Int4Weight) and linear.int4_rows == limit
+    expected_shape = (0,) if limit == int4.ALL_ROWS else (packed.in_features, packed.out_features)
+    assert tuple(linear.weight.shape) == expected_shape
+    x = torch.randn(200, packed.in_features).to(torch.bfloat16)  # past every probed count
+    if limit == int4.ALL_ROWS:
+        assert torch.equal(linear(x), linear.int4.matmul(x))
+
+
 def test_the_cuda_kernels_tilings_by_row_count_and_their_checks():
     """Which Triton kernel ``gguf_mm`` takes per row count (no GPU needed to choose), and
     the limits a tiling given to it is held to before any launch."""

@@ -180,9 +180,7 @@ def _attend(
     """Softmax attention of q [B, H, G, D] over k/v [B, H, S, D]; returns (out, logsumexp)."""
     if q.device.type == "cpu":
         # torch's CPU flash kernel: tiled online softmax in float32, and it returns the LSE.
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=bias, scale=scale
-        )
+        return _flash_cpu(q, k, v, bias, False, scale)
     scores = torch.matmul(q.to(ACCUM_DTYPE), k.to(ACCUM_DTYPE).transpose(-1, -2)) * scale
     if bias is not None:
         scores = scores + bias.to(ACCUM_DTYPE)
