@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.common import report  # noqa: E402
+from tessera.workers.model.gguf_file import GGUFFile  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path  # noqa: E402
 from tessera.workers.quant import PackedWeight, QuantType, quant_matmul  # noqa: E402
 from tessera.workers.quant.int4 import Q4Weight, Q8Weight  # noqa: E402
@@ -55,10 +56,7 @@ LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 
 def step_weights() -> list[PackedWeight]:
     """The 121 packed matrices of one step, in the order the model runs them."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(builtin_model_path()))
-    t = {x.name: x for x in reader.tensors}
+    t = {x.name: x for x in GGUFFile(builtin_model_path()).tensors}
     layers = 1 + max(int(n.split(".")[1]) for n in t if n.startswith("blk."))
     weights = []
     for i in range(layers):

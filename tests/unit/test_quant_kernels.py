@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize, quantize
 
+from tessera.workers.model.gguf_file import GGUFFile
 from tessera.workers.model.loader import builtin_model_path
 from tessera.workers.quant import PackedWeight, QuantType, int4, kernels, quant_matmul, triton_mm
 from tessera.workers.quant.int4 import Int4Weight, Q4Weight, Q8Weight, bf16_q4_weight
@@ -37,8 +37,7 @@ def random_packed(qtype: QuantType, shape: tuple[int, int], seed: int = 0):
 
 @pytest.fixture(scope="module")
 def model_tensors() -> dict:
-    reader = GGUFReader(str(builtin_model_path()))
-    return {t.name: t for t in reader.tensors}
+    return {t.name: t for t in GGUFFile(builtin_model_path()).tensors}
 
 
 @pytest.fixture(scope="module")

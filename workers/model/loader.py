@@ -249,13 +249,14 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
     """Read config and tensors: dequantised (Q4_0/Q4_1/Q8_0/F16/F32/… via ``gguf``), or,
     with ``packed``, Q4_0/Q4_1/Q8_0 matrices kept as the file stores them."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
-    reader = GGUFReader(str(path))
+    from tessera.workers.model.gguf_file import GGUFFile
+
+    reader = GGUFFile(path)
 
     def field(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return reader.fields.get(key, default)
 
     arch = field("general.architecture")
     if arch not in ("llama", "qwen2"):

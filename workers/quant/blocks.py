@@ -96,7 +96,7 @@ class PackedWeight:
 
     @classmethod
     def from_gguf(cls, tensor: Any) -> PackedWeight:
-        """From a ``gguf.GGUFReader`` tensor (its ``shape`` is GGUF's ``[in, out]``)."""
+        """From a GGUF tensor (``GGUFTensor``; its ``shape`` is GGUF's ``[in, out]``)."""
         in_features, out = (int(s) for s in tensor.shape)
         return cls.from_raw(tensor.data, int(tensor.tensor_type), (out, in_features))
 
