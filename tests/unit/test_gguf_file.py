@@ -90,3 +90,23 @@ def test_what_it_cannot_read_is_named(tmp_path):
     swapped.write_bytes(b"GGUF" + struct.pack(">IQQ", 3, 0, 0))
     with pytest.raises(ValueError, match=r"be.gguf' is a big-endian GGUF file"):
         GGUFFile(swapped)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"empty.gguf' is not a GGUF file \(4 bytes\)"):
+        GGUFFile(empty)
+    cut = tmp_path / "cut.gguf"  # a download stopped inside the vocabulary
+    with open(builtin_model_path(), "rb") as whole:
+        cut.write_bytes(whole.read(100_000))
+    with pytest.raises(ValueError, match=r"cut.gguf' is not a whole GGUF file: "):
+        GGUFFile(cut)
+    unknown = tmp_path / "unknown.gguf"
+    key = b"general.name"
+    unknown.write_bytes(
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<I", 99)
+    )
+    with pytest.raises(ValueError, match=r"field 'general.name' has an unknown value type 99"):
+        GGUFFile(unknown)

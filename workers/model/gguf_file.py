@@ -25,6 +25,7 @@ from gguf.quants import quant_shape_to_byte_shape
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+HEADER_BYTES = 24  # magic, version, tensor count, field count
 
 #: struct formats of the scalar value types (little-endian)
 _SCALARS = {
@@ -69,7 +70,18 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        size = self.path.stat().st_size
+        if size < HEADER_BYTES:
+            raise ValueError(f"model: {str(self.path)!r} is not a GGUF file ({size} bytes)")
         self._map = np.memmap(self.path, mode="r")
+        try:
+            self._read()
+        except (struct.error, TypeError, UnicodeDecodeError) as error:  # cut short, or garbled
+            raise ValueError(
+                f"model: {str(self.path)!r} is not a whole GGUF file: {error}"
+            ) from None
+
+    def _read(self) -> None:
         buf = memoryview(self._map)
         if bytes(buf[:4]) != MAGIC:
             raise ValueError(f"model: {str(self.path)!r} is not a GGUF file (no GGUF magic)")
@@ -82,11 +94,14 @@ class GGUFFile:
             )
         self._buf = buf
         num_tensors, num_fields = struct.unpack_from("<QQ", buf, 8)
-        self._offset = 24
+        self._offset = HEADER_BYTES
         self.fields: dict[str, Any] = {}
         for _ in range(num_fields):
             key = self._string()
-            self.fields[key] = self._value(self._u32())
+            kind = self._u32()
+            if kind not in GGUFValueType._value2member_map_:
+                raise ValueError(f"model: GGUF field {key!r} has an unknown value type {kind}")
+            self.fields[key] = self._value(kind)
         infos = []
         for _ in range(num_tensors):
             name = self._string()
@@ -94,6 +109,8 @@ class GGUFFile:
             dims = struct.unpack_from(f"<{ndims}Q", buf, self._offset + 4)
             qtype, offset = struct.unpack_from("<IQ", buf, self._offset + 4 + 8 * ndims)
             self._offset += 4 + 8 * ndims + 12
+            if qtype not in GGMLQuantizationType._value2member_map_:
+                raise ValueError(f"model: GGUF tensor {name!r} has an unknown type {qtype}")
             infos.append((name, dims, GGMLQuantizationType(qtype), offset))
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
