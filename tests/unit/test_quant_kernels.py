@@ -10,7 +10,9 @@ import platform
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
+import time
 import warnings
 from pathlib import Path
 
@@ -254,6 +256,46 @@ def test_a_finished_build_loads_without_the_build_tool(native, monkeypatch):
         assert kernels._load_built(build_dir) is None
     finally:
         lock.unlink()
+
+
+def test_a_build_whose_process_died_is_built_again_not_waited_for(
+    native, monkeypatch, tmp_path, capfd
+):
+    """cpp_extension's ``lock``, left by a build that was killed, made every later start
+    wait forever. The builder lock dies with its holder: a later process waits only while
+    the holder lives (and says so), then clears the stale lock and builds."""
+    from torch.utils import cpp_extension
+
+    build_dir = tmp_path / "entry"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()  # what a killed build leaves
+    monkeypatch.setattr(kernels, "kernel_cache_dir", lambda: build_dir)
+    calls = []
+
+    def build(**kwargs):
+        calls.append(kwargs["build_directory"])
+        assert not (build_dir / "lock").exists(), "cpp_extension would wait on a stale lock"
+        return native
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    holder = subprocess.Popen(  # another builder, alive for a moment, then gone
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(3)",
+            str(build_dir / "builder.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "held\n"
+    started = time.monotonic()
+    assert kernels.native_kernels.__wrapped__() is native
+    assert time.monotonic() - started > 2.0  # it waited for the holder
+    holder.wait(timeout=10)
+    assert calls == [str(build_dir)]
+    assert "waiting for another process building tessera's native kernels" in capfd.readouterr().err
 
 
 def test_the_kernel_cache_key_names_torchs_build_not_its_directory(monkeypatch):

@@ -8,9 +8,10 @@ argmax) is compiled on first use with
 (``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and build
 (environments with the same torch share one build, imported without ninja:
 ``_load_built``) and the CPU flags in /proc/cpuinfo: the kernel is built with
-``-march=native``, so a machine with other flags builds its own. cpp_extension's file
-lock in that directory lets several processes start at once (one compiles, the others
-wait and load it).
+``-march=native``, so a machine with other flags builds its own. A lock in that
+directory (``_builder_lock``, released by the system when its holder exits) lets several
+processes start at once: one compiles, the others wait and load it; a build killed
+half-way is started again by the next process.
 
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
 path runs instead: each call dequantises the weight in row chunks and multiplies. On
@@ -23,6 +24,8 @@ missing or ``x`` is not on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -35,6 +38,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -195,28 +199,15 @@ def native_kernels() -> ModuleType | None:
         return built
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        fresh = not any(build_dir.glob(f"{EXTENSION_NAME}*.so"))
-        if fresh:
-            message = f"compiling tessera's native kernels (once, ~{COMPILE_SECONDS} s) ..."
-            logger.info(message)
-            print(message, file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        module = cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-        if fresh:
-            logger.info(
-                "native kernels built in %.1f s (%s)", time.perf_counter() - start, build_dir
-            )
-        return module
+        with _builder_lock(build_dir):
+            built = _load_built(build_dir)  # another process built it while this one waited
+            if built is not None:
+                return built
+            # cpp_extension's own lock, left by a build whose process died (killed, ^C):
+            # cpp_extension would wait for it forever. Holding the builder lock, no live
+            # process is building here.
+            (build_dir / "lock").unlink(missing_ok=True)
+            return _build(build_dir)
     except Exception as exc:  # no compiler, no ninja, a failed build: keep serving
         warnings.warn(
             f"tessera: native kernels could not be built ({type(exc).__name__}: "
@@ -227,6 +218,50 @@ def native_kernels() -> ModuleType | None:
             stacklevel=2,
         )
         return None
+
+
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """Held while this process builds (or checks for) the entry: ``flock`` on
+    ``builder.lock``, which the system releases when its holder exits however it exits.
+    A process that finds it held says so and waits."""
+    with open(build_dir / "builder.lock", "a") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            message = (
+                f"waiting for another process building tessera's native kernels in {build_dir}"
+            )
+            logger.info(message)
+            print(message, file=sys.stderr, flush=True)
+            fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _build(build_dir: Path) -> ModuleType:
+    fresh = not any(build_dir.glob(f"{EXTENSION_NAME}*.so"))
+    if fresh:
+        message = f"compiling tessera's native kernels (once, ~{COMPILE_SECONDS} s) ..."
+        logger.info(message)
+        print(message, file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    module = cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+    if fresh:
+        logger.info("native kernels built in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    return module
 
 
 def _load_built(build_dir: Path) -> ModuleType | None:
