@@ -663,6 +663,37 @@ def test_native_tiled_f32_matmul_model_shapes(native, model_tensors, names, rows
     assert_product(weight.matmul(x), x, packed.dequantize())
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_tiled_f32_results_do_not_depend_on_how_the_threads_split_the_tiles(
+    native, model_tensors, rows
+):
+    """csrc/pieces.h: with two threads the tiles go in pieces claimed as threads come free
+    (300 rows of the down projection are several passes: one share per thread); with one
+    thread one call takes them all. Every output, and the head's argmax, bit for bit."""
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
+    down = Q4Weight.from_packed(
+        PackedWeight.from_gguf(model_tensors["blk.0.ffn_down.weight"]), exact=True
+    )
+    head = Q8Weight.from_packed(
+        PackedWeight.from_gguf(model_tensors["token_embd.weight"]), exact=True
+    )
+    x = torch.randn(rows, down.in_features)
+    h = torch.randn(rows, head.in_features)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            logits, ids = native.q8_f32_mm_argmax(h, head.qs, head.d)
+            results.append((down.matmul(x), logits, ids))
+    finally:
+        torch.set_num_threads(threads)
+    (y1, logits1, ids1), (y2, logits2, ids2) = results
+    assert torch.equal(y1, y2) and torch.equal(logits1, logits2)
+    assert ids1.tolist() == ids2.tolist() == logits1.argmax(dim=1).tolist()
+
+
 def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     """Without the native kernel torch's int4 layout; neither takes Q8_0 or outputs that
     are not whole tiles of 16 (the model keeps those dense)."""

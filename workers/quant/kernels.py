@@ -68,6 +68,7 @@ HEADERS = tuple(
     for name in (
         "amx_tiles.h",
         "bf16_blocks.h",
+        "pieces.h",
         "rows.h",
         "tile_argmax.h",
         "tiled_layouts.h",
