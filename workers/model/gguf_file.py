@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensors, read in one pass over its header.
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every metadata array: for
-SmolLM2's 49,152 tokens and ~48,900 merges that took 5.3 s of each model load (a worker,
-``tessera generate``, every test process), against ~0.1 s here. This reader decodes the
+SmolLM2's 49,152 tokens and ~48,900 merges that took 4.8-5.3 s of each model load (a worker,
+``tessera generate``, every test process), against 0.24 s here. This reader decodes the
 same header (GGUF versions 2 and 3, little-endian) with ``struct`` and gives each tensor's
 data as the same numpy view of the memory-mapped file that ``GGUFReader`` gives: F32 /
 F16 / F64 / I8..I64 tensors as arrays of that type, quantised ones as ``uint8`` rows of
@@ -98,10 +98,7 @@ class GGUFFile:
         self.fields: dict[str, Any] = {}
         for _ in range(num_fields):
             key = self._string()
-            kind = self._u32()
-            if kind not in GGUFValueType._value2member_map_:
-                raise ValueError(f"model: GGUF field {key!r} has an unknown value type {kind}")
-            self.fields[key] = self._value(kind)
+            self.fields[key] = self._value(self._u32(), key)
         infos = []
         for _ in range(num_tensors):
             name = self._string()
@@ -149,20 +146,23 @@ class GGUFFile:
         self._offset = start + length
         return str(self._buf[start : self._offset], "utf-8")
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, key: str) -> Any:
+        """The value of field ``key`` (for its errors) of value type ``kind``."""
+        if kind not in GGUFValueType._value2member_map_:
+            raise ValueError(f"model: GGUF field {key!r} has an unknown value type {kind}")
         kind = GGUFValueType(kind)
         if kind is GGUFValueType.STRING:
             return self._string()
         if kind is GGUFValueType.ARRAY:
-            item = GGUFValueType(self._u32())
+            item = self._u32()
             (count,) = struct.unpack_from("<Q", self._buf, self._offset)
             self._offset += 8
             if item in _SCALARS:  # numbers in one unpack
-                fmt = _SCALARS[item]
+                fmt = _SCALARS[GGUFValueType(item)]
                 values = struct.unpack_from(f"<{count}{fmt[1]}", self._buf, self._offset)
                 self._offset += count * struct.calcsize(fmt)
                 return list(values)
-            return [self._value(item) for _ in range(count)]
+            return [self._value(item, key) for _ in range(count)]
         fmt = _SCALARS[kind]
         (value,) = struct.unpack_from(fmt, self._buf, self._offset)
         self._offset += struct.calcsize(fmt)
