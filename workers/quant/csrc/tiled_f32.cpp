@@ -15,7 +15,11 @@
 // tile dequantised once per pass into a buffer [K, 16] that every kRowsF32 rows read.
 // One step's 120 Q4 projections of SmolLM2 (2 cores, AVX-512), against gguf_mm at 1 / 8 /
 // 16 / 64 / 512 rows: 4.4 / 11.4 / 21-24 / 72-76 / 561 ms against 6.2-7.6 / 20.9-24.0 /
-// 28-35 / 74-86 / 517-549 (passes of 128 KB took 582 ms at 512 rows).
+// 28-35 / 74-86 / 517-549 (passes of 128 KB took 582 ms at 512 rows). On AVX2 (Zen 3
+// EPYC, one thread) the 3-row micro-kernel runs at ~40-43 GMAC/s, near the core's FMA
+// peak; two half tiles (8 lanes) of 6 rows each from a buffer [2, K, 8], the same sums
+// with half the weight loads per FMA, ran 8-26% slower, and a buffer cut in K chunks
+// that stay in L1 was slower too.
 // Each row sums its products in two chains, even and odd inputs, added at the end: the
 // same for every row count and both paths, so a row's result never depends on T. Torch's
 // threads claim the tiles in pieces (pieces.h).
