@@ -119,3 +119,12 @@ def test_what_it_cannot_read_is_named(tmp_path):
     )
     with pytest.raises(ValueError, match=r"field 'general.name' has an unknown value type 77"):
         GGUFFile(unknown)
+    unknown.write_bytes(  # and in an empty array, whose items are never read
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IIQ", 9, 77, 0)
+    )
+    with pytest.raises(ValueError, match=r"field 'general.name' has an unknown value type 77"):
+        GGUFFile(unknown)

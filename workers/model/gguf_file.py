@@ -146,19 +146,24 @@ class GGUFFile:
         self._offset = start + length
         return str(self._buf[start : self._offset], "utf-8")
 
-    def _value(self, kind: int, key: str) -> Any:
-        """The value of field ``key`` (for its errors) of value type ``kind``."""
+    @staticmethod
+    def _kind(kind: int, key: str) -> GGUFValueType:
+        """Field ``key``'s value type (or its array's item type), known or a named error."""
         if kind not in GGUFValueType._value2member_map_:
             raise ValueError(f"model: GGUF field {key!r} has an unknown value type {kind}")
-        kind = GGUFValueType(kind)
+        return GGUFValueType(kind)
+
+    def _value(self, kind: int, key: str) -> Any:
+        """The value of field ``key`` (for its errors) of value type ``kind``."""
+        kind = self._kind(kind, key)
         if kind is GGUFValueType.STRING:
             return self._string()
         if kind is GGUFValueType.ARRAY:
-            item = self._u32()
+            item = self._kind(self._u32(), key)  # checked even where the array is empty
             (count,) = struct.unpack_from("<Q", self._buf, self._offset)
             self._offset += 8
             if item in _SCALARS:  # numbers in one unpack
-                fmt = _SCALARS[GGUFValueType(item)]
+                fmt = _SCALARS[item]
                 values = struct.unpack_from(f"<{count}{fmt[1]}", self._buf, self._offset)
                 self._offset += count * struct.calcsize(fmt)
                 return list(values)
