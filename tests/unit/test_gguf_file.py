@@ -101,30 +101,14 @@ def test_what_it_cannot_read_is_named(tmp_path):
         GGUFFile(cut)
     unknown = tmp_path / "unknown.gguf"
     key = b"general.name"
-    unknown.write_bytes(
-        b"GGUF"
-        + struct.pack("<IQQ", 3, 0, 1)
-        + struct.pack("<Q", len(key))
-        + key
-        + struct.pack("<I", 99)
-    )
-    with pytest.raises(ValueError, match=r"field 'general.name' has an unknown value type 99"):
-        GGUFFile(unknown)
-    unknown.write_bytes(  # the same inside an array
-        b"GGUF"
-        + struct.pack("<IQQ", 3, 0, 1)
-        + struct.pack("<Q", len(key))
-        + key
-        + struct.pack("<IIQ", 9, 77, 1)
-    )
-    with pytest.raises(ValueError, match=r"field 'general.name' has an unknown value type 77"):
-        GGUFFile(unknown)
-    unknown.write_bytes(  # and in an empty array, whose items are never read
-        b"GGUF"
-        + struct.pack("<IQQ", 3, 0, 1)
-        + struct.pack("<Q", len(key))
-        + key
-        + struct.pack("<IIQ", 9, 77, 0)
-    )
-    with pytest.raises(ValueError, match=r"field 'general.name' has an unknown value type 77"):
-        GGUFFile(unknown)
+    # one field, its value type 99; an array of 77s, of one item and of none (never read)
+    for value, kind in [(struct.pack("<I", 99), 99)] + [
+        (struct.pack("<IIQ", 9, 77, count), 77) for count in (1, 0)
+    ]:
+        unknown.write_bytes(
+            b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + value
+        )
+        with pytest.raises(
+            ValueError, match=rf"field 'general.name' has an unknown value type {kind}"
+        ):
+            GGUFFile(unknown)
