@@ -14,7 +14,9 @@ import torch
 
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.kv.kv_cache import allocate_kv_cache
+from tessera.workers.model.llama import _UNBUILT
 from tessera.workers.model.loader import fast_mode_available, load_model
+from tessera.workers.quant.int4 import Q4Weight
 from tessera.workers.quant.kernels import native_kernels
 from tests.helpers import multi_row_requests, run_multi_row, save_random_llama
 
@@ -138,6 +140,32 @@ def test_native_step_gives_the_logits_of_the_rows_asked_for(smollm2):
     every, _ = one_step(smollm2, native=True)
     some, _ = one_step(smollm2, native=True, rows=torch.tensor([4, 0, 4]))
     assert torch.equal(some, every[[4, 0, 4]])
+
+
+def test_exact_rows_past_the_tiled_kernels_limit_take_the_dense_gemm_on_both_paths(
+    smollm2, monkeypatch
+):
+    """A step of more rows than ``Linear.int4_rows`` (``exact_row_limit``: a long prompt's)
+    multiplies the same float32 weights through torch's GEMM, in the native stack
+    (``csrc/decode_layers.cpp``'s Linear) as op by op: the logits move by the order of
+    float32 sums only."""
+    model = smollm2.model
+    linears = [
+        linear
+        for layer in model.layers
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
+    if not all(isinstance(x.int4, Q4Weight) and x.int4.exact for x in linears):
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
+    tiled, _ = one_step(smollm2, native=True)
+    for linear in linears:
+        monkeypatch.setattr(linear, "int4_rows", 2)  # the step has 6 rows
+    monkeypatch.setattr(model, "_native_layers", _UNBUILT)  # the stack rebuilt with it
+    for native in (True, False):
+        logits, _ = one_step(smollm2, native=native)
+        assert not torch.equal(logits, tiled)  # another order of sums ran
+        assert (logits - tiled).abs().max() <= 1e-3 * tiled.abs().max()
+        assert torch.equal(logits.argmax(-1), tiled.argmax(-1))
 
 
 @pytest.mark.parametrize("which", ["smollm2_fast", "smollm2_auto"])

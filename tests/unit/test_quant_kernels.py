@@ -601,6 +601,7 @@ def test_native_q4_f32_matmul_is_the_float32_product_with_the_files_weights(nati
     packed, dense = random_packed(qtype, Q4_ODD, seed=rows)
     weight = Q4Weight.from_packed(packed, exact=True)
     assert torch.equal(weight.dequantize(), dense)
+    assert torch.equal(weight.dense(), dense.T)  # the kernel's dequantisation, for a GEMM
     x, _ = check_f32_rows_product(weight, dense, rows)
     with pytest.raises(RuntimeError, match=r"q4_f32_mm: x must be a float32 \[T, K\] CPU tensor"):
         weight.matmul(x.to(torch.bfloat16))
@@ -752,6 +753,48 @@ def test_int4_row_limit_and_the_dense_copy_follow_the_measured_crossover(
     x = torch.randn(200, packed.in_features).to(torch.bfloat16)  # past every probed count
     if limit == int4.ALL_ROWS:
         assert torch.equal(linear(x), linear.int4.matmul(x))
+
+
+@pytest.mark.parametrize(
+    ("dense_wins_from", "limit"), [(None, int4.ALL_ROWS), (512, 256), (128, int4.EXACT_MIN_ROWS)]
+)
+def test_exact_row_limit_sends_larger_products_to_a_dense_gemm_of_the_same_weights(
+    native, monkeypatch, dense_wins_from, limit
+):
+    """The exact mode's Q4 matrices: the tiled kernel up to the last probed row count where
+    it beat dequantising for torch's float32 GEMM (never below ``EXACT_MIN_ROWS``, a decode
+    step's rows), every count where it always did. The timings are given; past the
+    limit a product is torch's GEMM of the file's weights, bit for bit, and up to it the
+    kernel's."""
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
+    from tessera.workers.model import llama
+
+    calls = iter(range(2 * len(int4.EXACT_PROBE_ROWS)))  # the kernel, then the GEMM
+
+    def timed(fn, repeats: int = 5) -> float:
+        index = next(calls)
+        rows = int4.EXACT_PROBE_ROWS[index // 2]
+        if index % 2 == 0:
+            return 1.0
+        return 0.5 if dense_wins_from is not None and rows >= dense_wins_from else 2.0
+
+    monkeypatch.setattr(int4, "_best_time", timed)
+    int4.exact_row_limit.cache_clear()
+    try:
+        assert int4.exact_row_limit(32, 64) == limit
+    finally:
+        int4.exact_row_limit.cache_clear()
+    monkeypatch.setattr(llama, "exact_row_limit", lambda out_features, in_features: 4)
+    packed, dense = random_packed(QuantType.Q4_1, Q4_ODD)
+    linear = llama.Linear(packed.in_features, packed.out_features, bias=True)
+    linear.bias.copy_(torch.randn(packed.out_features))
+    linear.load_weight([packed], "w")
+    assert isinstance(linear.int4, Q4Weight) and linear.int4.exact and linear.int4_rows == 4
+    assert linear.weight.numel() == 0  # no dense copy kept
+    x = torch.randn(9, packed.in_features)
+    assert torch.equal(linear(x[:4]), linear.int4.matmul(x[:4]).add_(linear.bias))
+    assert torch.equal(linear(x), torch.addmm(linear.bias, x, dense.T.contiguous()))
 
 
 def test_the_cuda_kernels_tilings_by_row_count_and_their_checks():

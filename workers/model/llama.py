@@ -28,6 +28,7 @@ from tessera.workers.quant.int4 import (
     Q4Weight,
     Q8Weight,
     bf16_q4_weight,
+    exact_row_limit,
     int4_row_limit,
 )
 from tessera.workers.quant.kernels import embedding, native_kernels
@@ -72,7 +73,11 @@ class Linear(nn.Module):
       SmolLM2's weights instead of 538 MB. On a CPU with AVX-512 or AVX2 its Q4 matrices are
       an exact ``Q4Weight`` instead: the same numbers and arithmetic in a layout with
       one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` at 1-16 rows on
-      AVX-512; 3-7x at 1-64 rows on AVX2, where ``gguf_mm`` has only its portable loop);
+      AVX-512; 3-7x at 1-64 rows on AVX2, where ``gguf_mm`` has only its portable loop),
+      for batches of at most ``int4_rows`` rows; a larger one (a long prompt step) takes
+      the same weights dequantised for that product into torch's float32 GEMM where it
+      measured faster (``exact_row_limit``: on the AVX2 EPYC from 128 rows, a 2,048-row
+      step ~15% faster), so no dense copy is kept;
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
@@ -101,9 +106,12 @@ class Linear(nn.Module):
         if self.int4 is not None and x.shape[0] <= self.int4_rows:
             y = self.int4.matmul(x)
             return y if self.bias is None else y.add_(self.bias)
+        weight = self.weight
+        if isinstance(self.int4, Q4Weight) and self.int4.exact:  # no dense copy is kept
+            weight = self.int4.dense()
         if self.bias is None:
-            return torch.mm(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+            return torch.mm(x, weight)
+        return torch.addmm(self.bias, x, weight)
 
     def load_weight(self, parts: list[Weight], name: str, bf16_matmuls: bool = False) -> None:
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
@@ -121,7 +129,8 @@ class Linear(nn.Module):
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
             if self.weight.dtype == torch.float32 and Q4Weight.supports(packed, exact=True):
-                self.int4, self.int4_rows = Q4Weight.from_packed(packed, exact=True), ALL_ROWS
+                self.int4 = Q4Weight.from_packed(packed, exact=True)
+                self.int4_rows = exact_row_limit(self.out_features, self.in_features)
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
             if self.weight.dtype == torch.float32:

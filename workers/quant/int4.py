@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +155,12 @@ class Q4Weight:
         kernel = native_kernels().q4_f32_mm if self.exact else native_kernels().q4_bf16_mm
         return kernel(x, self.nibbles, self.d, self.m, int(self.qtype))
 
+    def dense(self) -> torch.Tensor:
+        """The exact mode's weights as a dense float32 ``[in, out]`` tensor, dequantised
+        by the native kernel (the numbers ``matmul`` multiplies with; SmolLM2's largest
+        matrix in ~1 ms): for a GEMM of many rows (``exact_row_limit``)."""
+        return native_kernels().q4_f32_dense(self.nibbles, self.d, self.m, int(self.qtype))
+
     def dequantize(self) -> torch.Tensor:
         """The dense float32 ``[out, in]`` weights, as ``gguf`` dequantises the file's."""
         out, nb = self.out_features, self.in_features // BLOCK_SIZE
@@ -250,28 +257,81 @@ def int4_row_limit(out_features: int, in_features: int) -> int:
     assumed past the last: on an AVX2 CPU without native bf16, torch's bf16 GEMM ran
     40x slower than int4 at every count from 1 to 512 rows, and a 453-token prompt took
     68 s through it). Measured once per shape and process (~0.2 s each; SmolLM2 has five
-    shapes). ``Q4Weight`` needs no limit: it takes every row count."""
+    shapes). The bf16 ``Q4Weight`` needs no limit: it takes every row count (the exact
+    one has ``exact_row_limit``)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = Int4Weight.from_packed(_random_q4(QuantType.Q4_0, out_features, in_features))
+    dense = torch.randn(in_features, out_features, generator=generator).to(torch.bfloat16)
+    return _row_limit(
+        "int4 vs dense bf16", weight, lambda x: torch.mm(x, dense), PROBE_ROWS, 0, torch.bfloat16
+    )
+
+
+#: Row counts at which ``exact_row_limit`` compares the tiled kernel with a dense GEMM.
+EXACT_PROBE_ROWS = (128, 256, 512, 1024)
+#: Rows that always take the exact mode's tiled kernel: a decode step's, up to the default
+#: ``max_num_seqs`` (its rows' numbers then never depend on how many share the step).
+EXACT_MIN_ROWS = 64
+
+
+@functools.cache
+def exact_row_limit(out_features: int, in_features: int) -> int:
+    """The most rows for which the exact mode's tiled kernel (``Q4Weight.matmul``, exact)
+    beats dequantising the matrix (``Q4Weight.dense``) for torch's float32 GEMM on this
+    CPU, timed on a Q4_1 matrix of the given shape: at least ``EXACT_MIN_ROWS``, and
+    ``ALL_ROWS`` where the kernel wins at every probed count. On the AVX2 EPYC, one thread,
+    the kernel ran at ~26 GMAC/s against MKL's ~35 on 2,048 rows (a prompt step); at 64 rows
+    the two were level. Both products are float32 sums of the same float32 weights; only
+    their order differs. Measured once per shape and process."""
+    weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, out_features, in_features), exact=True)
+    return _row_limit(
+        "tiled float32 vs dequantised + dense float32",
+        weight,
+        lambda x: torch.mm(x, weight.dense()),
+        EXACT_PROBE_ROWS,
+        EXACT_MIN_ROWS,
+        torch.float32,
+    )
+
+
+def _random_q4(qtype: QuantType, out_features: int, in_features: int) -> PackedWeight:
+    """A Q4 matrix of random nibbles and small scales (and mins, Q4_1), for timing."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(
         0, 16, (out_features, in_features // 2), dtype=torch.uint8, generator=generator
     )
     scales = torch.full((out_features, in_features // BLOCK_SIZE), 0.01, dtype=torch.float16)
-    weight = Int4Weight.from_packed(PackedWeight(QuantType.Q4_0, q, scales, None))
-    dense = torch.randn(in_features, out_features, generator=generator).to(torch.bfloat16)
-    limit = 0
+    mins = None if qtype is QuantType.Q4_0 else -8 * scales
+    return PackedWeight(qtype, q, scales, mins)
+
+
+def _row_limit(
+    what: str,
+    weight: Int4Weight | Q4Weight,
+    gemm: Callable[[torch.Tensor], torch.Tensor],
+    probe_rows: tuple[int, ...],
+    floor: int,
+    dtype: torch.dtype,
+) -> int:
+    """The largest of ``probe_rows`` up to which ``weight.matmul(x)`` beats ``gemm(x)`` at
+    every probed count (``floor`` where it loses at the first; ``ALL_ROWS`` where it never
+    loses), each timed at its best of a few runs on random ``x``; logged as a table."""
+    out_features, in_features = weight.out_features, weight.in_features
+    generator = torch.Generator().manual_seed(1)
+    limit = floor
     table = []
-    for rows in PROBE_ROWS:
-        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
-        int4 = _best_time(lambda x=x: weight.matmul(x))
-        gemm = _best_time(lambda x=x: torch.mm(x, dense))
-        table.append(f"{rows}: int4 {int4 * 1e6:.0f} us, bf16 {gemm * 1e6:.0f} us")
-        if int4 >= gemm:
+    for rows in probe_rows:
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        ours = _best_time(lambda x=x: weight.matmul(x))
+        theirs = _best_time(lambda x=x: gemm(x))
+        table.append(f"{rows}: {ours * 1e6:.0f} vs {theirs * 1e6:.0f} us")
+        if ours >= theirs:
             break
         limit = rows
     else:
         limit = ALL_ROWS
-    logger.info("int4 vs dense bf16 (%dx%d): %s; int4 up to %s rows",
-                out_features, in_features, "; ".join(table),
+    logger.info("%s (%dx%d): %s; the first up to %s rows",
+                what, out_features, in_features, "; ".join(table),
                 "any number of" if limit == ALL_ROWS else limit)  # fmt: skip
     return limit
 

@@ -50,13 +50,16 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                         int64_t qtype);
 
 namespace {
+torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
+                           const c10::optional<torch::Tensor>& m, int64_t qtype);
 
 constexpr int64_t kDense = 0;  // weight [in, out] in T
 constexpr int64_t kGguf = 1;   // packed GGUF blocks, float32 activations (gguf_mm)
 constexpr int64_t kInt4 = 2;   // torch's int4 layout up to int4_rows rows, else dense
 constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scales_zeros: d,
                                // mins: m) up to int4_rows rows, else dense
-constexpr int64_t kQ4Exact = 4;  // that layout in float32, every row count (q4_f32_mm)
+constexpr int64_t kQ4Exact = 4;  // that layout in float32 (q4_f32_mm) up to int4_rows
+                                 // rows, else dequantised (q4_f32_dense) for a dense GEMM
 
 // Rows of the stack's row-wise steps (norms, RoPE and the cache writes, SwiGLU; residual
 // adds: this many thousand values) a thread takes at least: a step's few rows run inline,
@@ -88,12 +91,16 @@ struct Linear {
       auto y = q4_bf16_mm(x, int4, int4_scales_zeros, mins, qtype);
       return bias ? y.add_(*bias) : y;
     }
-    if (kind == kQ4Exact) {
+    if (kind == kQ4Exact && x.size(0) <= int4_rows) {
       auto y = q4_f32_mm(x, int4, int4_scales_zeros, mins, qtype);
       return bias ? y.add_(*bias) : y;
     }
     if (kind == kInt4 && x.size(0) <= int4_rows) {
       auto y = at::_weight_int4pack_mm_for_cpu(x, int4, 32, int4_scales_zeros);
+    if (kind == kQ4Exact) {  // more rows: the same weights dequantised for a dense GEMM
+      const auto w = q4_f32_dense(int4, int4_scales_zeros, mins, qtype);
+      return bias ? at::addmm(*bias, x, w) : at::mm(x, w);
+    }
       return bias ? y.add_(*bias) : y;
     }
     return bias ? at::addmm(*bias, x, weight) : at::mm(x, weight);

@@ -22,7 +22,9 @@
 // that stay in L1 was slower too.
 // Each row sums its products in two chains, even and odd inputs, added at the end: the
 // same for every row count and both paths, so a row's result never depends on T. Torch's
-// threads claim the tiles in pieces (pieces.h).
+// threads claim the tiles in pieces (pieces.h). q4_f32_dense writes a Q4 matrix's
+// weights, the same numbers, as a dense [K, N] tensor for torch's float32 GEMM: products
+// of more rows than int4.py's exact_row_limit, where that GEMM measured faster.
 
 #include <torch/extension.h>
 
@@ -234,6 +236,34 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
   return y;
 }
 
+torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
+                           const c10::optional<torch::Tensor>& m, int64_t qtype) {
+  const tiled::Shape s = tiled::check_d("q4_f32_dense", d, 0);
+  tiled::check_q4("q4_f32_dense", s, nibbles, d, m, qtype);
+  auto w = torch::empty({s.K, s.N}, torch::kFloat32);
+#if TESSERA_TILED_F32
+  const uint8_t* np = nibbles.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = m ? reinterpret_cast<const uint16_t*>(m->data_ptr<at::Half>()) : nullptr;
+  float* wp = w.data_ptr<float>();
+  const int64_t nb = s.nb, N = s.N;
+  const auto store = [&](const auto& tile, int64_t t) {
+    for (int64_t b = 0; b < nb; ++b)
+      tile(b, [&](int k, F v) { vec16::store(wp + (b * kBlock + k) * N + t * 16, v); });
+  };
+  at::parallel_for(0, s.tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (mp != nullptr) store(Q4Tile<true>(np, dp, mp, t, nb), t);
+      else store(Q4Tile<false>(np, dp, nullptr, t, nb), t);
+    }
+  });
+#else
+  TORCH_CHECK(false,
+              "q4_f32_dense: this build has no AVX-512 or AVX2 kernel (tiled_f32_available())");
+#endif
+  return w;
+}
+
 namespace {
 
 // y, and with `ids` each row's argmax of y into it.
@@ -285,6 +315,11 @@ void register_tiled_f32(pybind11::module& m) {
         "y = x @ W^T in float32 for Q4_0/Q4_1 weights in the Q4Weight layout, each weight "
         "dequantised exactly as gguf does",
         py::arg("x"), py::arg("nibbles"), py::arg("d"), py::arg("m"), py::arg("qtype"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q4_f32_dense", &q4_f32_dense,
+        "W^T as a dense float32 [K, N] tensor for Q4_0/Q4_1 weights in the Q4Weight layout, "
+        "each weight dequantised as q4_f32_mm does (for a GEMM of many rows)",
+        py::arg("nibbles"), py::arg("d"), py::arg("m"), py::arg("qtype"),
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_f32_mm", &q8_f32_mm,
         "y = x @ W^T in float32 for Q8_0 weights in the Q8Weight layout, each weight "

@@ -42,13 +42,18 @@ struct Shape {
   int64_t tiles, nb, K, N, T;  // N = 16 tiles outputs, K = 32 nb inputs, T rows of x
 };
 
-// x [T, K] (2-D, on the CPU) against d fp16 [N / 16, K / 32, 16].
-inline Shape check_x_and_d(const char* name, const torch::Tensor& x, const torch::Tensor& d) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a [T, K] CPU tensor");
+// d fp16 [N / 16, K / 32, 16], for T rows of x.
+inline Shape check_d(const char* name, const torch::Tensor& d, int64_t T) {
   TORCH_CHECK(d.dim() == 3 && d.size(2) == 16 && d.scalar_type() == torch::kHalf &&
                   d.is_contiguous(),
               name, ": d must be a contiguous fp16 [N / 16, K / 32, 16] tensor");
-  const Shape s{d.size(0), d.size(1), d.size(1) * kBlock, d.size(0) * 16, x.size(0)};
+  return Shape{d.size(0), d.size(1), d.size(1) * kBlock, d.size(0) * 16, T};
+}
+
+// x [T, K] (2-D, on the CPU) against d fp16 [N / 16, K / 32, 16].
+inline Shape check_x_and_d(const char* name, const torch::Tensor& x, const torch::Tensor& d) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), name, ": x must be a [T, K] CPU tensor");
+  const Shape s = check_d(name, d, x.size(0));
   TORCH_CHECK(x.size(1) == s.K, name, ": x has ", x.size(1), " features, the weight takes ",
               s.K);
   return s;
