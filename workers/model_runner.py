@@ -77,14 +77,15 @@ class Chunk:
 #: context, so long chunks stay whole.
 DECODE_SPLIT_TOKENS = 8
 #: With the native stack and a bf16 (or other reduced-precision) model, a plain causal
-#: chunk whose context ends within this many tokens is split into decode entries too, so
-#: that a step mixing prompts and decodes still runs in one native call (each token's
-#: attention reads its context from the cache: cheap for short contexts, quadratic for
-#: long ones). A step with a longer or masked chunk runs op by op, and so do prompts over
-#: a float32 cache (the exact mode): there torch's prompt attention measured faster (mixed
-#: steps at 16 concurrent requests: bf16 253 ms split against 354 ms op by op; float32 438
-#: against 422). The fast mode's float16 cache splits: 16 prompts of 128 tokens took
-#: 1695 ms split against 1949 ms op by op.
+#: chunk whose context ends within this many tokens is split into decode entries too
+#: (each token's attention reads its context from the cache: cheap for short contexts,
+#: quadratic for long ones). Other causal chunks, and every one over a float32 cache (the
+#: exact mode), stay whole and the native stack runs their attention through torch's
+#: flash kernel, as op by op: there torch's prompt attention measured faster than split
+#: rows (mixed steps at 16 concurrent requests, against op by op: bf16 253 ms split
+#: against 354; float32 438 split against 422). The fast mode's float16 cache splits: 16
+#: prompts of 128 tokens took 1695 ms split against 1949 ms op by op. Only a step with a
+#: masked chunk (parallel tokens, a tree of drafts) runs op by op.
 NATIVE_SPLIT_CONTEXT = 1024
 
 
@@ -120,9 +121,9 @@ class ModelRunner:
     ``"off"`` runs every step on the dynamic path; ``"eager"`` takes the static path
     without capturing (so the CPU tests can check it).
 
-    ``native_decode``: on the dynamic path, steps of decodes only run every layer in one
-    native call (``LlamaModel.native_layers``) where the model has one; in a reduced
-    precision, so do steps with short prompt chunks (``NATIVE_SPLIT_CONTEXT``).
+    ``native_decode``: on the dynamic path, steps without masked chunks run every layer in
+    one native call (``LlamaModel.native_layers``) where the model has one; in a reduced
+    precision, short prompt chunks go there as decode rows (``NATIVE_SPLIT_CONTEXT``).
     """
 
     def __init__(
@@ -244,7 +245,8 @@ class ModelRunner:
             int64_tensors(flat, (*sizes, num_seqs * width), dev)
         )
         block_tables = tables_t.view(num_seqs, width)
-        native = self.native_decode and num_decodes == len(entries)
+        masks_given = any(m is not None for m in masks)
+        native = self.native_decode and not masks_given
         decode_plan = None
         if num_decodes and not native:
             decode_plan = plan_decode(
@@ -263,7 +265,7 @@ class ModelRunner:
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
             attn_masks=None
-            if all(m is None for m in masks)
+            if not masks_given
             else tuple(None if m is None else m.to(dev) for m in masks),
             decode_plan=decode_plan,
         )

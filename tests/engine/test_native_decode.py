@@ -235,6 +235,26 @@ def test_native_step_refuses_a_block_outside_the_cache(smollm2):
         model.native_layers().forward(
             hidden, cos, cos, torch.tensor([3]), torch.tensor([40]), torch.tensor([[0, 1]]), cache
         )
+    # three rows: one decode, then a prompt chunk of two
+    rows3 = (torch.zeros(3, config.hidden_size), torch.ones(3, config.head_dim))
+    prompt_step = (*rows3, rows3[1], torch.tensor([3, 4, 5]), *step[4:], None, None)
+    with pytest.raises(RuntimeError, match="DecodeLayers: 2 rows are neither decodes nor prompts"):
+        model.native_layers().forward(*prompt_step)
+    cases = [
+        ([[1, 1, 6]], "DecodeLayers: the decodes and prompts cover 2 rows of 3"),
+        ([[2, 2, 6]], r"DecodeLayers: prompt 0 starts at row 2, not at row 1 \(after the"),
+        ([[1, 2, 1]], r"DecodeLayers: prompt 0 has 2 rows, not 1 \.\. its seq_len 1"),
+        ([[1, 2, 33]], "DecodeLayers: seq_len 33 of prompt 0 does not fit 2 blocks"),
+    ]  # fmt: skip
+    for prompts, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            model.native_layers().forward(
+                *prompt_step, torch.tensor(prompts), torch.tensor([[2, 3]])
+            )
+    with pytest.raises(RuntimeError, match="DecodeLayers: block 9 of prompt 0 is outside"):
+        model.native_layers().forward(
+            *prompt_step, torch.tensor([[1, 2, 20]]), torch.tensor([[2, 9]])
+        )
 
 
 PROSE = (
@@ -244,8 +264,9 @@ PROSE = (
 )
 
 
-def _prompt_logprobs(loaded, native: bool, calls: list[bool]) -> torch.Tensor:
-    """PROSE's prompt logprobs, computed in a step that also decodes another request."""
+def _prompt_logprobs(loaded, native: bool, calls: list[tuple[bool, int]]) -> torch.Tensor:
+    """PROSE's prompt logprobs, computed in a step that also decodes another request;
+    ``calls`` gets each forward's ``native`` and its number of whole (causal) chunks."""
     from tessera.workers.api import SamplingParams
     from tessera.workers.config import EngineConfig
     from tessera.workers.engine import Engine
@@ -259,7 +280,8 @@ def _prompt_logprobs(loaded, native: bool, calls: list[bool]) -> torch.Tensor:
     forward = model.forward
 
     def spy(*args, native: bool = False):
-        calls.append(native)
+        meta = args[3]
+        calls.append((native, meta.num_seqs - meta.num_decodes))
         return forward(*args, native=native)
 
     model.forward = spy
@@ -274,18 +296,22 @@ def _prompt_logprobs(loaded, native: bool, calls: list[bool]) -> torch.Tensor:
 
 
 def test_native_prompt_rows_are_as_close_to_float32_as_the_op_by_op_ones(smollm2, smollm2_fast):
-    """In bf16 a step with a short prompt chunk runs natively too, each prompt token a
-    decode row reading its context from the cache (float32 keeps torch's prompt path):
-    the prompt's logprobs stay as close to the float32 ones as the op-by-op step's."""
-    calls: list[bool] = []
+    """A step mixing a prompt chunk with a decode runs natively. In bf16 the short chunk
+    goes as decode rows, each reading its context from the cache: the prompt's logprobs
+    stay as close to the float32 ones as the op-by-op step's. In float32 it stays whole,
+    its attention torch's flash kernel as op by op: only the order of float32 sums in the
+    norms differs."""
+    calls: list[tuple[bool, int]] = []
     exact = _prompt_logprobs(smollm2, native=False, calls=[])
     native = _prompt_logprobs(smollm2_fast, native=True, calls=calls)
-    assert all(calls), "every step, prompt and decodes mixed, ran natively"
+    assert calls and all(native and not whole for native, whole in calls), calls
     eager = _prompt_logprobs(smollm2_fast, native=False, calls=[])
     native_error = (native - exact).abs().mean()
     eager_error = (eager - exact).abs().mean()
     assert 0 < native_error <= 1.25 * eager_error, (native_error, eager_error)
 
     calls.clear()
-    _prompt_logprobs(smollm2, native=True, calls=calls)
-    assert False in calls  # float32: PROSE's prompt step op by op
+    native32 = _prompt_logprobs(smollm2, native=True, calls=calls)
+    assert all(native for native, _ in calls) and (True, 1) in calls, calls
+    assert not torch.equal(native32, exact)
+    torch.testing.assert_close(native32, exact, rtol=0, atol=1e-4)

@@ -319,8 +319,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab].
 
-        ``native``: a batch of decodes only (``meta.num_decodes == meta.num_seqs``) runs
-        its layers through ``native_layers()`` where that exists, not op by op."""
+        ``native``: a batch without masks (decodes, then causal chunks) runs its layers
+        through ``native_layers()`` where that exists, not op by op; the chunks' attention
+        there is the same torch kernel as op by op."""
         # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
         # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
         if self.packed_embedding is not None:
@@ -328,18 +329,30 @@ class LlamaModel(nn.Module):
         else:
             hidden = self.embed_tokens(input_ids).float()
         cos, sin = self.rope.lookup(positions)
-        stack = self.native_layers() if native and meta.num_decodes == meta.num_seqs else None
+        stack = self.native_layers() if native and meta.attn_masks is None else None
         if stack is not None:
+            decodes, starts = meta.num_decodes, meta.query_start_loc_list
+            prompts = prompt_tables = None
+            if decodes < meta.num_seqs:  # (first row, rows, seq_len) of each causal chunk
+                prompts = torch.tensor(
+                    [
+                        (starts[i], starts[i + 1] - starts[i], meta.seq_lens_list[i])
+                        for i in range(decodes, meta.num_seqs)
+                    ]
+                )
+                prompt_tables = meta.block_tables[decodes:]
             hidden = stack.forward(
                 hidden.contiguous(),
                 cos.squeeze(1),
                 sin.squeeze(1),
                 meta.slot_mapping,
-                meta.seq_lens,
-                meta.block_tables,
+                meta.seq_lens[:decodes],
+                meta.block_tables[:decodes],
                 kv_cache,
                 self.norm.weight,  # and the final norm, of the rows whose logits are wanted
                 logits_indices,
+                prompts,
+                prompt_tables,
             )
         else:
             for index, layer in enumerate(self.layers):

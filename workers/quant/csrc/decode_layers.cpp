@@ -1,8 +1,10 @@
-// Every decoder layer of a decode step in one call, and the final norm of the rows whose
-// logits the step wants: B rows of one token each (a sequence's new token; in bf16 also a
+// Every decoder layer of a step in one call, and the final norm of the rows whose logits
+// the step wants: first rows of one token each (a sequence's new token; in bf16 also a
 // short prompt's tokens, each its own row: every row's K/V is written before any row of
 // the layer attends, so the rows of one prompt see each other causally through the
-// cache).
+// cache), then causal chunks of several rows (prompts), whose attention goes through
+// torch's CPU flash kernel as the Python path's does; everything else of theirs is the
+// same loops and matmuls as the single rows'.
 //
 // The Python layer loop spends most of a small-batch decode step dispatching ~40 eager
 // ops per layer (norms, RoPE, the K/V scatter, the attention tiles, SwiGLU, residuals);
@@ -48,10 +50,10 @@ torch::Tensor q4_bf16_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
 torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
                         int64_t qtype);
-
-namespace {
 torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
                            const c10::optional<torch::Tensor>& m, int64_t qtype);
+
+namespace {
 
 constexpr int64_t kDense = 0;  // weight [in, out] in T
 constexpr int64_t kGguf = 1;   // packed GGUF blocks, float32 activations (gguf_mm)
@@ -95,12 +97,12 @@ struct Linear {
       auto y = q4_f32_mm(x, int4, int4_scales_zeros, mins, qtype);
       return bias ? y.add_(*bias) : y;
     }
-    if (kind == kInt4 && x.size(0) <= int4_rows) {
-      auto y = at::_weight_int4pack_mm_for_cpu(x, int4, 32, int4_scales_zeros);
     if (kind == kQ4Exact) {  // more rows: the same weights dequantised for a dense GEMM
       const auto w = q4_f32_dense(int4, int4_scales_zeros, mins, qtype);
       return bias ? at::addmm(*bias, x, w) : at::mm(x, w);
     }
+    if (kind == kInt4 && x.size(0) <= int4_rows) {
+      auto y = at::_weight_int4pack_mm_for_cpu(x, int4, 32, int4_scales_zeros);
       return bias ? y.add_(*bias) : y;
     }
     return bias ? at::addmm(*bias, x, weight) : at::mm(x, weight);
@@ -110,6 +112,13 @@ struct Linear {
 struct Layer {
   torch::Tensor input_norm, post_norm;  // [hidden] in T
   Linear qkv, o, gate_up, down;
+};
+
+// A causal chunk of a sequence's tokens (a prompt, or a piece of one): rows first ..
+// first + rows - 1 of the step, the last at cache index seq_len - 1; its block table.
+struct Prompt {
+  int64_t first, rows, seq_len;
+  const int64_t* table;
 };
 
 // ------------------------------------------------------------------ small helpers
@@ -446,15 +455,19 @@ class DecodeLayers {
   // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned, or
   // with `rows`, rows [S] of it through the final norm `norm` [hidden] (in T): [S, hidden]
   // in T, what the LM head takes);
-  // cos/sin [B, D] in T; slots [B] (cache row each token's K/V goes to); seq_lens [B]
-  // (tokens each sequence attends to, its new one included); block_tables [B, W];
+  // cos/sin [B, D] in T; slots [B] (cache row each token's K/V goes to);
   // kv_cache [layers, 2, blocks, block_size, H_kv, D] in T (or float16 under a float32
-  // model: the fast mode).
+  // model: the fast mode). The first Dn rows are decodes: seq_lens [Dn] (tokens each
+  // attends to, its new one included), block_tables [Dn, W]. `prompts` [P, 3] (first
+  // row, rows, seq_len: a causal chunk, its rows consecutive, the last at cache index
+  // seq_len - 1) with `prompt_tables` [P, W'] cover the rest, in order.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& seq_lens,
                         const torch::Tensor& block_tables, const torch::Tensor& kv_cache,
                         const c10::optional<torch::Tensor>& norm,
-                        const c10::optional<torch::Tensor>& rows) const {
+                        const c10::optional<torch::Tensor>& rows,
+                        const c10::optional<torch::Tensor>& prompts,
+                        const c10::optional<torch::Tensor>& prompt_tables) const {
     TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 &&
                     hidden.is_contiguous(),
                 "DecodeLayers: hidden must be a contiguous float32 [B, hidden] tensor");
@@ -472,27 +485,60 @@ class DecodeLayers {
                     sin.sizes() == cos.sizes() && sin.is_contiguous() &&
                     cos.scalar_type() == dtype && sin.scalar_type() == dtype,
                 "DecodeLayers: cos/sin must be contiguous [B, head_dim] in the model's dtype");
+    const int64_t decodes = seq_lens.numel();
     TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
                     block_tables.scalar_type() == torch::kInt64 && slots.numel() == B &&
-                    seq_lens.numel() == B && block_tables.dim() == 2 &&
-                    block_tables.size(0) == B,
-                "DecodeLayers: slots, seq_lens [B] and block_tables [B, W] must be int64");
+                    decodes <= B && block_tables.dim() == 2 && block_tables.size(0) == decodes,
+                "DecodeLayers: slots [B], seq_lens [Dn <= B] and block_tables [Dn, W] must be "
+                "int64");
     const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     const auto st = slots.contiguous(), sl = seq_lens.contiguous(), bt = block_tables.contiguous();
     const int64_t* slot_p = st.data_ptr<int64_t>();
     const int64_t* len_p = sl.data_ptr<int64_t>();
     const int64_t* table_p = bt.data_ptr<int64_t>();
     const int64_t width = bt.size(1);
-    for (int64_t b = 0; b < B; ++b) {  // every index the loops below follow, checked once
+    // every index the loops below follow, checked once
+    const auto check_table = [&](const int64_t* table, int64_t n, int64_t w, const char* what,
+                                 int64_t index) {
+      TORCH_CHECK(n >= 1 && n <= w * block_size, "DecodeLayers: seq_len ", n, " of ", what, " ",
+                  index, " does not fit ", w, " blocks");
+      for (int64_t j = 0; j < (n + block_size - 1) / block_size; ++j)
+        TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "DecodeLayers: block ", table[j],
+                    " of ", what, " ", index, " is outside the cache");
+    };
+    for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(slot_p[b] >= 0 && slot_p[b] < num_blocks * block_size,
                   "DecodeLayers: slot ", slot_p[b], " of row ", b, " is outside the cache");
-      TORCH_CHECK(len_p[b] >= 1 && len_p[b] <= width * block_size,
-                  "DecodeLayers: seq_len ", len_p[b], " of row ", b, " does not fit ", width,
-                  " blocks");
-      for (int64_t j = 0; j < (len_p[b] + block_size - 1) / block_size; ++j)
-        TORCH_CHECK(table_p[b * width + j] >= 0 && table_p[b * width + j] < num_blocks,
-                    "DecodeLayers: block ", table_p[b * width + j], " of row ", b,
-                    " is outside the cache");
+    for (int64_t b = 0; b < decodes; ++b) check_table(table_p + b * width, len_p[b], width, "row", b);
+    TORCH_CHECK(prompts.has_value() == prompt_tables.has_value(),
+                "DecodeLayers: prompts and prompt_tables go together");
+    std::vector<Prompt> chunks;
+    torch::Tensor chunk_tables;
+    if (prompts) {
+      const auto pr = prompts->contiguous();
+      chunk_tables = prompt_tables->contiguous();
+      TORCH_CHECK(pr.scalar_type() == torch::kInt64 && pr.dim() == 2 && pr.size(1) == 3 &&
+                      chunk_tables.scalar_type() == torch::kInt64 && chunk_tables.dim() == 2 &&
+                      chunk_tables.size(0) == pr.size(0),
+                  "DecodeLayers: prompts [P, 3] and prompt_tables [P, W] must be int64");
+      const int64_t* p = pr.data_ptr<int64_t>();
+      const int64_t* tables = chunk_tables.data_ptr<int64_t>();
+      int64_t next = decodes;
+      for (int64_t i = 0; i < pr.size(0); ++i) {
+        const Prompt chunk{p[3 * i], p[3 * i + 1], p[3 * i + 2],
+                           tables + i * chunk_tables.size(1)};
+        TORCH_CHECK(chunk.first == next, "DecodeLayers: prompt ", i, " starts at row ",
+                    chunk.first, ", not at row ", next, " (after the decodes and prompts before)");
+        TORCH_CHECK(chunk.rows >= 1 && chunk.rows <= chunk.seq_len, "DecodeLayers: prompt ", i,
+                    " has ", chunk.rows, " rows, not 1 .. its seq_len ", chunk.seq_len);
+        check_table(chunk.table, chunk.seq_len, chunk_tables.size(1), "prompt", i);
+        next += chunk.rows;
+        chunks.push_back(chunk);
+      }
+      TORCH_CHECK(next == B, "DecodeLayers: the decodes and prompts cover ", next, " rows of ", B);
+    } else {
+      TORCH_CHECK(decodes == B, "DecodeLayers: ", B - decodes, " rows are neither decodes nor "
+                  "prompts");
     }
     TORCH_CHECK(rows.has_value() == norm.has_value() &&
                     (!rows || (norm->sizes() == layers_[0].input_norm.sizes() &&
@@ -505,7 +551,8 @@ class DecodeLayers {
       TORCH_CHECK(picked.data_ptr<int64_t>()[i] >= 0 && picked.data_ptr<int64_t>()[i] < B,
                   "DecodeLayers: row ", picked.data_ptr<int64_t>()[i], " is not one of the ", B);
     const auto cache = kv_cache.scalar_type();
-#define TESSERA_RUN(T, C) run<T, C>(hidden, cos, sin, slot_p, len_p, table_p, width, kv_cache)
+#define TESSERA_RUN(T, C) \
+  run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width, chunks, kv_cache)
     if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
     else if (dtype == at::kFloat && cache == at::kHalf) TESSERA_RUN(float, c10::Half);
     else if (dtype == at::kBFloat16 && cache == at::kBFloat16) TESSERA_RUN(c10::BFloat16, c10::BFloat16);
@@ -540,7 +587,8 @@ class DecodeLayers {
   // float16 under a float32 model: the fast mode).
   template <typename T, typename C>
   void run(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-           const int64_t* slots, const int64_t* seq_lens, const int64_t* tables, int64_t width,
+           const int64_t* slots, int64_t decodes, const int64_t* seq_lens, const int64_t* tables,
+           int64_t width, const std::vector<Prompt>& prompts,
            const torch::Tensor& kv_cache) const {
     const int64_t B = hidden.size(0), H = hidden.size(1), D = head_dim_;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
@@ -552,6 +600,8 @@ class DecodeLayers {
     auto normed = torch::empty({B, H}, options);
     auto attn = torch::empty({B, q_size}, options);
     auto swiglu = torch::empty({B, intermediate_}, options);
+    std::vector<c10::optional<torch::Tensor>> masks;  // each prompt's, for every layer
+    for (const Prompt& prompt : prompts) masks.push_back(causal_bias(prompt, options));
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     C* cache = kv_cache.data_ptr<C>();
     for (int64_t l = 0; l < num_layers(); ++l) {
@@ -572,8 +622,10 @@ class DecodeLayers {
           store_kv(r + q_size + kv_size, v_cache + slots[b] * kv_size, kv_size);
         }
       });
-      attend<T, C>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, B,
+      attend<T, C>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, decodes,
                    attn.data_ptr<T>());
+      for (size_t i = 0; i < prompts.size(); ++i)
+        attend_prompt(qkv, kv_cache[l], prompts[i], masks[i], attn);
       add_residual<T>(h, layer.o(attn), B * H);
       rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
       const torch::Tensor gate_up = layer.gate_up(normed).contiguous();  // [B, 2 I]
@@ -590,6 +642,47 @@ class DecodeLayers {
       });
       add_residual<T>(h, layer.down(swiglu), B * H);
     }
+  }
+
+  // A prompt's causal mask as an additive bias [rows, seq_len] (0 where a row may look,
+  // -inf after its own index), as tessera/workers/attention/paged.py builds it; none
+  // when the chunk is the whole sequence (the kernel's own causal flag).
+  static c10::optional<torch::Tensor> causal_bias(const Prompt& prompt,
+                                                  const torch::TensorOptions& options) {
+    if (prompt.rows == prompt.seq_len) return c10::nullopt;
+    const auto after = torch::ones({prompt.rows, prompt.seq_len}, options.dtype(torch::kBool))
+                           .triu(prompt.seq_len - prompt.rows + 1);
+    return torch::zeros({prompt.rows, prompt.seq_len}, options).masked_fill_(after, -INFINITY);
+  }
+
+  // One prompt's attention, every row over the cache up to itself, through torch's CPU
+  // flash kernel as workers/attention/paged.py calls it (the same op on the same q, K/V
+  // and mask): its K/V gathered from the layer's cache [2, blocks, block_size, H_kv, D]
+  // and repeated per query head. Its queries are qkv's rows, already rotated.
+  void attend_prompt(const torch::Tensor& qkv, const torch::Tensor& cache, const Prompt& prompt,
+                     const c10::optional<torch::Tensor>& mask, torch::Tensor& attn) const {
+    const int64_t D = head_dim_, group = num_heads_ / num_kv_heads_;
+    const int64_t block_size = cache.size(2);
+    const int64_t blocks = (prompt.seq_len + block_size - 1) / block_size;
+    const auto ids = torch::from_blob(const_cast<int64_t*>(prompt.table), {blocks}, torch::kInt64);
+    const auto rows = qkv.narrow(0, prompt.first, prompt.rows);
+    const auto q = rows.narrow(1, 0, num_heads_ * D).view({prompt.rows, num_heads_, D});
+    const auto gather = [&](int64_t which) {  // [1, H, seq_len, D] in q's dtype
+      return cache[which]
+          .index_select(0, ids)
+          .view({-1, num_kv_heads_, D})
+          .narrow(0, 0, prompt.seq_len)
+          .transpose(0, 1)
+          .to(q.scalar_type())
+          .repeat_interleave(group, 0)
+          .unsqueeze(0);
+    };
+    const auto out = std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1).unsqueeze(0), gather(0), gather(1), 0.0,
+        prompt.rows == prompt.seq_len, mask, static_cast<double>(scale_)));
+    attn.narrow(0, prompt.first, prompt.rows)
+        .view({prompt.rows, num_heads_, D})
+        .copy_(out[0].transpose(0, 1));
   }
 
   template <typename T>
@@ -745,6 +838,7 @@ void register_decode_layers(pybind11::module& m) {
       .def("forward", &DecodeLayers::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
            py::arg("slots"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("kv_cache"),
            py::arg("norm") = py::none(), py::arg("rows") = py::none(),
+           py::arg("prompts") = py::none(), py::arg("prompt_tables") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }
 
