@@ -130,12 +130,15 @@ class Scheduler:
     ) -> ClusterStats:
         """Wait until every pool has its starting workers healthy (``any_healthy``: one
         healthy worker per pool, for a front end joining a running cluster that may have
-        scaled down); raise if they cannot start (the first start error says why)."""
+        scaled down); raise if they cannot start (the first start error says why). Once
+        the cluster has been up, one healthy worker per pool will do: the monitor tick that
+        finds the last starting worker healthy may drain a worker idle since it loaded,
+        before this loop looks again."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.start_errors and len(self.start_errors) >= MAX_START_FAILURES:
                 raise RuntimeError(f"workers failed to start: {self.start_errors[0]}")
-            if self._pools_ready(any_healthy):
+            if self._pools_ready(any_healthy or self._up):
                 return self.stats()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers not ready after {timeout_s} s: {self.stats()}")

@@ -5,6 +5,7 @@ and stopped only once no placed request is paired with it and it reports idle.""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 from tessera.cluster.config import ClusterConfig
@@ -176,3 +177,24 @@ def test_once_up_a_worker_starting_again_holds_no_drain_back():
         _report(scheduler, worker_id, idle_s=60.0)
     scheduler._autoscale()
     assert "draining idle worker prefill-1" in scheduler.events[-1]
+
+
+def test_wait_ready_returns_when_the_tick_that_finds_the_cluster_up_drains_a_worker():
+    """The last starting worker registers; the same monitor tick finds the cluster up and
+    drains a prefill worker idle since it loaded (past downscale_delay_s). ``wait_ready``
+    then sees one healthy prefill worker of the two it started with, and must not wait
+    for the other (a cluster test once waited its whole 600 s for it)."""
+    scheduler = _scheduler()
+    scheduler.registry.workers["decode-2"].status = WorkerStatus.STARTING
+    for worker_id in ("prefill-0", "prefill-1"):
+        _report(scheduler, worker_id, idle_s=60.0)
+    scheduler._autoscale()
+    scheduler.registry.workers["decode-2"].status = WorkerStatus.HEALTHY  # it registered
+    scheduler._autoscale()
+    assert "draining idle worker prefill-1" in scheduler.events[-1]
+    stats = asyncio.run(scheduler.wait_ready(timeout_s=1.0))
+    assert sorted((w.worker_id, w.status) for w in stats.workers) == [
+        ("decode-2", WorkerStatus.HEALTHY),
+        ("prefill-0", WorkerStatus.HEALTHY),
+        ("prefill-1", WorkerStatus.DRAINING),
+    ]
