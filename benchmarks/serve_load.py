@@ -35,7 +35,8 @@ ours / peer for output tok/s, goodput (higher is better) and p50 TTFT (lower is 
 and TTFT request by request (the median of the ratios, how often ours came sooner):
 with 16 requests at 1 concurrent, a p50 falls between two requests of different lengths.
 Without a peer only ours is measured, and the JSON says ``"peer": null``. Match the two
-servers' dtype (e.g. ``--serve-args --dtype bfloat16``).
+servers' dtype (e.g. ``--serve-args --dtype bfloat16``) and say the peer's with
+``--peer-dtype`` (the JSON records it).
 
 Closed loop: ``--concurrency 1 16 64`` instead of ``--rates`` keeps that many requests
 in flight (``--num-requests`` per level, default 4x the level, at least 16; all due at
@@ -738,7 +739,9 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
         "serve_load",
         rows,
         {
-            "peer": None if peer is None else {"name": peer.name, "url": peer.url},
+            "peer": None
+            if peer is None
+            else {"name": peer.name, "url": peer.url, "dtype": args.peer_dtype},
             "note": "ratios are ours / peer" if peer else "no peer given: ours only",
             "ratios": ratios,
             "http_vs_engine": versus_engine,
@@ -901,6 +904,11 @@ def main() -> None:
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--peer-url", help="a peer OpenAI-compatible server (e.g. vLLM's)")
     parser.add_argument("--peer-name", default="peer")
+    parser.add_argument(
+        "--peer-dtype",
+        help="the dtype the peer server was started with (recorded in the JSON; e.g. float32 "
+        "where the CPU has no native bf16 and vLLM's bf16 is emulated)",
+    )
     parser.add_argument("--peer-model", help="the peer's model id (default: its first)")
     parser.add_argument("--peer-api-key", help="the peer's key (default: --api-key)")
     load = parser.add_mutually_exclusive_group()
