@@ -714,6 +714,27 @@ def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     assert ((weight.matmul(x).float() - ref).abs() <= bound).all()
 
 
+def measured_limit(monkeypatch, row_limit, probe_rows, dense_wins_from: int | None) -> int:
+    """``row_limit(32, 64)`` (``int4_row_limit``, ``exact_row_limit``) with the timings given:
+    the kernel 1.0 at every probed row count, the GEMM 0.5 from ``dense_wins_from`` rows
+    (never if None), else 2.0."""
+    calls = iter(range(2 * len(probe_rows)))  # the kernel, then the GEMM, at each count
+
+    def timed(fn, repeats: int = 5) -> float:
+        index = next(calls)
+        rows = probe_rows[index // 2]
+        if index % 2 == 0:
+            return 1.0
+        return 0.5 if dense_wins_from is not None and rows >= dense_wins_from else 2.0
+
+    monkeypatch.setattr(int4, "_best_time", timed)
+    row_limit.cache_clear()
+    try:
+        return row_limit(32, 64)
+    finally:
+        row_limit.cache_clear()
+
+
 @pytest.mark.parametrize(("dense_wins_from", "limit"), [(None, int4.ALL_ROWS), (16, 8), (1, 0)])
 def test_int4_row_limit_and_the_dense_copy_follow_the_measured_crossover(
     monkeypatch, dense_wins_from, limit
@@ -726,21 +747,9 @@ def test_int4_row_limit_and_the_dense_copy_follow_the_measured_crossover(
 
     from tessera.workers.model import llama
 
-    calls = iter(range(2 * len(int4.PROBE_ROWS)))  # int4, then the GEMM, at each count
-
-    def timed(fn, repeats: int = 5) -> float:
-        index = next(calls)
-        rows = int4.PROBE_ROWS[index // 2]
-        if index % 2 == 0:
-            return 1.0
-        return 0.5 if dense_wins_from is not None and rows >= dense_wins_from else 2.0
-
-    monkeypatch.setattr(int4, "_best_time", timed)
-    int4.int4_row_limit.cache_clear()
-    try:
-        assert int4.int4_row_limit(32, 64) == limit
-    finally:
-        int4.int4_row_limit.cache_clear()
+    assert (
+        measured_limit(monkeypatch, int4.int4_row_limit, int4.PROBE_ROWS, dense_wins_from) == limit
+    )
     monkeypatch.setattr(int4, "native_kernels", lambda: None)  # torch's int4 layout
     monkeypatch.setattr(llama, "int4_row_limit", lambda out_features, in_features: limit)
     packed, _ = random_packed(QuantType.Q4_0, Q4_ODD)
@@ -770,21 +779,8 @@ def test_exact_row_limit_sends_larger_products_to_a_dense_gemm_of_the_same_weigh
         pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     from tessera.workers.model import llama
 
-    calls = iter(range(2 * len(int4.EXACT_PROBE_ROWS)))  # the kernel, then the GEMM
-
-    def timed(fn, repeats: int = 5) -> float:
-        index = next(calls)
-        rows = int4.EXACT_PROBE_ROWS[index // 2]
-        if index % 2 == 0:
-            return 1.0
-        return 0.5 if dense_wins_from is not None and rows >= dense_wins_from else 2.0
-
-    monkeypatch.setattr(int4, "_best_time", timed)
-    int4.exact_row_limit.cache_clear()
-    try:
-        assert int4.exact_row_limit(32, 64) == limit
-    finally:
-        int4.exact_row_limit.cache_clear()
+    probes = int4.EXACT_PROBE_ROWS
+    assert measured_limit(monkeypatch, int4.exact_row_limit, probes, dense_wins_from) == limit
     monkeypatch.setattr(llama, "exact_row_limit", lambda out_features, in_features: 4)
     packed, dense = random_packed(QuantType.Q4_1, Q4_ODD)
     linear = llama.Linear(packed.in_features, packed.out_features, bias=True)
