@@ -101,9 +101,10 @@ class EngineConfig:
     )
     native_decode: bool = _setting(
         True,
-        "on the CPU, run every layer of a step of decodes in one call of tessera's C++ "
-        "extension (fused norms, RoPE, paged attention and SwiGLU around the matmuls); "
-        "off: such steps run op by op in torch like every other step",
+        "on the CPU, run every layer of a step in one call of tessera's C++ extension "
+        "(fused norms, RoPE, paged attention and SwiGLU around the matmuls; prompt chunks' "
+        "attention through torch's flash kernel); steps with masked chunks (parallel "
+        "tokens, draft trees) run op by op either way; off: every step runs op by op",
     )
     block_size: int = _setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", ge=1)
     kv_cache_memory: int | None = _setting(

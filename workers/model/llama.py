@@ -277,10 +277,10 @@ class LlamaModel(nn.Module):
         return model
 
     def native_layers(self) -> Any | None:
-        """Every layer as one native call for steps of decodes only
-        (``csrc/decode_layers.cpp``), sharing the layers' weights; built on first use
-        (after the weights are loaded). None where it cannot run: not on the CPU, no
-        native extension, or a dtype it has no kernels for."""
+        """Every layer as one native call for steps without masked chunks
+        (``csrc/decode_layers.cpp``: decode rows, then whole causal chunks), sharing the
+        layers' weights; built on first use (after the weights are loaded). None where it
+        cannot run: not on the CPU, no native extension, or a dtype it has no kernels for."""
         if self._native_layers is _UNBUILT:
             self._native_layers = None
             weight = self.norm.weight
