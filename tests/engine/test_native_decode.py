@@ -135,6 +135,23 @@ def test_native_float32_step_equals_the_op_by_op_step(request, which):
     torch.testing.assert_close(cache, expected_cache, rtol=0, atol=1e-3, equal_nan=True)
 
 
+def test_native_step_does_not_depend_on_how_the_threads_split_the_rows(smollm2):
+    """The decode attention's rows go in pieces of equal cost that the threads claim as
+    they come free (``attend_all``, csrc/pieces.h), as the products' tiles do: one thread
+    and two give the same logits and cache, bit for bit."""
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(one_step(smollm2, native=True))
+    finally:
+        torch.set_num_threads(threads)
+    (logits1, cache1), (logits2, cache2) = results
+    assert torch.equal(logits1, logits2)
+    assert torch.equal(cache1.nan_to_num(), cache2.nan_to_num())
+
+
 def test_native_step_gives_the_logits_of_the_rows_asked_for(smollm2):
     """The stack's final norm takes the rows whose logits are wanted, in their order."""
     every, _ = one_step(smollm2, native=True)

@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "pieces.h"
 #include "vec16.h"
 
 // The vector paths (AVX-512 or AVX2: vec16.h); the loops after each take the rest.
@@ -728,10 +729,13 @@ class DecodeLayers {
                   int64_t block_size, int64_t B, T* out) const {
     const int64_t D = head_dim_, group = num_heads_ / num_kv_heads_;
     const int64_t kv_size = num_kv_heads_ * D;
-    // Rows split into one part per thread by their cost (a row's context, plus a fixed
-    // share): split evenly by count, a prompt's rows (contexts 1 .. n, in order) left the
-    // thread with the first half idle for most of the region.
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+    // Rows split by their cost (a row's context, plus a fixed share) into parts of equal
+    // cost, kPiecesPerThread per thread, which the threads claim one at a time
+    // (pieces.h). Split evenly by count, a prompt's rows (contexts 1 .. n, in order) left
+    // the thread with the first half idle for most of the region; split into one part per
+    // thread, a thread that another process took off its core held up the whole step.
+    const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads * kPiecesPerThread, B));
     std::vector<int64_t> bounds(parts + 1, B);
     bounds[0] = 0;
     int64_t total = 0;
@@ -740,7 +744,7 @@ class DecodeLayers {
       sum += seq_lens[b] + kRowCost;
       if (sum * parts >= total * part) bounds[part++] = b + 1;
     }
-    at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
+    parallel_pieces(0, parts, 1, [&](int64_t first_part, int64_t last_part) {
       std::vector<float> q(group * D), acc(group * D), buf(D + group), scores;
       const int64_t begin = bounds[first_part] * num_kv_heads_;
       const int64_t end = bounds[last_part] * num_kv_heads_;
