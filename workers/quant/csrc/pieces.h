@@ -17,7 +17,9 @@
 namespace tessera {
 
 // Pieces per thread: enough that the last ones are short, few enough that each still
-// holds several tiles of a step's smallest projection.
+// holds several tiles of a step's smallest projection. Users: the tiled float32 kernel's
+// decode products (tiled_f32.cpp) and the native stack's decode attention, whose rows
+// are cut into this many parts of equal cost per thread (decode_layers.cpp).
 constexpr int64_t kPiecesPerThread = 8;
 
 // f(piece_begin, piece_end) over consecutive pieces covering [begin, end), each at least
