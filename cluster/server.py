@@ -45,8 +45,12 @@ SERVE_CONTROL_LOOP_S = "0.5"
 #: ten times a second; Ray exports its metrics every 10 s anyway.
 SERVE_METRICS_EXPORT_MS = "1000"
 #: How often Ray's log monitor looks for new log files (``LOG_NAME_UPDATE_INTERVAL_S``,
-#: Ray's default 0.5 s); lines of files it knows are still read as they come.
+#: Ray's default 0.5 s); lines of files it knows are still read as they come. Ray's
+#: monitor keeps to that period only once it watches ``RAY_LOG_MONITOR_MANY_FILES_THRESHOLD``
+#: files (default 1,000); below, it globs the log folder on every 0.1 s poll. The
+#: threshold 0 makes the period hold for any number of files.
 LOG_NAME_UPDATE_S = "5"
+LOG_MONITOR_MANY_FILES = "0"
 #: Ray's own bookkeeping that nothing of a local ``tessera serve`` reads (it starts Ray
 #: without the dashboard; its ``/metrics`` are its own): every process's task events
 #: for the state API (``RAY_task_events_report_interval_ms``, 0 turns them off), its
@@ -86,11 +90,11 @@ def local_ray_env() -> dict[str, str]:
     - Fewer wake-ups in the background: Serve's controller loop at
       ``SERVE_CONTROL_LOOP_S``, its replicas' metrics export at
       ``SERVE_METRICS_EXPORT_MS``, Ray's log monitor's file scan at
-      ``LOG_NAME_UPDATE_S``, and Ray's bookkeeping that nothing here reads off
-      (``RAY_BOOKKEEPING_OFF``). The worker's threads spin on every core, and each
-      wake-up beside them stalls both: with an idle cluster up, a one-sequence decode
-      step took 8.6-9.0 ms against 7.2-7.4 with every Ray process paused; with these
-      periods (and the scheduler's 1 s reports) 8.0 against 7.2-7.5.
+      ``LOG_NAME_UPDATE_S`` (``LOG_MONITOR_MANY_FILES``), and Ray's bookkeeping that
+      nothing here reads off (``RAY_BOOKKEEPING_OFF``). The worker's threads spin on
+      every core, and each wake-up beside them stalls both: with an idle cluster up, a
+      one-sequence decode step took 8.6-9.0 ms against 7.2-7.4 with every Ray process
+      paused; with these periods (and the scheduler's 1 s reports) 8.0 against 7.2-7.5.
     - HAProxy mode, where the binary runs (``ray[serve]`` bundles it on Linux): HAProxy
       listens on ``host:port`` (and ``grpc_port``) and forwards each connection to the
       replica's own HTTP (gRPC) server, so no token crosses Serve's Python proxy. Over
@@ -108,6 +112,7 @@ def local_ray_env() -> dict[str, str]:
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": SERVE_CONTROL_LOOP_S,
         "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": SERVE_METRICS_EXPORT_MS,
         "LOG_NAME_UPDATE_INTERVAL_S": LOG_NAME_UPDATE_S,
+        "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": LOG_MONITOR_MANY_FILES,
         **RAY_BOOKKEEPING_OFF,
     }
     if haproxy_available():
