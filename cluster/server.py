@@ -45,11 +45,11 @@ SERVE_CONTROL_LOOP_S = "0.5"
 #: ten times a second; Ray exports its metrics every 10 s anyway.
 SERVE_METRICS_EXPORT_MS = "1000"
 #: How often Ray's log monitor looks for new log files (``LOG_NAME_UPDATE_INTERVAL_S``,
-#: Ray's default 0.5 s); lines of files it knows are still read as they come. Ray's
-#: monitor keeps to that period only once it watches ``RAY_LOG_MONITOR_MANY_FILES_THRESHOLD``
-#: files (default 1,000); below, it globs the log folder on every 0.1 s poll. The
-#: threshold 0 makes the period hold for any number of files.
+#: Ray's default 0.5 s); lines of files it knows are still read as they come.
 LOG_NAME_UPDATE_S = "5"
+#: Ray's log monitor keeps to ``LOG_NAME_UPDATE_S`` only once it watches this many files
+#: (``RAY_LOG_MONITOR_MANY_FILES_THRESHOLD``, default 1,000); below, it globs the log
+#: folder on every 0.1 s poll. 0: the period holds for any number of files.
 LOG_MONITOR_MANY_FILES = "0"
 #: Ray's own bookkeeping that nothing of a local ``tessera serve`` reads (it starts Ray
 #: without the dashboard; its ``/metrics`` are its own): every process's task events
