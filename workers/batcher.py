@@ -30,6 +30,9 @@ class ScheduledBatch:
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    #: every item is a decode of one token: the last of its sequence's tokens, at cache
+    #: index ``num_computed_tokens``, its block already in the table and not shared
+    decodes_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +119,7 @@ class Batcher:
             budget -= self._apply(group, writes, batch)
             planned = True
         if not planned:  # decodes only (the steady state): phases set, one token each
+            batch.decodes_only = True
             return batch
         for seq, n in batch.items:
             num_tokens = len(seq.token_ids)

@@ -43,7 +43,7 @@ from tessera.workers.api import (
     SamplingParams,
     TokenLogprob,
 )
-from tessera.workers.batcher import Batcher
+from tessera.workers.batcher import Batcher, ScheduledBatch
 from tessera.workers.config import EngineConfig
 from tessera.workers.detokenizer import IncrementalDetokenizer, token_bytes
 from tessera.workers.forks import Forks
@@ -328,6 +328,15 @@ class Engine:
             return []
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
         prompt_tokens = self._prompt_tokens
+        if batch.decodes_only:
+            seqs = [seq for seq, _ in batch.items]
+            for seq in seqs:  # (a loop: all() over a generator cost ~15 us more)
+                if not seq.plain or seq.num_draft or seq.prompt_logprobs is not None:
+                    break
+            else:
+                outputs = self._decode_step(seqs)
+                self._count_batch(batch, prompt_tokens)
+                return outputs
         chunks = [seq.chunk(n) for seq, n in batch.items]
         logits = self.runner.execute(chunks)
         # the rows' argmax where the LM head took it as it wrote them (a Q8_0 head on the
@@ -420,24 +429,72 @@ class Engine:
             if logit_rows != list(range(len(sampled))):
                 logits = logits[logit_rows]
                 argmax = None if argmax is None else argmax[logit_rows]
-            constrained = [i for i, (_, s) in enumerate(targets) if s.grammar is not None]
-            if constrained:
-                logits = logits.clone()  # masked here: the step's own logits stay as they are
-                matchers = [targets[i][1].grammar for i in constrained]
-                self.grammars.apply(logits, constrained, matchers)
-                argmax = None
-            if all(seq.argmax_only for _, seq in targets):  # what the sampler would answer
-                token_ids = (argmax_rows(logits) if argmax is None else argmax).tolist()
-                results = [SampleResult(token_id, None) for token_id in token_ids]
-            else:
-                sampling_rows = [self._sampling_row(s) for _, s in targets]
-                results = self.sampler.sample(logits, sampling_rows, argmax)
-            for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
-                if seq.request.sampling.parallel_tokens is not None:
-                    self._append_set(group, seq, result, logits[i])
+            outputs += self._sample(targets, logits, argmax)
+        self._count_batch(batch, prompt_tokens)
+        return outputs
+
+    def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """``_run_batch``'s work for a batch of plain decodes (``Sequence.plain``, no
+        drafts, no prompt logprobs pending; one token each, ``ScheduledBatch.decodes_only``),
+        without the chunks, verifications and forks the general path looks for."""
+        logits = self.runner.execute_decodes(
+            [seq.seq_id for seq in seqs],
+            [seq.token_ids[-1] for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+        )
+        argmax = taken_argmax(logits)  # as in _run_batch
+        bs = self.kv.block_size
+        for seq in seqs:
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            if len(seq.token_ids) == seq.num_prompt_tokens:  # the prompt's last token
+                self._prompt_tokens += 1
+            if computed % bs == 0:  # a block filled (1 decode in bs)
+                full = computed // bs
+                self.kv.cache_blocks(
+                    seq.seq_id, seq.block_hashes, full - 1, min(full, len(seq.block_hashes))
+                )
+        groups = self.groups
+        return self._sample([(groups[seq.request.request_id], seq) for seq in seqs], logits, argmax)
+
+    def _sample(
+        self,
+        targets: list[tuple[SequenceGroup, Sequence]],
+        logits: torch.Tensor,
+        argmax: torch.Tensor | None,
+    ) -> list[RequestOutput]:
+        """Sample each target's next token from its row of ``logits`` (``argmax``: the
+        rows' argmax, where the forward took it), append it, and return the deltas."""
+        outputs: list[RequestOutput] = []
+        constrained = [i for i, (_, s) in enumerate(targets) if s.grammar is not None]
+        if constrained:
+            logits = logits.clone()  # masked here: the step's own logits stay as they are
+            matchers = [targets[i][1].grammar for i in constrained]
+            self.grammars.apply(logits, constrained, matchers)
+            argmax = None
+        if all(seq.argmax_only for _, seq in targets):  # what the sampler would answer
+            token_ids = (argmax_rows(logits) if argmax is None else argmax).tolist()
+            for (group, seq), token_id in zip(targets, token_ids, strict=True):
+                self._append_token(group, seq, token_id, None)
+                if seq.plain:  # it streams, and has this token to send
+                    outputs.append(sequence_output(seq))
                 else:
-                    self._append_token(group, seq, result.token_id, result.logprob)
+                    outputs += self._emit(group, seq)
+            return outputs
+        sampling_rows = [self._sampling_row(s) for _, s in targets]
+        results = self.sampler.sample(logits, sampling_rows, argmax)
+        for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
+            if seq.request.sampling.parallel_tokens is not None:
+                self._append_set(group, seq, result, logits[i])
+            else:
+                self._append_token(group, seq, result.token_id, result.logprob)
+            if seq.plain:
+                outputs.append(sequence_output(seq))
+            else:
                 outputs += self._emit(group, seq)
+        return outputs
+
+    def _count_batch(self, batch: ScheduledBatch, prompt_tokens: int) -> None:
+        """Count a batch that ran; ``prompt_tokens``: ``self._prompt_tokens`` before it."""
         self._decode_only = (
             batch.num_tokens == len(batch.items) and self._prompt_tokens == prompt_tokens
         )
@@ -445,7 +502,6 @@ class Engine:
         self._batch_size_sum += len(batch.items)
         self._tokens_sum += batch.num_tokens
         self._last = (len(batch.items), batch.num_tokens)
-        return outputs
 
     def _prompt_logprobs(
         self, seq: Sequence, chunk: Chunk, rows: torch.Tensor
@@ -584,6 +640,7 @@ class Engine:
             replay = resume.token_ids if resume is not None else ()
             seq.grammar = self.grammars.matcher(sampling.structured, replay)
         seq.argmax_only = argmax_only(sampling) and sampling.parallel_tokens is None
+        seq.plain = sampling.num_samples == 1 and sampling.parallel_tokens is None
         self._update_hashes(seq)
         self.speculator.start(seq)
         if seq.grammar is not None:
@@ -609,7 +666,8 @@ class Engine:
             # K/V: such a prompt runs whole, so it neither matches nor is matched (its
             # blocks hash under its own request id).
             keys = (*keys, seq.request.request_id)
-        extend_block_hashes(seq.block_hashes, seq.token_ids[:end], self.kv.block_size, keys)
+        token_ids = seq.token_ids if end == len(seq.token_ids) else seq.token_ids[:end]
+        extend_block_hashes(seq.block_hashes, token_ids, self.kv.block_size, keys)
 
     def _end_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids

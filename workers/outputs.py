@@ -35,8 +35,10 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
     )
     seq.pending_text = ""
     seq.pending_token_ids = []
-    seq.pending_logprobs = []
-    seq.pending_sets = []
+    if seq.pending_logprobs:  # (each step would build two lists nothing fills, else)
+        seq.pending_logprobs = []
+    if seq.pending_sets:
+        seq.pending_sets = []
     return output
 
 

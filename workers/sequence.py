@@ -95,18 +95,20 @@ class Sequence:
     grammar: Any = None
     # len(request.prompt_token_ids), read several times per sequence and step
     num_prompt_tokens: int = field(init=False)
+    # The request id for index 0, ``request_id#index`` for forks (the KV manager's key).
+    seq_id: str = field(init=False)
     # Its tokens are its logits rows' argmax (``sampling.argmax_only``, and no parallel
     # tokens): the engine samples it without a SamplingRow. Set at admission.
     argmax_only: bool = False
+    # The request is one sequence that streams, without forks, beams or parallel tokens
+    # (``num_samples == 1``, no ``parallel_tokens``): its decodes take the engine's lean
+    # path (``Engine._decode_step``) when it has no drafts or prompt logprobs pending.
+    plain: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.request.prompt_token_ids)
-
-    @property
-    def seq_id(self) -> str:
-        """The request id for index 0, ``request_id#index`` for forks."""
         rid = self.request.request_id
-        return rid if self.index == 0 else f"{rid}#{self.index}"
+        self.seq_id = rid if self.index == 0 else f"{rid}#{self.index}"
 
     @property
     def num_tokens(self) -> int:

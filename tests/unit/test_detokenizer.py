@@ -8,7 +8,12 @@ import random
 import pytest
 import transformers
 
-from tessera.workers.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_bytes
+from tessera.workers.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    token_bytes,
+    token_texts,
+)
 from tessera.workers.stop import StopStringMatcher
 
 TEXTS = [
@@ -63,6 +68,26 @@ def test_the_byte_table_spells_every_id_as_decode_does(tok):
     assert len(special) == 17  # the file's added tokens, <|endoftext|> to <empty_output>
     assert [i for i, data in enumerate(skipped) if not data] == special
     assert token_bytes(WindowOnly(tok), skip_special_tokens=True) is None
+
+
+def test_the_text_table_holds_each_id_that_decodes_whole_alone(tok):
+    """``push``'s shortcut: an id's text where its bytes are whole UTF-8, else None (such
+    an id decodes alone to text ending in an incomplete character)."""
+    texts = token_texts(tok, skip_special_tokens=False)
+    assert texts is not None and len(texts) == len(tok)
+    partial = 0
+    for token_id, text in enumerate(texts):
+        decoded = tok.decode([token_id])
+        if text is None:
+            assert decoded.endswith(REPLACEMENT_CHAR), (token_id, decoded)
+            partial += 1
+        else:
+            assert text == decoded, token_id
+    assert partial > 100  # byte-level BPE pieces of multi-byte characters
+    skipped = token_texts(tok, skip_special_tokens=True)
+    special = {i for i, added in tok.added_tokens_decoder.items() if added.special}
+    assert [i for i, text in enumerate(skipped) if text == ""] == sorted(special)
+    assert token_texts(WindowOnly(tok), skip_special_tokens=True) is None
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -83,7 +83,14 @@ class AttentionMetadata:
             self.query_start_loc_list[self.num_decodes] != self.num_decodes
         ):
             raise ValueError("each decode sequence must have exactly one new token")
-        for i in range(num_seqs):
+        # the decodes checked at C speed (a 64-decode step spent ~30 us in the loop below)
+        decodes = self.num_decodes
+        if self.query_start_loc_list[: decodes + 1] != list(range(decodes + 1)):
+            raise ValueError("each decode sequence must have exactly one new token")
+        if decodes and min(self.seq_lens_list[:decodes]) < 1:
+            i = next(i for i, n in enumerate(self.seq_lens_list) if n < 1)
+            raise ValueError(f"sequence {i}: q_len=1, seq_len={self.seq_lens_list[i]}")
+        for i in range(decodes, num_seqs):
             q_len = self.query_start_loc_list[i + 1] - self.query_start_loc_list[i]
             if not 0 < q_len <= self.seq_lens_list[i]:
                 raise ValueError(f"sequence {i}: q_len={q_len}, seq_len={self.seq_lens_list[i]}")
