@@ -206,6 +206,10 @@ class Engine:
         self._decode_seconds = 0.0
         self._decode_only = False  # whether the last batch was decodes only
         self._counted = self._counts()  # as of the last whole step: what stats() reports
+        #: Sequences whose last token filled a block, to hash at the next step's start
+        #: (``_append_token``): nothing reads a sequence's hashes before then but
+        #: ``_verify``, which hashes its own sequence first.
+        self._unhashed: list[Sequence] = []
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -314,6 +318,10 @@ class Engine:
             return outputs
 
     def _run_batch(self) -> list[RequestOutput]:
+        if self._unhashed:  # before drafts join the tokens (hashes cover real tokens)
+            for seq in self._unhashed:
+                self._update_hashes(seq)
+            self._unhashed = []
         self.speculator.propose(self._speculating(), self.max_model_len)
         batch = self.batcher.schedule()
         for group in batch.preempted:
@@ -436,25 +444,45 @@ class Engine:
     def _decode_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """``_run_batch``'s work for a batch of plain decodes (``Sequence.plain``, no
         drafts, no prompt logprobs pending; one token each, ``ScheduledBatch.decodes_only``),
-        without the chunks, verifications and forks the general path looks for."""
-        logits = self.runner.execute_decodes(
-            [seq.seq_id for seq in seqs],
-            [seq.token_ids[-1] for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-        )
-        argmax = taken_argmax(logits)  # as in _run_batch
+        without the chunks, verifications and forks the general path looks for.
+
+        What does not need the logits is done before the forward, while the sequences
+        are still in the caches (after it, each first touch of an object is a miss: the
+        forward streams the weights through them); a forward that raises leaves the
+        sequences as they were. A filled block is offered to the prefix cache after the
+        forward has written its K/V."""
+        seq_ids: list[str] = []
+        token_ids: list[int] = []
+        starts: list[int] = []
+        filled: list[Sequence] = []  # sequences whose decode fills a block
+        targets: list[tuple[SequenceGroup, Sequence]] = []
+        groups = self.groups
         bs = self.kv.block_size
+        prompt_tokens = self._prompt_tokens
         for seq in seqs:
-            computed = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            start = seq.num_computed_tokens
+            seq_ids.append(seq.seq_id)
+            token_ids.append(seq.token_ids[-1])
+            starts.append(start)
+            targets.append((groups[seq.request.request_id], seq))
+            seq.num_computed_tokens = start + 1
+            if (start + 1) % bs == 0:
+                filled.append(seq)
             if len(seq.token_ids) == seq.num_prompt_tokens:  # the prompt's last token
                 self._prompt_tokens += 1
-            if computed % bs == 0:  # a block filled (1 decode in bs)
-                full = computed // bs
-                self.kv.cache_blocks(
-                    seq.seq_id, seq.block_hashes, full - 1, min(full, len(seq.block_hashes))
-                )
-        groups = self.groups
-        return self._sample([(groups[seq.request.request_id], seq) for seq in seqs], logits, argmax)
+        try:
+            logits = self.runner.execute_decodes(seq_ids, token_ids, starts)
+        except BaseException:
+            for seq, start in zip(seqs, starts, strict=True):
+                seq.num_computed_tokens = start
+            self._prompt_tokens = prompt_tokens
+            raise
+        argmax = taken_argmax(logits)  # as in _run_batch
+        for seq in filled:
+            full = seq.num_computed_tokens // bs
+            hashes = seq.block_hashes
+            self.kv.cache_blocks(seq.seq_id, hashes, full - 1, min(full, len(hashes)))
+        return self._sample(targets, logits, argmax)
 
     def _sample(
         self,
@@ -547,6 +575,7 @@ class Engine:
             if seq.finished:
                 break
         else:
+            self._update_hashes(seq)  # the accepted drafts' blocks (no drafts left)
             bs = self.kv.block_size
             last_full = min(computed // bs, len(seq.block_hashes))
             self.kv.cache_blocks(seq.seq_id, seq.block_hashes, real // bs, last_full)
@@ -702,8 +731,10 @@ class Engine:
         eos = token_id in self.model_config.eos_token_ids
         if grammar is not None and not eos and not grammar.consume_token(token_id):
             logger.error("grammar refused token %d: %s", token_id, grammar.get_error())  # a bug
-        if len(token_ids) % self.kv.block_size == 0:  # a block filled: hash it
-            self._update_hashes(seq)
+        if len(token_ids) % self.kv.block_size == 0:  # a block filled: hash it next step
+            # (hashed here, in a 64-sequence step, ~4 blocks cost ~70 us: SHA-256's code
+            # and each sequence's tokens out of the caches after the forward)
+            self._unhashed.append(seq)
         seq.phase = Phase.DECODE
         self._generated_tokens += 1
         seq.pending_token_ids.append(token_id)
