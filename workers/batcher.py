@@ -105,7 +105,7 @@ class Batcher:
                 budget -= self._apply(group, writes, batch)
                 index += 1
         # Admitting new work right after preempting would only thrash.
-        width = sum(group.width for group in self.running)
+        width = sum(group.width for group in self.running) if self.waiting else 0
         while not batch.preempted and self.waiting and budget > 0:
             group = self.waiting[0]
             if width + group.width > self.max_num_seqs:

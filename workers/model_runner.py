@@ -90,27 +90,63 @@ NATIVE_SPLIT_CONTEXT = 1024
 
 
 def int64_tensors(values: list[int], sizes: Seq[int], device: torch.device) -> list[torch.Tensor]:
-    """``values`` cut into int64 tensors of ``sizes`` on ``device``, through one host
-    array (64 decodes' ~2,000 integers: ~25 us, against ~200 for ``torch.tensor``).
-
-    On a GPU: one tensor, one copy to the device, and views of it. On the CPU: each
-    piece is a tensor straight over the array (``frombuffer`` at its offset). Right
-    after a forward pass the code of each kind of torch op is cold (the forward evicted
-    it from the caches), so a step pays ~10-75 us for the first op of each kind and ~2
-    for the next ones: one ``frombuffer`` per piece (~30 us in all) beat a ``frombuffer``,
-    ``to`` and ``split`` (~110 us).
-    """
+    """``values`` cut into int64 tensors of ``sizes`` on ``device`` (not the CPU's:
+    ``HostInts``), through one host array (64 decodes' ~2,000 integers: ~25 us, against
+    ~200 for ``torch.tensor``), one copy to the device, and views of it."""
     data = array.array("q", values)
-    if device.type != "cpu":
-        return list(torch.frombuffer(data, dtype=torch.int64).to(device).split(list(sizes)))
-    pieces, offset = [], 0
-    for size in sizes:
-        if size:
-            pieces.append(torch.frombuffer(data, dtype=torch.int64, count=size, offset=offset * 8))
-        else:  # (frombuffer takes no empty piece)
-            pieces.append(torch.empty(0, dtype=torch.int64))
-        offset += size
-    return pieces
+    return list(torch.frombuffer(data, dtype=torch.int64).to(device).split(list(sizes)))
+
+
+#: The shape of each of a step's integer tensors: a length, or (rows, columns).
+Shape = int | tuple[int, int]
+
+
+class HostInts:
+    """A CPU step's integer inputs, written into one buffer kept across steps and read
+    through tensors kept per layout (the shapes of the pieces).
+
+    Right after a forward pass the code of each kind of torch op is cold (the forward
+    streamed the weights through the caches): a step's seven ``frombuffer`` calls and a
+    ``view`` cost ~100 us at 64 decodes, writing the values into the buffer a copy. A
+    steady decode batch keeps its layout from step to step (it changes when a sequence
+    joins or ends, or the widest block table grows), so most steps make no tensor.
+
+    The tensors of the last call are valid until the next call, which overwrites them:
+    the runner's forward is done with them by then. Only the newest ``MAX_LAYOUTS``
+    layouts are kept."""
+
+    MAX_LAYOUTS = 32
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._base = torch.empty(0, dtype=torch.int64)
+        # layout -> (its tensors, how many values fill them)
+        self._layouts: dict[tuple[Shape, ...], tuple[tuple[torch.Tensor, ...], int]] = {}
+
+    def tensors(self, values: list[int], shapes: tuple[Shape, ...]) -> tuple[torch.Tensor, ...]:
+        """``values`` cut into int64 tensors of ``shapes``, in order (they fill it)."""
+        count = len(values)
+        if 8 * count > len(self._data):
+            # a new buffer (the old one stays alive for tensors still holding it)
+            self._data = bytearray(8 * max(2 * count, 4096))
+            self._base = torch.frombuffer(self._data, dtype=torch.int64)
+            self._layouts.clear()
+        layout = self._layouts.get(shapes)
+        if layout is None:
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                del self._layouts[next(iter(self._layouts))]
+            made, offset = [], 0
+            for shape in shapes:
+                size = shape if isinstance(shape, int) else shape[0] * shape[1]
+                piece = self._base[offset : offset + size]
+                made.append(piece if isinstance(shape, int) else piece.view(shape))
+                offset += size
+            layout = self._layouts[shapes] = (tuple(made), offset)
+        pieces, total = layout
+        if total != count:
+            raise ValueError(f"{count} values for shapes {shapes} of {total}")
+        memoryview(self._data).cast("q")[:count] = array.array("q", values)
+        return pieces
 
 
 class ModelRunner:
@@ -151,6 +187,7 @@ class ModelRunner:
         #: Seconds the last ``execute`` spent in the model's forward (on CUDA, up to the
         #: end of its kernels).
         self.forward_time = 0.0
+        self._host_ints = HostInts()  # the CPU's step inputs
 
     def execute(self, chunks: Seq[Chunk]) -> torch.Tensor:
         """Compute every chunk's tokens (writing their K/V); return the logits of each
@@ -285,8 +322,8 @@ class ModelRunner:
         """The forward over a flattened batch (the layout in this module's docstring):
         its first ``num_decodes`` sequences are decodes of one row each, causal; ``masks``
         holds one entry (a mask or None) for each of the others."""
-        # Every integer input in one host list, then one array (``int64_tensors``):
-        # seven tensors built from lists took ~0.15 ms a step.
+        # Every integer input in one host list, then one buffer (``HostInts``,
+        # ``int64_tensors``): seven tensors built from lists took ~0.15 ms a step.
         width = max(len(t) for t in tables)
         flat = input_ids + positions + slots + query_start + seq_lens + logits_rows
         for t in tables:
@@ -295,10 +332,12 @@ class ModelRunner:
         num_rows, num_seqs = len(input_ids), len(seq_lens)
         dev = self.device
         sizes = (num_rows, num_rows, num_rows, num_seqs + 1, num_seqs, len(logits_rows))
-        ids_t, positions_t, slot_mapping, query_start_t, seq_lens_t, rows_t, tables_t = (
-            int64_tensors(flat, (*sizes, num_seqs * width), dev)
-        )
-        block_tables = tables_t.view(num_seqs, width)
+        if dev.type == "cpu":
+            pieces = self._host_ints.tensors(flat, (*sizes, (num_seqs, width)))
+        else:
+            pieces = int64_tensors(flat, (*sizes, num_seqs * width), dev)
+            pieces[-1] = pieces[-1].view(num_seqs, width)
+        ids_t, positions_t, slot_mapping, query_start_t, seq_lens_t, rows_t, block_tables = pieces
         masks_given = any(m is not None for m in masks)
         native = self.native_decode and not masks_given
         decode_plan = None
