@@ -210,6 +210,9 @@ class Engine:
         #: (``_append_token``): nothing reads a sequence's hashes before then but
         #: ``_verify``, which hashes its own sequence first.
         self._unhashed: list[Sequence] = []
+        #: Live requests whose sequence speculates: without any, a step skips looking for
+        #: sequences to propose drafts for, or drafts to drop.
+        self._speculating_ids: set[str] = set()
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
             num_blocks,
@@ -322,16 +325,18 @@ class Engine:
             for seq in self._unhashed:
                 self._update_hashes(seq)
             self._unhashed = []
-        self.speculator.propose(self._speculating(), self.max_model_len)
+        if self._speculating_ids:
+            self.speculator.propose(self._speculating(), self.max_model_len)
         batch = self.batcher.schedule()
         for group in batch.preempted:
             for seq in group.seqs:
                 self.speculator.free(seq)
-        scheduled = {id(seq) for seq, _ in batch.items}
-        for group in self.batcher.running:
-            for seq in group.seqs:
-                if seq.num_draft and id(seq) not in scheduled:
-                    seq.drop_drafts()  # not verified this step: propose afresh next time
+        if self._speculating_ids:
+            scheduled = {id(seq) for seq, _ in batch.items}
+            for group in self.batcher.running:
+                for seq in group.seqs:
+                    if seq.num_draft and id(seq) not in scheduled:
+                        seq.drop_drafts()  # not verified this step: propose afresh next time
         if not batch.items:
             return []
         self._peak_used_blocks = max(self._peak_used_blocks, self.kv.pool.num_used)
@@ -674,6 +679,8 @@ class Engine:
         self.speculator.start(seq)
         if seq.grammar is not None:
             seq.spec = None  # no speculation: drafts would not be checked against the grammar
+        if seq.spec is not None:
+            self._speculating_ids.add(request.request_id)
         group = SequenceGroup(request, [seq], sampling.num_samples, self._order)
         if sampling.beam_width > 1:
             group.beam = self.forks.new_beam_search(sampling, self._end_token_ids(sampling))
@@ -780,6 +787,7 @@ class Engine:
     def _end_group(self, group: SequenceGroup) -> None:
         self.batcher.remove(group)
         del self.groups[group.request_id]
+        self._speculating_ids.discard(group.request_id)
         with self._lock:
             self._known_ids.discard(group.request_id)
 
