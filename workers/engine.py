@@ -370,9 +370,7 @@ class Engine:
             if len(seq.token_ids) == seq.num_prompt_tokens:  # no output yet
                 self._prompt_tokens += n
             if seq.num_computed_tokens // bs > first_full:  # a block filled (a decode: 1 in bs)
-                # block_hashes cover real tokens only: never a block holding drafts
-                last_full = min(seq.num_computed_tokens // bs, len(seq.block_hashes))
-                self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
+                self._cache_computed(seq, first_full)
             count = len(chunk.logits_rows)
             if not count:
                 continue
@@ -484,9 +482,7 @@ class Engine:
             raise
         argmax = taken_argmax(logits)  # as in _run_batch
         for seq in filled:
-            full = seq.num_computed_tokens // bs
-            hashes = seq.block_hashes
-            self.kv.cache_blocks(seq.seq_id, hashes, full - 1, min(full, len(hashes)))
+            self._cache_computed(seq, seq.num_computed_tokens // bs - 1)
         return self._sample(targets, logits, argmax)
 
     def _sample(
@@ -581,9 +577,7 @@ class Engine:
                 break
         else:
             self._update_hashes(seq)  # the accepted drafts' blocks (no drafts left)
-            bs = self.kv.block_size
-            last_full = min(computed // bs, len(seq.block_hashes))
-            self.kv.cache_blocks(seq.seq_id, seq.block_hashes, real // bs, last_full)
+            self._cache_computed(seq, real // self.kv.block_size)
         return self._emit(group, seq)
 
     def _append_set(
@@ -704,6 +698,13 @@ class Engine:
             keys = (*keys, seq.request.request_id)
         token_ids = seq.token_ids if end == len(seq.token_ids) else seq.token_ids[:end]
         extend_block_hashes(seq.block_hashes, token_ids, self.kv.block_size, keys)
+
+    def _cache_computed(self, seq: Sequence, first_full: int) -> None:
+        """Offer the prefix cache ``seq``'s full blocks from block ``first_full`` up to the
+        end of its computed tokens (each under its hash: ``block_hashes`` covers real
+        tokens only, so never a block holding drafts)."""
+        last_full = min(seq.num_computed_tokens // self.kv.block_size, len(seq.block_hashes))
+        self.kv.cache_blocks(seq.seq_id, seq.block_hashes, first_full, last_full)
 
     def _end_token_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
