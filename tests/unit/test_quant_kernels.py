@@ -718,6 +718,7 @@ def measured_limit(monkeypatch, row_limit, probe_rows, dense_wins_from: int | No
     """``row_limit(32, 64)`` (``int4_row_limit``, ``exact_row_limit``) with the timings given:
     the kernel 1.0 at every probed row count, the GEMM 0.5 from ``dense_wins_from`` rows
     (never if None), else 2.0."""
+    int4.onednn_gemm()  # the exact mode's GEMM, chosen (and timed) before the timings given
     calls = iter(range(2 * len(probe_rows)))  # the kernel, then the GEMM, at each count
 
     def timed(fn, repeats: int = 5) -> float:
@@ -764,19 +765,22 @@ def test_int4_row_limit_and_the_dense_copy_follow_the_measured_crossover(
         assert torch.equal(linear(x), linear.int4.matmul(x))
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["mkl", "onednn"])
 @pytest.mark.parametrize(
     ("dense_wins_from", "limit"), [(None, int4.ALL_ROWS), (512, 256), (128, int4.EXACT_MIN_ROWS)]
 )
 def test_exact_row_limit_sends_larger_products_to_a_dense_gemm_of_the_same_weights(
-    native, monkeypatch, dense_wins_from, limit
+    native, monkeypatch, dense_wins_from, limit, onednn
 ):
     """The exact mode's Q4 matrices: the tiled kernel up to the last probed row count where
-    it beat dequantising for torch's float32 GEMM (never below ``EXACT_MIN_ROWS``, a decode
+    it beat dequantising for the float32 GEMM (never below ``EXACT_MIN_ROWS``, a decode
     step's rows), every count where it always did. The timings are given; past the
-    limit a product is torch's GEMM of the file's weights, bit for bit, and up to it the
-    kernel's."""
+    limit a product is that GEMM's of the file's weights (``dense_f32_mm``: MKL's, or
+    oneDNN's), bit for bit, and up to it the kernel's."""
     if not native.tiled_f32_available():
         pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
+    if onednn and not native.onednn_gemm_available():
+        pytest.skip("this torch has no oneDNN float32 linear")
     from tessera.workers.model import llama
 
     probes = int4.EXACT_PROBE_ROWS
@@ -790,7 +794,62 @@ def test_exact_row_limit_sends_larger_products_to_a_dense_gemm_of_the_same_weigh
     assert linear.weight.numel() == 0  # no dense copy kept
     x = torch.randn(9, packed.in_features)
     assert torch.equal(linear(x[:4]), linear.int4.matmul(x[:4]).add_(linear.bias))
-    assert torch.equal(linear(x), torch.addmm(linear.bias, x, dense.T.contiguous()))
+    try:
+        assert native.use_onednn_gemm(onednn) == onednn
+        gemm = native.dense_f32_mm(x, dense.T.contiguous(), linear.bias)
+        assert torch.equal(linear(x), gemm)
+    finally:
+        native.use_onednn_gemm(int4.onednn_gemm())
+    if not onednn:  # MKL's: torch's own GEMM
+        assert torch.equal(gemm, torch.addmm(linear.bias, x, dense.T.contiguous()))
+
+
+def test_dense_f32_mm_is_the_float32_product_through_either_gemm(native):
+    """``dense_f32_mm``: ``x @ w + bias`` to float32 rounding through oneDNN and MKL alike
+    (MKL's bit for bit ``torch.addmm``), with a clear error for shapes that do not chain."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(130, 96, generator=generator)
+    w = torch.randn(96, 48, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    ref = x.double() @ w.double() + bias.double()
+    bound = 1e-5 * (x.abs().double() @ w.abs().double() + bias.abs().double())
+    try:
+        for onednn in (False, True):
+            if native.use_onednn_gemm(onednn) != onednn:
+                assert onednn and not native.onednn_gemm_available()
+                continue
+            y = native.dense_f32_mm(x, w, bias)
+            assert y.dtype == torch.float32 and y.shape == (130, 48)
+            assert ((y.double() - ref).abs() <= bound).all()
+            assert torch.equal(native.dense_f32_mm(x, w), native.dense_f32_mm(x, w, None))
+            if not onednn:
+                assert torch.equal(y, torch.addmm(bias, x, w))
+    finally:
+        native.use_onednn_gemm(int4.onednn_gemm())
+    expected = "dense_f32_mm: x [T, K] and w [K, N] expected, got [130, 96] and [48, 96]"
+    with pytest.raises(RuntimeError, match=re.escape(expected)):
+        native.dense_f32_mm(x, w.T)
+
+
+@pytest.mark.parametrize(("mkl_s", "onednn_s", "chosen"), [(2.0, 1.0, True), (1.0, 2.0, False)])
+def test_onednn_gemm_takes_the_faster_gemm_of_this_cpu(
+    native, monkeypatch, mkl_s, onednn_s, chosen
+):
+    """The exact mode's GEMM of many rows is whichever of MKL's and oneDNN's ran the probe
+    product faster (the timings are given), and ``dense_f32_mm`` then takes it."""
+    if not native.onednn_gemm_available():
+        pytest.skip("this torch has no oneDNN float32 linear")
+    times = iter([mkl_s, onednn_s])  # MKL first, then oneDNN
+    monkeypatch.setattr(int4, "_best_time", lambda fn, repeats=5: next(times))
+    int4.onednn_gemm.cache_clear()
+    try:
+        native.use_onednn_gemm(not chosen)
+        assert int4.onednn_gemm() is chosen
+        assert native.onednn_gemm_in_use() is chosen
+    finally:
+        int4.onednn_gemm.cache_clear()
+        monkeypatch.undo()
+        native.use_onednn_gemm(int4.onednn_gemm())
 
 
 def test_the_cuda_kernels_tilings_by_row_count_and_their_checks():

@@ -75,9 +75,9 @@ class Linear(nn.Module):
       one output per vector lane (``csrc/tiled_f32.cpp``: 1.3-2x ``gguf_mm`` at 1-16 rows on
       AVX-512; 3-7x at 1-64 rows on AVX2, where ``gguf_mm`` has only its portable loop),
       for batches of at most ``int4_rows`` rows; a larger one (a long prompt step) takes
-      the same weights dequantised for that product into torch's float32 GEMM where it
-      measured faster (``exact_row_limit``: on the AVX2 EPYC from 128 rows, a 2,048-row
-      step ~15% faster), so no dense copy is kept;
+      the same weights dequantised for that product into a float32 GEMM (MKL's or
+      oneDNN's, ``onednn_gemm``) where it measured faster (``exact_row_limit``: on the
+      AVX2 EPYC from 128 rows, a 2,048-row step ~15% faster), so no dense copy is kept;
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
@@ -106,12 +106,11 @@ class Linear(nn.Module):
         if self.int4 is not None and x.shape[0] <= self.int4_rows:
             y = self.int4.matmul(x)
             return y if self.bias is None else y.add_(self.bias)
-        weight = self.weight
         if isinstance(self.int4, Q4Weight) and self.int4.exact:  # no dense copy is kept
-            weight = self.int4.dense()
+            return self.int4.dense_matmul(x, self.bias)
         if self.bias is None:
-            return torch.mm(x, weight)
-        return torch.addmm(self.bias, x, weight)
+            return torch.mm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
 
     def load_weight(self, parts: list[Weight], name: str, bf16_matmuls: bool = False) -> None:
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows

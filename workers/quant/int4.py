@@ -161,6 +161,12 @@ class Q4Weight:
         matrix in ~1 ms): for a GEMM of many rows (``exact_row_limit``)."""
         return native_kernels().q4_f32_dense(self.nibbles, self.d, self.m, int(self.qtype))
 
+    def dense_matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ dense() (+ bias)`` through the float32 GEMM ``onednn_gemm`` chose for this
+        CPU (``dense_f32_mm``: oneDNN's or MKL's), as the native stack computes it: the
+        exact mode's products of more than ``exact_row_limit`` rows."""
+        return native_kernels().dense_f32_mm(x, self.dense(), bias)
+
     def dequantize(self) -> torch.Tensor:
         """The dense float32 ``[out, in]`` weights, as ``gguf`` dequantises the file's."""
         out, nb = self.out_features, self.in_features // BLOCK_SIZE
@@ -274,20 +280,53 @@ EXACT_PROBE_ROWS = (128, 256, 512, 1024)
 EXACT_MIN_ROWS = 64
 
 
+#: The product ``onednn_gemm`` times both GEMMs on: SmolLM2's down projection, 1,024 rows.
+GEMM_PROBE_SHAPE = (1024, 1536, 576)
+
+
+@functools.cache
+def onednn_gemm() -> bool:
+    """Whether the exact mode's GEMM of many rows (``dense_f32_mm``, Python's and the
+    native stack's) goes through oneDNN rather than MKL's ``at::mm`` in this process: the
+    faster of the two on one ``GEMM_PROBE_SHAPE`` product (best of a few), where this torch
+    has oneDNN. MKL picks its kernels by CPU vendor: on a 2-core AMD EPYC with AVX-512 its
+    float32 GEMM ran at 167-187 GFLOP/s where oneDNN's ran at 378-407 (256-2,048 rows of
+    SmolLM2's shapes). Both are float32 sums of the same weights in their own order.
+    Decided once per process (~20 ms), before ``exact_row_limit`` measures against it."""
+    native = native_kernels()
+    if native is None or not native.onednn_gemm_available():
+        return False
+    rows, in_features, out_features = GEMM_PROBE_SHAPE
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(rows, in_features, generator=generator)
+    w = torch.randn(in_features, out_features, generator=generator)
+    times = {}
+    for wanted in (False, True):
+        native.use_onednn_gemm(wanted)
+        times[wanted] = _best_time(lambda: native.dense_f32_mm(x, w))
+    chosen = native.use_onednn_gemm(times[True] < times[False])
+    logger.info("float32 GEMM (%dx%dx%d): MKL %.0f us, oneDNN %.0f us: %s",
+                rows, in_features, out_features, times[False] * 1e6, times[True] * 1e6,
+                "oneDNN" if chosen else "MKL")  # fmt: skip
+    return chosen
+
+
 @functools.cache
 def exact_row_limit(out_features: int, in_features: int) -> int:
     """The most rows for which the exact mode's tiled kernel (``Q4Weight.matmul``, exact)
-    beats dequantising the matrix (``Q4Weight.dense``) for torch's float32 GEMM on this
-    CPU, timed on a Q4_1 matrix of the given shape: at least ``EXACT_MIN_ROWS``, and
-    ``ALL_ROWS`` where the kernel wins at every probed count. On the AVX2 EPYC, one thread,
-    the kernel ran at ~26 GMAC/s against MKL's ~35 on 2,048 rows (a prompt step); at 64 rows
-    the two were level. Both products are float32 sums of the same float32 weights; only
-    their order differs. Measured once per shape and process."""
+    beats dequantising the matrix for the float32 GEMM ``onednn_gemm`` chose
+    (``Q4Weight.dense_matmul``) on this CPU, timed on a Q4_1 matrix of the given shape: at
+    least ``EXACT_MIN_ROWS``, and ``ALL_ROWS`` where the kernel wins at every probed count.
+    On the AVX2 EPYC, one thread, the kernel ran at ~26 GMAC/s against MKL's ~35 on 2,048
+    rows (a prompt step); at 64 rows the two were level. Both products are float32 sums of
+    the same float32 weights; only their order differs. Measured once per shape and
+    process."""
+    onednn_gemm()
     weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, out_features, in_features), exact=True)
     return _row_limit(
         "tiled float32 vs dequantised + dense float32",
         weight,
-        lambda x: torch.mm(x, weight.dense()),
+        weight.dense_matmul,
         EXACT_PROBE_ROWS,
         EXACT_MIN_ROWS,
         torch.float32,

@@ -53,6 +53,8 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                         int64_t qtype);
 torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
                            const c10::optional<torch::Tensor>& m, int64_t qtype);
+torch::Tensor dense_f32_mm(const torch::Tensor& x, const torch::Tensor& w,
+                           const c10::optional<torch::Tensor>& bias);
 
 namespace {
 
@@ -62,7 +64,7 @@ constexpr int64_t kInt4 = 2;   // torch's int4 layout up to int4_rows rows, else
 constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scales_zeros: d,
                                // mins: m) up to int4_rows rows, else dense
 constexpr int64_t kQ4Exact = 4;  // that layout in float32 (q4_f32_mm) up to int4_rows
-                                 // rows, else dequantised (q4_f32_dense) for a dense GEMM
+                                 // rows, else dequantised (q4_f32_dense) for dense_f32_mm
 
 // Rows of the stack's row-wise steps (norms, RoPE and the cache writes, SwiGLU; residual
 // adds: this many thousand values) a thread takes at least: a step's few rows run inline,
@@ -98,10 +100,8 @@ struct Linear {
       auto y = q4_f32_mm(x, int4, int4_scales_zeros, mins, qtype);
       return bias ? y.add_(*bias) : y;
     }
-    if (kind == kQ4Exact) {  // more rows: the same weights dequantised for a dense GEMM
-      const auto w = q4_f32_dense(int4, int4_scales_zeros, mins, qtype);
-      return bias ? at::addmm(*bias, x, w) : at::mm(x, w);
-    }
+    if (kind == kQ4Exact)  // more rows: the same weights dequantised for a dense GEMM
+      return dense_f32_mm(x, q4_f32_dense(int4, int4_scales_zeros, mins, qtype), bias);
     if (kind == kInt4 && x.size(0) <= int4_rows) {
       auto y = at::_weight_int4pack_mm_for_cpu(x, int4, 32, int4_scales_zeros);
       return bias ? y.add_(*bias) : y;

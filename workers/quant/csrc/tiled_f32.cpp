@@ -23,14 +23,18 @@
 // Each row sums its products in two chains, even and odd inputs, added at the end: the
 // same for every row count and both paths, so a row's result never depends on T. Torch's
 // threads claim the tiles in pieces (pieces.h). q4_f32_dense writes a Q4 matrix's
-// weights, the same numbers, as a dense [K, N] tensor for torch's float32 GEMM: products
-// of more rows than int4.py's exact_row_limit, where that GEMM measured faster.
+// weights, the same numbers, as a dense [K, N] tensor for a float32 GEMM (dense_f32_mm:
+// MKL's or oneDNN's, whichever use_onednn_gemm chose): products of more rows than int4.py's
+// exact_row_limit, where that GEMM measured faster.
 
 #include <torch/extension.h>
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -266,6 +270,54 @@ torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
 
 namespace {
 
+// oneDNN's float32 linear (y = x @ w^T + bias, w [N, K]), the op torch registers for
+// Inductor's CPU kernels: absent from builds without oneDNN. Called boxed, so its C++
+// signature need not be named here.
+const c10::OperatorHandle* onednn_linear_op() {
+  static const c10::OperatorHandle* op = []() -> const c10::OperatorHandle* {
+    if (!at::hasMKLDNN()) return nullptr;
+    static const auto found =
+        c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+    return found ? &*found : nullptr;
+  }();
+  return op;
+}
+
+std::atomic<bool>& onednn_wanted() {  // set by use_onednn_gemm(); one flag for the process
+  static std::atomic<bool> wanted{false};
+  return wanted;
+}
+
+}  // namespace
+
+bool onednn_gemm_available() { return onednn_linear_op() != nullptr; }
+
+bool onednn_gemm_in_use() { return onednn_wanted().load(); }
+
+bool use_onednn_gemm(bool wanted) {
+  onednn_wanted().store(wanted && onednn_gemm_available());
+  return onednn_wanted().load();
+}
+
+torch::Tensor dense_f32_mm(const torch::Tensor& x, const torch::Tensor& w,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(0),
+              "dense_f32_mm: x [T, K] and w [K, N] expected, got ", x.sizes(), " and ",
+              w.sizes());
+  if (!onednn_wanted().load()) return bias ? at::addmm(*bias, x, w) : at::mm(x, w);
+  torch::jit::Stack stack;
+  stack.emplace_back(x.contiguous());
+  stack.emplace_back(w.t());  // [N, K], a view: oneDNN takes the strides as they are
+  stack.emplace_back(bias ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::impl::GenericList(c10::OptionalType::create(c10::NumberType::get())));
+  stack.emplace_back(c10::IValue());
+  onednn_linear_op()->callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+namespace {
+
 // y, and with `ids` each row's argmax of y into it.
 torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const torch::Tensor& qs,
                              const torch::Tensor& d, torch::Tensor* ids) {
@@ -320,6 +372,19 @@ void register_tiled_f32(pybind11::module& m) {
         "W^T as a dense float32 [K, N] tensor for Q4_0/Q4_1 weights in the Q4Weight layout, "
         "each weight dequantised as q4_f32_mm does (for a GEMM of many rows)",
         py::arg("nibbles"), py::arg("d"), py::arg("m"), py::arg("qtype"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("onednn_gemm_available", &onednn_gemm_available,
+        "whether this torch build has oneDNN's float32 linear (dense_f32_mm can use it)");
+  m.def("onednn_gemm_in_use", &onednn_gemm_in_use,
+        "whether dense_f32_mm goes through oneDNN now (use_onednn_gemm sets it)");
+  m.def("use_onednn_gemm", &use_onednn_gemm,
+        "let dense_f32_mm go through oneDNN (where available) or MKL's at::mm; returns "
+        "whether it now uses oneDNN",
+        py::arg("wanted"));
+  m.def("dense_f32_mm", &dense_f32_mm,
+        "y = x @ w (+ bias) for dense float32 w [K, N]: the exact mode's GEMM of many rows, "
+        "through oneDNN or MKL as use_onednn_gemm chose",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("q8_f32_mm", &q8_f32_mm,
         "y = x @ W^T in float32 for Q8_0 weights in the Q8Weight layout, each weight "
