@@ -829,6 +829,9 @@ def test_dense_f32_mm_is_the_float32_product_through_either_gemm(native):
     expected = "dense_f32_mm: x [T, K] and w [K, N] expected, got [130, 96] and [48, 96]"
     with pytest.raises(RuntimeError, match=re.escape(expected)):
         native.dense_f32_mm(x, w.T)
+    expected = "dense_f32_mm: x, w and bias must be float32 CPU tensors, got BFloat16, Float"
+    with pytest.raises(RuntimeError, match=re.escape(expected)):
+        native.dense_f32_mm(x.bfloat16(), w)
 
 
 @pytest.mark.parametrize(("mkl_s", "onednn_s", "chosen"), [(2.0, 1.0, True), (1.0, 2.0, False)])

@@ -292,7 +292,8 @@ def onednn_gemm() -> bool:
     has oneDNN. MKL picks its kernels by CPU vendor: on a 2-core AMD EPYC with AVX-512 its
     float32 GEMM ran at 167-187 GFLOP/s where oneDNN's ran at 378-407 (256-2,048 rows of
     SmolLM2's shapes). Both are float32 sums of the same weights in their own order.
-    Decided once per process (~20 ms), before ``exact_row_limit`` measures against it."""
+    Decided once per process (~0.15 s, oneDNN's first call included), before
+    ``exact_row_limit`` measures against it."""
     native = native_kernels()
     if native is None or not native.onednn_gemm_available():
         return False

@@ -304,6 +304,13 @@ torch::Tensor dense_f32_mm(const torch::Tensor& x, const torch::Tensor& w,
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(0),
               "dense_f32_mm: x [T, K] and w [K, N] expected, got ", x.sizes(), " and ",
               w.sizes());
+  const auto f32_cpu = [](const torch::Tensor& t) {
+    return t.scalar_type() == torch::kFloat32 && t.device().is_cpu();
+  };
+  TORCH_CHECK(f32_cpu(x) && f32_cpu(w) && (!bias || f32_cpu(*bias)),
+              "dense_f32_mm: x, w and bias must be float32 CPU tensors, got ",
+              x.scalar_type(), ", ", w.scalar_type(),
+              bias ? std::string(", ") + c10::toString(bias->scalar_type()) : std::string());
   if (!onednn_wanted().load()) return bias ? at::addmm(*bias, x, w) : at::mm(x, w);
   torch::jit::Stack stack;
   stack.emplace_back(x.contiguous());
