@@ -165,6 +165,11 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
         const uint8_t* nt = np + tile * nb * 256;
         const uint16_t* dt = dp + tile * nb * 16;
         const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
+        if (T > tiled::kPrefetchRows && tile + 1 < end) {  // the next tile's nibbles, d, m
+          tiled::prefetch_bytes(nt + nb * 256, nb * 256);
+          tiled::prefetch_bytes(dt + nb * 16, nb * 32);
+          if (mt) tiled::prefetch_bytes(mt + nb * 16, nb * 32);
+        }
         for (int64_t r0 = first; r0 < last; r0 += kRows)
           direct_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
                                 yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, last - r0));

@@ -15,7 +15,8 @@
 // sign extensions, two conversions to float and one VCVTNE2PS2BF16, all exact. Up to
 // kDirectRows rows each block is expanded in registers and used at once; for more, each
 // tile is expanded into a buffer that every group of up to kRows rows runs through, in
-// passes of ~128 KB of x (the tile expanded again for each pass).
+// passes of ~128 KB of x (the tile expanded again for each pass), the next tile's bytes
+// prefetched (tiled::prefetch_bytes).
 // Both sum through block_sums (bf16_blocks.h, shared with the Q4 kernel), so a row's
 // result never depends on T.
 
@@ -166,6 +167,10 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
         const int8_t* qt = qp + tile * nb * 512;
+        if (tile + 1 < end) {  // the next tile's q and d (T > kDirectRows >= kPrefetchRows)
+          tiled::prefetch_bytes(qt + nb * 512, nb * 512);
+          tiled::prefetch_bytes(dp + (tile + 1) * nb * 16, nb * 32);
+        }
         for (int64_t b = 0; b < nb; ++b) {
           for (int p = 0; p < 16; ++p) pairs[b * 16 + p] = expand_pair(qt + (b * 16 + p) * 32);
           dq[b] = block_d(dp + (tile * nb + b) * 16);

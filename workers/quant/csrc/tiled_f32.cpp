@@ -78,6 +78,12 @@ struct Q4Tile {
         d(dp + tile * nb * 16),
         m(Q41 ? mp + tile * nb * 16 : nullptr) {}
 
+  void prefetch(int64_t nb) const {
+    tiled::prefetch_bytes(nibbles, nb * 256);
+    tiled::prefetch_bytes(d, nb * 32);
+    if (Q41) tiled::prefetch_bytes(m, nb * 32);
+  }
+
   static inline F weights(I v, int shift, F dq, F mq) {
     const I q = vec16::and_i(vec16::srli(v, shift), vec16::set1_i(0xF));
     if constexpr (Q41) return vec16::add(vec16::mul(dq, vec16::to_float(q)), mq);
@@ -105,6 +111,11 @@ struct Q8Tile {
   const uint16_t* d;
   Q8Tile(const int8_t* qp, const uint16_t* dp, int64_t tile, int64_t nb)
       : qs(qp + tile * nb * 512), d(dp + tile * nb * 16) {}
+
+  void prefetch(int64_t nb) const {
+    tiled::prefetch_bytes(qs, nb * 512);
+    tiled::prefetch_bytes(d, nb * 32);
+  }
 
   template <typename Use>
   inline void operator()(int64_t b, const Use& f) const {
@@ -187,6 +198,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
         const auto direct = make_tile(tile);
+        if (T > tiled::kPrefetchRows && tile + 1 < end) make_tile(tile + 1).prefetch(nb);
         float* yt = yp + tile * 16;
         if (last - first <= kRowsF32) {
           tile_rows<kRowsF32>(xp + first * K, K, nb, direct, yt + first * N, N, last - first);
