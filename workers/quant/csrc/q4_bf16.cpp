@@ -21,7 +21,8 @@
 //   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
 // Each block is expanded in registers and used at once by up to kRows rows of x (a
 // nibble pair is one AND-OR away from bf16, cheaper than a round trip through a buffer),
-// in passes of ~128 KB of x over the tiles (a pass's rows stay in L2). An expanded-tile
+// in passes of ~128 KB of x over the tiles (a pass's rows stay in L2; above
+// tiled::kPrefetchRows rows, the next tile's bytes are prefetched). An expanded-tile
 // buffer that every group of rows ran through (above 4 rows) measured slower at every
 // row count: one step's 120 projections of SmolLM2, 2 threads, 8 / 16 / 64 / 256 rows:
 // 6.3-6.6 / 11.2-11.8 / 38.8-39.8 / 148-150 ms against 9.3-10.8 / 13.9-18.3 / 41.4-45.5 /

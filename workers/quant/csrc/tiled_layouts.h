@@ -1,7 +1,8 @@
-// What every kernel reading the tiled layouts checks (Q4Weight and Q8Weight in
+// What every kernel reading the tiled layouts shares (Q4Weight and Q8Weight in
 // tessera/workers/quant/int4.py; the layouts are described in q4_bf16.cpp and
-// q8_bf16.cpp): q4_bf16.cpp, q8_bf16.cpp and tiled_f32.cpp. Each kernel checks its own
-// x dtype first; messages start with the kernel's name.
+// q8_bf16.cpp): q4_bf16.cpp, q8_bf16.cpp and tiled_f32.cpp. Their checks (each kernel
+// checks its own x dtype first; messages start with the kernel's name), the prefetch of
+// the next tile, and the AMX switch.
 
 #pragma once
 
