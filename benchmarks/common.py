@@ -32,13 +32,16 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "am
 
 
 def cpu_features() -> dict[str, Any]:
-    """The CPU's model, the features in ``CPU_FEATURES`` (present or not), and all flags."""
+    """The CPU's model name, family and model numbers (AMD's Zen 4 EPYC is family 25, Zen
+    5 26), the features in ``CPU_FEATURES`` (present or not), and all flags."""
     from tessera.workers.quant.kernels import _cpu_flags
 
     parts = dict(p.partition("=")[::2] for p in _cpu_flags().split("|")[1:])
     flags = set(parts.get("flags", parts.get("Features", "")).split())
     return {
         "model": parts.get("model name"),
+        "family": parts.get("cpu family"),
+        "model_number": parts.get("model"),
         **{f: f in flags for f in CPU_FEATURES},
         "flags": " ".join(sorted(flags)),
     }

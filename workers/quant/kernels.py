@@ -306,7 +306,9 @@ def kernel_cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
-    """The first CPU's model name and flag set (what ``-march=native`` compiles for)."""
+    """The first CPU's model name, family and model numbers and flag set (what
+    ``-march=native`` compiles and tunes for: an AMD EPYC of family 25 (Zen 4) and one of
+    26 (Zen 5) have the same model name)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -315,6 +317,6 @@ def _cpu_flags() -> str:
     for line in lines:
         key, _, value = line.partition(":")
         key = key.strip()
-        if key in ("model name", "flags", "Features") and key not in found:
+        if key in ("model name", "cpu family", "model", "flags", "Features") and key not in found:
             found[key] = " ".join(sorted(value.split())) if key != "model name" else value.strip()
     return platform.machine() + "|" + "|".join(f"{k}={v}" for k, v in sorted(found.items()))
