@@ -232,6 +232,45 @@ def test_kernel_cache_key_follows_the_cpu_and_xdg(monkeypatch, tmp_path):
     assert kernels.kernel_cache_dir() != first
 
 
+ZEN4_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni
+"""
+
+
+def test_cpu_identity_tells_zen4_from_zen5(tmp_path, monkeypatch):
+    """Zen 4 and Zen 5 EPYCs share the model name 'AMD EPYC': the family and model
+    numbers keep their kernel builds and benchmark reports apart."""
+    from benchmarks.common import cpu_features
+
+    zen4, zen5 = tmp_path / "zen4", tmp_path / "zen5"
+    zen4.write_text(ZEN4_CPUINFO)
+    zen5.write_text(ZEN4_CPUINFO.replace(": 25", ": 26").replace(": 17", ": 2"))
+    assert kernels._cpu_flags(zen4) == (
+        f"{platform.machine()}|cpu family=25|flags=avx2 avx512_bf16 avx512_vnni avx512f fpu"
+        "|model=17|model name=AMD EPYC"
+    )
+    assert kernels._cpu_flags(zen5) != kernels._cpu_flags(zen4)
+    read = kernels._cpu_flags
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: read(zen4))
+    features = cpu_features()
+    assert (features["model"], features["family"], features["model_number"]) == (
+        "AMD EPYC",
+        "25",
+        "17",
+    )
+    assert features["avx512_bf16"] and not features["amx_tile"]
+
+
 def test_a_finished_build_loads_without_the_build_tool(native, monkeypatch):
     """An entry that a finished build left (the suite's own, built by then) is imported
     from its .so: no cpp_extension, no ninja (which would rebuild it for another

@@ -305,12 +305,12 @@ def kernel_cache_dir() -> Path:
     return root / "tessera" / "kernels" / digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
-    """The first CPU's model name, family and model numbers and flag set (what
-    ``-march=native`` compiles and tunes for: an AMD EPYC of family 25 (Zen 4) and one of
-    26 (Zen 5) have the same model name)."""
+def _cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first CPU's model name, family and model numbers and flag set in ``cpuinfo``
+    (what ``-march=native`` compiles and tunes for: an AMD EPYC of family 25 (Zen 4) and
+    one of 26 (Zen 5) have the same model name)."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = cpuinfo.read_text().splitlines()
     except OSError:
         return platform.machine() + " " + platform.processor()
     found = {}
