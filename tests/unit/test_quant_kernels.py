@@ -422,6 +422,33 @@ def test_native_argmax_rows_equals_torch_argmax(native):
         native.argmax_rows(x.double())
 
 
+def test_native_bf16_rounding_gives_torchs_bits(native):
+    """The native stack's row-wise steps in bf16 round 16 values at a time
+    (``vec16::store_bf16`` / ``round_bf16``, csrc/decode_layers.cpp): the same bits as
+    torch's conversion for ties (to even), values that round up into the next binade or
+    to inf, denormals (kept, not flushed), signed zeros and infinities, in the vector
+    lanes and the scalar tail; every NaN becomes 0x7FC0 whatever its sign and payload, as
+    ``c10::BFloat16`` makes it (the scalar loops' rounding; torch's vectorised conversion
+    keeps the payload's top bits)."""
+    bits = [
+        0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F7FFFFF, 0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000,
+        0x00000001, 0x00008000, 0x00018000, 0x007FFFFF, 0x80000001, 0x807F8000,
+        0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001,
+        0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF,
+    ]  # fmt: skip
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.cat([special, torch.randn(1000, generator=generator) * 1e3, special])  # 2044
+    stored, rounded = native.bf16_rounded(x)
+    nan = x.isnan()
+    expected = x.to(torch.bfloat16).view(torch.int16).masked_fill(nan, 0x7FC0)
+    assert int(nan.sum()) == 10  # 5 NaNs in each copy of the special values
+    assert torch.equal(stored.view(torch.int16), expected)
+    assert torch.equal(rounded.view(torch.int32), expected.int() << 16)
+    with pytest.raises(RuntimeError, match=r"bf16_rounded: x must be a contiguous float32"):
+        native.bf16_rounded(x.double())
+
+
 Q4_ODD = (16 * 7, 32 * 7)  # the bf16 kernel takes whole tiles of 16 outputs; 7 blocks
 # and 300 rows: with 224 inputs, two passes of the bf16 kernels' rows over the tiles
 # (rows_per_pass in csrc/bf16_blocks.h: 288 rows of x per pass)

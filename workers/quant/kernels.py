@@ -3,7 +3,7 @@ the native extension that holds it.
 
 The extension (``csrc/gguf_mm.cpp``, the packed matmul; ``csrc/decode_layers.cpp``,
 every decoder layer of a decode step in one call; ``csrc/rows.cpp``, the sampler's row
-argmax) is compiled on first use with
+argmax, and the stack's bf16 rounding for tests) is compiled on first use with
 ``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
 (``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and build
 (environments with the same torch share one build, imported without ninja:

@@ -7,7 +7,8 @@
 // second pass (one pass keeping each lane's maximum and first index measured the same:
 // the rows' reads set the time). argmax_rows gives the same answer as
 // torch.argmax(x, dim=1): the first index
-// of each row's maximum, or of the row's first NaN where it has one.
+// of each row's maximum, or of the row's first NaN where it has one. Also bf16_rounded,
+// which lets the tests check the native decode stack's bf16 rounding (vec16.h).
 
 #include <torch/extension.h>
 
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 
 #include "rows.h"
 #include "vec16.h"
@@ -78,9 +80,40 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// x rounded to bf16 as the native decode stack rounds its row-wise steps' values
+// (vec16::store_bf16, and vec16::round_bf16 back to float32), 16 at a time; the rest
+// through c10::BFloat16. For tests: both must be x.to(torch.bfloat16)'s bits.
+std::tuple<torch::Tensor, torch::Tensor> bf16_rounded(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
+                  x.device().is_cpu(),
+              "bf16_rounded: x must be a contiguous float32 CPU tensor [n]");
+  const int64_t n = x.size(0);
+  auto stored = torch::empty({n}, x.options().dtype(torch::kBFloat16));
+  auto rounded = torch::empty({n}, x.options());
+  const float* p = x.data_ptr<float>();
+  auto* s = stored.data_ptr<at::BFloat16>();
+  float* r = rounded.data_ptr<float>();
+  int64_t i = 0;
+#if TESSERA_VEC16
+  for (; i + 16 <= n; i += 16) {
+    const vec16::F v = vec16::load(p + i);
+    vec16::store_bf16(reinterpret_cast<uint16_t*>(s + i), v);
+    vec16::store(r + i, vec16::round_bf16(v));
+  }
+#endif
+  for (; i < n; ++i) {
+    s[i] = static_cast<at::BFloat16>(p[i]);
+    r[i] = static_cast<float>(s[i]);
+  }
+  return {stored, rounded};
+}
+
 void register_rows(pybind11::module& m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=1) of a float32 [rows, n] tensor",
         pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("bf16_rounded", &bf16_rounded,
+        "x rounded to bf16 as the native decode stack rounds (stored as bf16, and as float32)",
+        pybind11::arg("x"));
 }
 
 }  // namespace tessera

@@ -63,6 +63,27 @@ inline F load_bf16(const uint16_t* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))};
 }
+// Each lane rounded to bf16 as c10::BFloat16(float) rounds it (nearest even; any NaN to
+// 0x7FC0), the bits in the low half of an int32 lane; VCVTNEPS2BF16 would flush
+// denormals to zero instead.
+inline __m512i bf16_bits(__m512 a) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i bias = _mm512_add_epi32(
+      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  return _mm512_mask_mov_epi32(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16),
+                               _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+// a rounded to bf16 (bf16_bits), as float32
+inline F round_bf16(F a) { return {_mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(a.v), 16))}; }
+// a rounded to bf16 (bf16_bits), stored as 16 bf16
+inline void store_bf16(uint16_t* p, F a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(a.v)));
+}
+// -a (the sign bit flipped: -0 for 0, as the scalar negation)
+inline F neg(F a) {
+  return {_mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN)))};
+}
 
 // e^x, within ~2 ulp of expf (kExpPoly); -inf, NaN and very negative x give 0.
 inline F exp(F a) {
@@ -173,6 +194,29 @@ inline F load_bf16(const uint16_t* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16)),
           _mm256_castsi256_ps(
               _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16))};
+}
+// As the AVX-512 bf16_bits, round_bf16, store_bf16 and neg, on 8 lanes at a time.
+inline __m256i bf16_bits8(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i bias = _mm256_add_epi32(
+      _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_srli_epi32(_mm256_add_epi32(u, bias), 16)),
+                       _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)),
+                       _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+}
+inline F round_bf16(F a) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(a.lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(a.hi), 16))};
+}
+inline void store_bf16(uint16_t* p, F a) {
+  // packus interleaves the two halves by 128-bit lane: the permute puts them in order
+  const __m256i packed = _mm256_packus_epi32(bf16_bits8(a.lo), bf16_bits8(a.hi));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+inline F neg(F a) {
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN));
+  return {_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
 }
 
 // e^x as the AVX-512 exp computes it, lane for lane: the same polynomial, and scalef's
