@@ -152,11 +152,18 @@ def test_native_step_does_not_depend_on_how_the_threads_split_the_rows(smollm2):
     assert torch.equal(cache1.nan_to_num(), cache2.nan_to_num())
 
 
-def test_native_step_gives_the_logits_of_the_rows_asked_for(smollm2):
-    """The stack's final norm takes the rows whose logits are wanted, in their order."""
-    every, _ = one_step(smollm2, native=True)
-    some, _ = one_step(smollm2, native=True, rows=torch.tensor([4, 0, 4]))
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_auto"])
+@pytest.mark.parametrize("native", [True, False])
+def test_a_step_gives_the_logits_of_the_rows_asked_for(request, which, native):
+    """The final norm takes the rows whose logits are wanted, in their order, and the last
+    layer goes on past its attention with those rows only (the others need only their
+    K/V): bit for bit the logits those rows have when every row goes on, and the same
+    cache, on both paths and in the exact and fast modes."""
+    loaded = request.getfixturevalue(which)
+    every, every_cache = one_step(loaded, native=native)
+    some, some_cache = one_step(loaded, native=native, rows=torch.tensor([4, 0, 4]))
     assert torch.equal(some, every[[4, 0, 4]])
+    assert torch.equal(some_cache.nan_to_num(), every_cache.nan_to_num())
 
 
 def test_exact_rows_past_the_tiled_kernels_limit_take_the_dense_gemm_on_both_paths(

@@ -217,7 +217,10 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,  # [S]: the rows that go on past the attention
     ) -> torch.Tensor:
+        """``[T, hidden]``; with ``rows`` (the last layer: the rows whose logits are
+        wanted), every row's K/V is written and only ``rows`` go on: ``[S, hidden]``."""
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
         qkv = self.qkv_proj(x)
@@ -227,8 +230,10 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, -1)
+        if rows is not None:
+            hidden, attn = hidden.index_select(0, rows), attn.index_select(0, rows)
+        hidden = hidden + self.o_proj(attn)
         x = self.post_attention_layernorm(hidden)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
@@ -354,9 +359,13 @@ class LlamaModel(nn.Module):
                 prompt_tables,
             )
         else:
+            # the last layer goes on past its attention with the rows whose logits are
+            # wanted only (a prompt's other rows need only their K/V), as the native stack
+            last = len(self.layers) - 1
             for index, layer in enumerate(self.layers):
-                hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta)
-            hidden = self.norm(hidden.index_select(0, logits_indices))
+                rows = logits_indices if index == last else None
+                hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
+            hidden = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.head_q8 is not None:  # float32 sums and logits (inputs bf16-rounded unless exact)

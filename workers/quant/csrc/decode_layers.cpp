@@ -505,7 +505,8 @@ class DecodeLayers {
 
   // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned, or
   // with `rows`, rows [S] of it through the final norm `norm` [hidden] (in T): [S, hidden]
-  // in T, what the LM head takes);
+  // in T, what the LM head takes; then the last layer goes on past its attention with
+  // those rows only, and hidden is left as that layer's attention found it);
   // cos/sin [B, D] in T; slots [B] (cache row each token's K/V goes to);
   // kv_cache [layers, 2, blocks, block_size, H_kv, D] in T (or float16 under a float32
   // model: the fast mode). The first Dn rows are decodes: seq_lens [Dn] (tokens each
@@ -602,8 +603,12 @@ class DecodeLayers {
       TORCH_CHECK(picked.data_ptr<int64_t>()[i] >= 0 && picked.data_ptr<int64_t>()[i] < B,
                   "DecodeLayers: row ", picked.data_ptr<int64_t>()[i], " is not one of the ", B);
     const auto cache = kv_cache.scalar_type();
+    // with `rows`, the last layer's rows past its attention (the o projection, the residual,
+    // the MLP) are only those rows, gathered in their order: no other row's output is read
+    torch::Tensor last;
 #define TESSERA_RUN(T, C) \
-  run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width, chunks, kv_cache)
+  last = run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width, chunks, kv_cache, \
+                   rows ? &picked : nullptr)
     if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
     else if (dtype == at::kFloat && cache == at::kHalf) TESSERA_RUN(float, c10::Half);
     else if (dtype == at::kBFloat16 && cache == at::kBFloat16) TESSERA_RUN(c10::BFloat16, c10::BFloat16);
@@ -611,40 +616,52 @@ class DecodeLayers {
     else TORCH_CHECK(false, "DecodeLayers: no kernel for a ", dtype, " model with a ", cache, " cache");
 #undef TESSERA_RUN
     if (!rows) return hidden;
-    if (dtype == at::kFloat) return final_rows<float>(hidden, *norm, picked);
-    if (dtype == at::kBFloat16) return final_rows<c10::BFloat16>(hidden, *norm, picked);
-    return final_rows<c10::Half>(hidden, *norm, picked);
+    if (dtype == at::kFloat) return final_norm<float>(last, *norm);
+    if (dtype == at::kBFloat16) return final_norm<c10::BFloat16>(last, *norm);
+    return final_norm<c10::Half>(last, *norm);
   }
 
  private:
-  // rows [S] of hidden [B, H] through the final norm: [S, H] in T (rms_norm, as every
-  // layer's norm here)
+  // float32 rows [S, H] through the final norm: [S, H] in T (rms_norm, as every layer's
+  // norm here)
   template <typename T>
-  torch::Tensor final_rows(const torch::Tensor& hidden, const torch::Tensor& norm,
-                           const torch::Tensor& rows) const {
-    const int64_t S = rows.numel(), H = hidden.size(1);
-    auto picked = torch::empty({S, H}, hidden.options());
-    const float* h = hidden.data_ptr<float>();
-    float* p = picked.data_ptr<float>();
-    const int64_t* r = rows.data_ptr<int64_t>();
-    for (int64_t i = 0; i < S; ++i) std::memcpy(p + i * H, h + r[i] * H, H * sizeof(float));
-    auto out = torch::empty({S, H}, hidden.options().dtype(norm.scalar_type()));
+  torch::Tensor final_norm(const torch::Tensor& rows, const torch::Tensor& norm) const {
+    const int64_t S = rows.size(0), H = rows.size(1);
+    auto out = torch::empty({S, H}, rows.options().dtype(norm.scalar_type()));
     const auto weight = norm.contiguous();
-    rms_norm<T>(p, weight.data_ptr<T>(), out.data_ptr<T>(), S, H, eps_);
+    rms_norm<T>(rows.data_ptr<float>(), weight.data_ptr<T>(), out.data_ptr<T>(), S, H, eps_);
+    return out;
+  }
+
+  // rows [S] of x [B, F], gathered: [S, F]
+  static torch::Tensor gather_rows(const torch::Tensor& x, const torch::Tensor& rows) {
+    const int64_t S = rows.numel(), F = x.size(1);
+    auto out = torch::empty({S, F}, x.options());
+    const auto* src = static_cast<const char*>(x.data_ptr());
+    auto* dst = static_cast<char*>(out.data_ptr());
+    const int64_t bytes = F * static_cast<int64_t>(x.element_size());
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < S; ++i) std::memcpy(dst + i * bytes, src + r[i] * bytes, bytes);
     return out;
   }
 
   // T: the model's dtype (activations between the matmuls); C: the KV cache's (T, or
-  // float16 under a float32 model: the fast mode).
+  // float16 under a float32 model: the fast mode). Updates hidden in place; with `rows`
+  // [S], the last layer goes on past its attention with those rows only (a prompt's
+  // other rows need only their K/V, written by then) and returns them, float32 [S, H].
+  // Every kernel's row is independent of the others, so the rows kept get the numbers
+  // they would have had with all rows, up to the kernels chosen by row count (the exact
+  // mode's GEMM above exact_row_limit rows, torch's int4 layout's dense copy).
   template <typename T, typename C>
-  void run(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
-           const int64_t* slots, int64_t decodes, const int64_t* seq_lens, const int64_t* tables,
-           int64_t width, const std::vector<Prompt>& prompts,
-           const torch::Tensor& kv_cache) const {
+  torch::Tensor run(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const int64_t* slots, int64_t decodes, const int64_t* seq_lens,
+                    const int64_t* tables, int64_t width, const std::vector<Prompt>& prompts,
+                    const torch::Tensor& kv_cache, const torch::Tensor* rows) const {
     const int64_t B = hidden.size(0), H = hidden.size(1), D = head_dim_;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t block_size = kv_cache.size(3);
     const auto options = hidden.options().dtype(layers_[0].input_norm.scalar_type());
+    torch::Tensor stream = hidden;  // the residual rows the layer goes on with
     float* h = hidden.data_ptr<float>();
     const T* cos_p = cos.data_ptr<T>();
     const T* sin_p = sin.data_ptr<T>();
@@ -677,22 +694,32 @@ class DecodeLayers {
                    attn.data_ptr<T>());
       for (size_t i = 0; i < prompts.size(); ++i)
         attend_prompt(qkv, kv_cache[l], prompts[i], masks[i], attn);
-      add_residual<T>(h, layer.o(attn), B * H);
-      rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
+      int64_t R = B;  // rows past the attention
+      if (rows != nullptr && l + 1 == num_layers()) {
+        R = rows->numel();
+        stream = gather_rows(hidden, *rows);
+        h = stream.data_ptr<float>();
+        attn = gather_rows(attn, *rows);
+        normed = normed.narrow(0, 0, R);
+        swiglu = swiglu.narrow(0, 0, R);
+      }
+      add_residual<T>(h, layer.o(attn), R * H);
+      rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), R, H, eps_);
       const torch::Tensor gate_up = layer.gate_up(normed).contiguous();  // [B, 2 I]
       TORCH_CHECK(gate_up.size(1) == 2 * intermediate_, "DecodeLayers: layer ", l,
                   "'s gate/up projection gives ", gate_up.size(1), " features, not ",
                   2 * intermediate_);
       const T* gu = gate_up.data_ptr<T>();
       T* s = swiglu.data_ptr<T>();
-      at::parallel_for(0, B, kRowGrain, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, R, kRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           const T* gate = gu + b * 2 * intermediate_;
           swiglu_row<T>(gate, gate + intermediate_, s + b * intermediate_, intermediate_);
         }
       });
-      add_residual<T>(h, layer.down(swiglu), B * H);
+      add_residual<T>(h, layer.down(swiglu), R * H);
     }
+    return stream;
   }
 
   // A prompt's causal mask as an additive bias [rows, seq_len] (0 where a row may look,
