@@ -93,6 +93,7 @@ def test_moving_keeps_values_views_and_identity():
     expected_nibbles = model.nibbles.data.clone()
     weight, packed_data = model.weight, model.packed.data
     old_nibbles = StorageWeakRef(model.nibbles.data.untyped_storage())
+    small_at = model.small.data_ptr()
 
     moved = move_to_huge_pages(model)
 
@@ -101,7 +102,9 @@ def test_moving_keeps_values_views_and_identity():
     assert torch.equal(model.nibbles.data, expected_nibbles)
     for tensor in (model.weight, model.table, model.rows, model.packed.data, model.bias):
         assert "hg" in vm_flags(tensor.data_ptr())
-    assert "hg" not in vm_flags(model.small.data_ptr())
+    # it stays where it was (its mapping's flags are not asked: which mapping holds a
+    # small heap chunk depends on what the process allocated before)
+    assert model.small.data_ptr() == small_at
     # the view still shares its buffer's storage
     model.table[8, 0] = 123.0
     assert model.rows[0, 0].item() == 123.0
