@@ -164,6 +164,11 @@ def test_a_step_gives_the_logits_of_the_rows_asked_for(request, which, native):
     some, some_cache = one_step(loaded, native=native, rows=torch.tensor([4, 0, 4]))
     assert torch.equal(some, every[[4, 0, 4]])
     assert torch.equal(some_cache.nan_to_num(), every_cache.nan_to_num())
+    # a step none of whose rows wants logits (a long prompt's middle chunk) still writes
+    # every row's K/V
+    none, none_cache = one_step(loaded, native=native, rows=torch.tensor([], dtype=torch.int64))
+    assert none.shape == (0, loaded.config.vocab_size)
+    assert torch.equal(none_cache.nan_to_num(), every_cache.nan_to_num())
 
 
 def test_exact_rows_past_the_tiled_kernels_limit_take_the_dense_gemm_on_both_paths(
