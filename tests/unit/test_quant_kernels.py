@@ -638,8 +638,8 @@ def check_head_argmax(native, exact: bool) -> None:
 
 #: csrc/tiled_f32.cpp holds kRowsF32 rows at once, 8 (AVX-512) or 3 (AVX2): 2-4 rows take
 #: its direct loop on one and 4 its buffered one on the other; 9 rows the buffered loop
-#: with a 1-row remainder (AVX-512); 600 rows two passes (584 or 585 rows of 224 inputs a
-#: pass)
+#: (AVX-512: pairs of tiles, 6 rows and a 3-row remainder, and the odd last tile alone, 8
+#: rows and a 1-row remainder); 600 rows two passes (584 or 585 rows of 224 inputs a pass)
 F32_ROWS = (*ROWS, 2, 3, 4, 9, 600)
 
 

@@ -12,7 +12,9 @@
 // transposes 16 dequantised rows into a buffer per tile above 4 rows of x), and every row
 // of x then takes them with one FMA, x[r, k] broadcast. Up to kRowsF32 rows run at once;
 // more rows go in passes of ~512 KB of x over the tiles (a pass's rows stay in L2), each
-// tile dequantised once per pass into a buffer [K, 16] that every kRowsF32 rows read.
+// tile dequantised once per pass into a buffer [K, 16] that every kRowsF32 rows read, or
+// under AVX-512 each pair of tiles into a buffer [K, 2, 16] that every kPairRows rows
+// read (pair_f32: one broadcast of x[r, k] feeds both tiles' FMAs).
 // One step's 120 Q4 projections of SmolLM2 (2 cores, AVX-512), against gguf_mm at 1 / 8 /
 // 16 / 64 / 512 rows: 4.4 / 11.4 / 21-24 / 72-76 / 561 ms against 6.2-7.6 / 20.9-24.0 /
 // 28-35 / 74-86 / 517-549 (passes of 128 KB took 582 ms at 512 rows). On AVX2 (Zen 3
@@ -56,6 +58,10 @@ using tiled::kBlock;
 // Rows of x one micro-kernel holds, 2 accumulators each: 8 in AVX-512's 32 zmm, 3 in
 // AVX2's 16 ymm (12 of them accumulators: a 16-lane vector is two ymm there).
 constexpr int kRowsF32 = TESSERA_VEC16 == 512 ? 8 : 3;
+// Rows of x the buffered micro-kernel of two tiles holds (pair_f32): 6 x 2 tiles x 2
+// chains = 24 of AVX-512's zmm; 0 (one tile at a time) under AVX2, whose 16 ymm hold
+// one such row.
+constexpr int kPairRows = TESSERA_VEC16 == 512 ? 6 : 0;
 constexpr int64_t kPassBytesF32 = 512 * 1024;
 
 #if TESSERA_TILED_F32
@@ -172,6 +178,44 @@ void tile_rows(const float* x, int64_t K, int64_t nb, const Weights& weights, fl
   }
 }
 
+// R rows of x through two tiles (32 outputs) whose weights were dequantised into a buffer
+// [K, 2, 16] (input k: tile 0's 16 weights, then tile 1's). Each output's products are
+// summed as tile_f32 sums them, even and odd inputs in two chains, so the numbers are
+// the same; each x[r, k] loaded feeds two FMAs, not one. On the Ice Lake Xeon of stop 58
+// (one thread, 64 rows, SmolLM2's shapes) 80-89 GFLOP/s against tile_f32<8>'s 52-63 from
+// a buffer of one tile.
+template <int R>
+inline void pair_f32(const float* x, int64_t K, const float* buf, float* y, int64_t N) {
+  F even0[R], odd0[R], even1[R], odd1[R];
+  for (int r = 0; r < R; ++r) even0[r] = odd0[r] = even1[r] = odd1[r] = vec16::zero();
+  for (int64_t k = 0; k < K; k += 2) {  // K is a multiple of kBlock, so even
+    const float* w = buf + k * 32;
+    const F w0e = vec16::load(w), w1e = vec16::load(w + 16);
+    const F w0o = vec16::load(w + 32), w1o = vec16::load(w + 48);
+    for (int r = 0; r < R; ++r) {
+      const F xe = vec16::set1(x[r * K + k]);
+      even0[r] = vec16::fmadd(w0e, xe, even0[r]);
+      even1[r] = vec16::fmadd(w1e, xe, even1[r]);
+      const F xo = vec16::set1(x[r * K + k + 1]);
+      odd0[r] = vec16::fmadd(w0o, xo, odd0[r]);
+      odd1[r] = vec16::fmadd(w1o, xo, odd1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    vec16::store(y + r * N, vec16::add(even0[r], odd0[r]));
+    vec16::store(y + r * N + 16, vec16::add(even1[r], odd1[r]));
+  }
+}
+
+// rows (1..R) of x through two buffered tiles (pair_f32<rows>).
+template <int R>
+void pair_rows(const float* x, int64_t K, const float* buf, float* y, int64_t N, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return pair_f32<R>(x, K, buf, y, N);
+    return pair_rows<R - 1>(x, K, buf, y, N, rows);
+  }
+}
+
 // y [T, N] = x [T, K] @ W^T (float32), make_tile(t) giving tile t's weights (Q4Tile,
 // Q8Tile); `argmax`: each row's argmax of y taken as it is written.
 template <typename MakeTile>
@@ -187,33 +231,60 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
   // Rows in one pass (a step's decodes): the tiles go in pieces. More passes (a long prompt)
   // keep one share per thread, whose every tile reads one pass of x from L2 in turn: in
   // pieces each piece read all of x again (2,048 rows: 4.3 s against 3.1 s a step).
+  // Above kRowsF32 rows the tiles go in pairs (pair_f32), where the build has them.
+  const int64_t span = kPairRows > 0 && T > kRowsF32 ? 2 : 1;
+  const int64_t units = (tiles + span - 1) / span;
   const auto loop = [&](const auto& body) {
-    if (T <= pass) return parallel_pieces(0, tiles, 1, body);
-    at::parallel_for(0, tiles, 1, body);
+    if (T <= pass) return parallel_pieces(0, units, 1, body);
+    at::parallel_for(0, units, 1, body);
   };
   loop([&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> buf;  // a piece's tile, dequantised (more than kRowsF32 rows)
-    TileArgmax::Range range = argmax != nullptr ? argmax->begin(begin) : TileArgmax::Range{};
+    // a unit's tiles, dequantised (more than kRowsF32 rows): [K, 16] or a pair's [K, 2, 16]
+    thread_local std::vector<float> buf;
+    TileArgmax::Range range =
+        argmax != nullptr ? argmax->begin(begin * span) : TileArgmax::Range{};
+    const auto scan = [&](int64_t tile, int64_t r0, int64_t rows) {
+      if (argmax != nullptr) argmax->scan(range, yp + tile * 16 + r0 * N, N, tile, r0, rows);
+    };
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const auto direct = make_tile(tile);
-        if (T > tiled::kPrefetchRows && tile + 1 < end) make_tile(tile + 1).prefetch(nb);
-        float* yt = yp + tile * 16;
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t t0 = unit * span, t1 = std::min(tiles, t0 + span);
+        if (T > tiled::kPrefetchRows && unit + 1 < end) {
+          for (int64_t t = t1; t < std::min(tiles, t1 + span); ++t) make_tile(t).prefetch(nb);
+        }
         if (last - first <= kRowsF32) {
-          tile_rows<kRowsF32>(xp + first * K, K, nb, direct, yt + first * N, N, last - first);
-          if (argmax != nullptr) argmax->scan(range, yt + first * N, N, tile, first, last - first);
+          for (int64_t tile = t0; tile < t1; ++tile) {
+            tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), yp + tile * 16 + first * N,
+                                N, last - first);
+            scan(tile, first, last - first);
+          }
           continue;
         }
-        // more rows than one micro-kernel holds: dequantise the tile once for all of them
-        buf.resize(K * 16);
-        for (int64_t b = 0; b < nb; ++b)
-          direct(b, [&](int k, F w) { vec16::store(buf.data() + (b * kBlock + k) * 16, w); });
+        // more rows than one micro-kernel holds: dequantise the unit once for all of them
+        const int64_t width = t1 - t0;
+        buf.resize(K * 16 * width);
+        for (int64_t h = 0; h < width; ++h) {
+          const auto direct = make_tile(t0 + h);
+          for (int64_t b = 0; b < nb; ++b)
+            direct(b, [&](int k, F w) {
+              vec16::store(buf.data() + ((b * kBlock + k) * width + h) * 16, w);
+            });
+        }
+        if (width == 2) {
+          for (int64_t r0 = first; r0 < last; r0 += kPairRows) {
+            const int64_t rows = std::min<int64_t>(kPairRows, last - r0);
+            pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), yp + t0 * 16 + r0 * N, N, rows);
+            scan(t0, r0, rows);
+            scan(t0 + 1, r0, rows);
+          }
+          continue;
+        }
         const Buffered buffered{buf.data()};
         for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
           const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
-          tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yt + r0 * N, N, rows);
-          if (argmax != nullptr) argmax->scan(range, yt + r0 * N, N, tile, r0, rows);
+          tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yp + t0 * 16 + r0 * N, N, rows);
+          scan(t0, r0, rows);
         }
       }
     }
