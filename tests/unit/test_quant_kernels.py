@@ -368,12 +368,14 @@ def test_the_build_runs_the_ninja_package_even_after_another_ninja_on_path(monke
     platform.machine() != "x86_64" or shutil.which("g++") is None,
     reason="the AMX path exists on x86-64 only (and this check needs g++)",
 )
-def test_the_bf16_kernels_compile_for_a_cpu_without_amx():
+def test_the_kernels_compile_for_cpus_other_than_this_one():
     """A CPU with AVX512_BF16 but no AMX (the AMD EPYC of earlier sessions) builds the
     bf16 kernels without amx_tiles.h's AMX path: q4_bf16.cpp and q8_bf16.cpp must still
-    compile (a stop-32 build did not, which left such machines on the torch fallback).
-    Checked for Cooper Lake (AVX512_BF16, no AMX) on any x86-64 host, syntax only (the
-    whole build takes a minute), the two files side by side (~35 s each on 2 cores)."""
+    compile (a stop-32 build did not, which left such machines on the torch fallback);
+    and an AVX2-only CPU builds tiled_f32.cpp with one tile at a time where AVX-512 takes
+    pairs (kPairRows 0). Checked for Cooper Lake (AVX512_BF16, no AMX) and Haswell (AVX2,
+    FMA, F16C) on any x86-64 host, syntax only (the whole build takes a minute), the files
+    side by side (~25-35 s each on 2 cores)."""
     from torch.utils.cpp_extension import include_paths
 
     python_include = sysconfig.get_paths()["include"]
@@ -384,15 +386,21 @@ def test_the_bf16_kernels_compile_for_a_cpu_without_amx():
         "g++",
         "-std=c++20",  # as torch's own extension builds
         "-fsyntax-only",
-        "-march=cooperlake",
         *(f"-I{path}" for path in include_paths()),
         f"-I{python_include}",
     ]
+    builds = [
+        ("cooperlake", "q4_bf16.cpp"),
+        ("cooperlake", "q8_bf16.cpp"),
+        ("haswell", "tiled_f32.cpp"),
+    ]
     checks = [
         subprocess.Popen(
-            [*command, str(csrc / name)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL
+            [*command, f"-march={march}", str(csrc / name)],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
         )
-        for name in ("q4_bf16.cpp", "q8_bf16.cpp")
+        for march, name in builds
     ]
     for check in checks:
         _, stderr = check.communicate(timeout=300)
