@@ -770,6 +770,53 @@ def test_tiled_f32_results_do_not_depend_on_how_the_threads_split_the_tiles(
     assert ids1.tolist() == ids2.tolist() == logits1.argmax(dim=1).tolist()
 
 
+@pytest.mark.parametrize("rows", [9, 16, 64, 600])
+def test_tiles_in_pairs_give_the_same_bits_as_one_tile_at_a_time(native, rows):
+    """csrc/tiled_f32.cpp's buffered loop (more than 8 rows) takes tiles in pairs or one at
+    a time, as ``tile_pairs`` timed on this CPU: every output of a Q4_1 and a Q8_0 matrix
+    of an odd tile count (7 tiles: three pairs and a tile alone), and the head's argmax,
+    bit for bit either way."""
+    if not native.tiled_f32_available():
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
+    q4 = Q4Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD, seed=rows)[0], exact=True)
+    q8 = Q8Weight.from_packed(random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)[0], exact=True)
+    x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
+    results = {}
+    try:
+        for wanted in (True, False):
+            if native.use_tile_pairs(wanted) != wanted:
+                pytest.skip("this build has no pair loop (AVX2: one tile at a time)")
+            assert native.tile_pairs_in_use() is wanted
+            results[wanted] = (q4.matmul(x), *native.q8_f32_mm_argmax(x, q8.qs, q8.d))
+    finally:
+        native.use_tile_pairs(int4.tile_pairs())
+    for paired, alone in zip(results[True], results[False], strict=True):
+        assert torch.equal(paired, alone)
+
+
+@pytest.mark.parametrize(("pairs_s", "alone_s", "chosen"), [(1.0, 2.0, True), (2.0, 1.0, False)])
+def test_tile_pairs_takes_the_faster_loop_of_this_cpu(
+    native, monkeypatch, pairs_s, alone_s, chosen
+):
+    """The exact mode's buffered loop takes tiles in pairs where that ran the probe products
+    (``PAIR_PROBE_ROWS`` rows of ``PAIR_PROBE_SHAPE``; the timings are given) faster in
+    all, else one tile at a time; the kernel then takes it."""
+    if not native.tiled_f32_available() or not native.use_tile_pairs(True):
+        pytest.skip("this build has no pair loop (AVX2: one tile at a time)")
+    probes = len(int4.PAIR_PROBE_ROWS)
+    times = iter([pairs_s] * probes + [alone_s] * probes)  # in pairs first, then alone
+    monkeypatch.setattr(int4, "_best_time", lambda fn, repeats=5: next(times))
+    int4.tile_pairs.cache_clear()
+    try:
+        native.use_tile_pairs(not chosen)
+        assert int4.tile_pairs() is chosen
+        assert native.tile_pairs_in_use() is chosen
+    finally:
+        int4.tile_pairs.cache_clear()
+        monkeypatch.undo()
+        native.use_tile_pairs(int4.tile_pairs())
+
+
 def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
     """Without the native kernel torch's int4 layout; neither takes Q8_0 or outputs that
     are not whole tiles of 16 (the model keeps those dense)."""
@@ -793,6 +840,7 @@ def measured_limit(monkeypatch, row_limit, probe_rows, dense_wins_from: int | No
     the kernel 1.0 at every probed row count, the GEMM 0.5 from ``dense_wins_from`` rows
     (never if None), else 2.0."""
     int4.onednn_gemm()  # the exact mode's GEMM, chosen (and timed) before the timings given
+    int4.tile_pairs()  # and its tiled kernel's loop
     calls = iter(range(2 * len(probe_rows)))  # the kernel, then the GEMM, at each count
 
     def timed(fn, repeats: int = 5) -> float:

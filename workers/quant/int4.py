@@ -312,6 +312,40 @@ def onednn_gemm() -> bool:
     return chosen
 
 
+#: The product ``tile_pairs`` times both loops on: SmolLM2's gate and up projections
+#: (out, in), at each of ``PAIR_PROBE_ROWS`` rows (16 and 64 concurrent decodes).
+PAIR_PROBE_SHAPE = (3072, 576)
+PAIR_PROBE_ROWS = (16, 64)
+
+
+@functools.cache
+def tile_pairs() -> bool:
+    """Whether the exact mode's tiled kernel, given more than 8 rows, takes its tiles in
+    pairs (``csrc/tiled_f32.cpp``'s ``pair_f32``, AVX-512 builds only) in this process:
+    whichever of the two loops ran ``PAIR_PROBE_SHAPE`` faster at ``PAIR_PROBE_ROWS``
+    rows together (best of a few each). Both give the same bits, so only speed decides,
+    and that is the CPU's: pairs took one step's products at 64 rows in 124 ms against
+    179 on an Ice Lake Xeon, and at 16 rows in 39-40 against 32-34 on a Zen 4 EPYC,
+    whose 512-bit FMAs run in two halves. Decided once per process (~0.1 s), before
+    ``exact_row_limit`` times the kernel."""
+    native = native_kernels()
+    if native is None or not native.tiled_f32_available() or not native.use_tile_pairs(True):
+        return False
+    weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, *PAIR_PROBE_SHAPE), exact=True)
+    generator = torch.Generator().manual_seed(3)
+    xs = [torch.randn(rows, PAIR_PROBE_SHAPE[1], generator=generator) for rows in PAIR_PROBE_ROWS]
+    times = {}
+    for wanted in (True, False):
+        native.use_tile_pairs(wanted)
+        times[wanted] = sum(_best_time(lambda x=x: weight.matmul(x)) for x in xs)
+    chosen = native.use_tile_pairs(times[True] < times[False])
+    logger.info("float32 tiled kernel (%dx%d, %s rows): tiles in pairs %.0f us, one at a "
+                "time %.0f us: %s", *PAIR_PROBE_SHAPE, " + ".join(map(str, PAIR_PROBE_ROWS)),
+                times[True] * 1e6, times[False] * 1e6,
+                "pairs" if chosen else "one at a time")  # fmt: skip
+    return chosen
+
+
 @functools.cache
 def exact_row_limit(out_features: int, in_features: int) -> int:
     """The most rows for which the exact mode's tiled kernel (``Q4Weight.matmul``, exact)
@@ -323,6 +357,7 @@ def exact_row_limit(out_features: int, in_features: int) -> int:
     the same float32 weights; only their order differs. Measured once per shape and
     process."""
     onednn_gemm()
+    tile_pairs()
     weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, out_features, in_features), exact=True)
     return _row_limit(
         "tiled float32 vs dequantised + dense float32",

@@ -14,7 +14,8 @@
 // more rows go in passes of ~512 KB of x over the tiles (a pass's rows stay in L2), each
 // tile dequantised once per pass into a buffer [K, 16] that every kRowsF32 rows read, or
 // under AVX-512 each pair of tiles into a buffer [K, 2, 16] that every kPairRows rows
-// read (pair_f32: one broadcast of x[r, k] feeds both tiles' FMAs).
+// read (pair_f32: one broadcast of x[r, k] feeds both tiles' FMAs), where int4.py's
+// tile_pairs measured that faster on this CPU (use_tile_pairs).
 // One step's 120 Q4 projections of SmolLM2 (2 cores, AVX-512), against gguf_mm at 1 / 8 /
 // 16 / 64 / 512 rows: 4.4 / 11.4 / 21-24 / 72-76 / 561 ms against 6.2-7.6 / 20.9-24.0 /
 // 28-35 / 74-86 / 517-549 (passes of 128 KB took 582 ms at 512 rows). On AVX2 (Zen 3
@@ -62,6 +63,16 @@ constexpr int kRowsF32 = TESSERA_VEC16 == 512 ? 8 : 3;
 // chains = 24 of AVX-512's zmm; 0 (one tile at a time) under AVX2, whose 16 ymm hold
 // one such row.
 constexpr int kPairRows = TESSERA_VEC16 == 512 ? 6 : 0;
+// Whether the buffered loop takes its tiles in pairs (use_tile_pairs sets it; one flag for
+// the process). Both loops give the same bits, so only speed decides, and that is the
+// CPU's: on an Ice Lake Xeon (two full-width FMA units) one step's 121 products at 16 /
+// 64 / 256 rows took 44 / 124 / 494 ms in pairs against 49 / 179 / 664 one tile at a
+// time; on a Zen 4 EPYC (512-bit FMAs in two halves) 39-40 / 109-111 / 425-454 against
+// 32-34 / 105-110 / 427-442. int4.py's tile_pairs times both at load.
+std::atomic<bool>& pairs_wanted() {
+  static std::atomic<bool> wanted{kPairRows > 0};
+  return wanted;
+}
 constexpr int64_t kPassBytesF32 = 512 * 1024;
 
 #if TESSERA_TILED_F32
@@ -231,8 +242,9 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
   // Rows in one pass (a step's decodes): the tiles go in pieces. More passes (a long prompt)
   // keep one share per thread, whose every tile reads one pass of x from L2 in turn: in
   // pieces each piece read all of x again (2,048 rows: 4.3 s against 3.1 s a step).
-  // Above kRowsF32 rows the tiles go in pairs (pair_f32), where the build has them.
-  const int64_t span = kPairRows > 0 && T > kRowsF32 ? 2 : 1;
+  // Above kRowsF32 rows the tiles go in pairs (pair_f32), where the build has them and
+  // use_tile_pairs chose them.
+  const int64_t span = kPairRows > 0 && T > kRowsF32 && pairs_wanted().load() ? 2 : 1;
   const int64_t units = (tiles + span - 1) / span;
   const auto loop = [&](const auto& body) {
     if (T <= pass) return parallel_pieces(0, units, 1, body);
@@ -296,6 +308,13 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
 }  // namespace
 
 bool tiled_f32_available() { return TESSERA_TILED_F32 != 0; }
+
+bool tile_pairs_in_use() { return pairs_wanted().load(); }
+
+bool use_tile_pairs(bool wanted) {
+  pairs_wanted().store(wanted && kPairRows > 0);
+  return pairs_wanted().load();
+}
 
 torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                         const torch::Tensor& d, const c10::optional<torch::Tensor>& m,
@@ -453,6 +472,13 @@ void register_tiled_f32(pybind11::module& m) {
   namespace py = pybind11;
   m.def("tiled_f32_available", &tiled_f32_available,
         "whether this CPU build has the AVX-512 or AVX2 float32 kernels of the tiled layouts");
+  m.def("tile_pairs_in_use", &tile_pairs_in_use,
+        "whether the float32 kernels' buffered loop takes tiles in pairs now (use_tile_pairs)");
+  m.def("use_tile_pairs", &use_tile_pairs,
+        "let the float32 kernels' buffered loop (more than 8 rows) take tiles in pairs, where "
+        "the build has that loop (AVX-512), or one at a time: the same bits either way; "
+        "returns whether it now takes pairs",
+        py::arg("wanted"));
   m.def("q4_f32_mm", &q4_f32_mm,
         "y = x @ W^T in float32 for Q4_0/Q4_1 weights in the Q4Weight layout, each weight "
         "dequantised exactly as gguf does",
