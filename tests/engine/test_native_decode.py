@@ -31,53 +31,53 @@ BLOCK_SIZE = 16
 SEQ_LENS = [1, 15, 16, 17, 40, 33]
 
 
-def decode_batch(num_blocks: int) -> AttentionMetadata:
-    """Rows of SEQ_LENS tokens, each on its own scattered blocks (never block 0..1)."""
+def decode_batch(num_blocks: int, seq_lens: list[int] = SEQ_LENS) -> AttentionMetadata:
+    """Rows of ``seq_lens`` tokens, each on its own scattered blocks (never block 0..1)."""
     generator = torch.Generator().manual_seed(1)
     free = (torch.randperm(num_blocks - 2, generator=generator) + 2).tolist()
-    width = max(-(-n // BLOCK_SIZE) for n in SEQ_LENS)
+    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
     tables = []
-    for n in SEQ_LENS:
+    for n in seq_lens:
         own = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
         tables.append(own + [0] * (width - len(own)))
     block_tables = torch.tensor(tables)
     slots = torch.tensor(
         [
             t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-            for t, n in zip(tables, SEQ_LENS, strict=True)
+            for t, n in zip(tables, seq_lens, strict=True)
         ]
     )
     return AttentionMetadata(
         slot_mapping=slots,
-        query_start_loc=torch.arange(len(SEQ_LENS) + 1),
-        seq_lens=torch.tensor(SEQ_LENS),
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        seq_lens=torch.tensor(seq_lens),
         block_tables=block_tables,
-        num_decodes=len(SEQ_LENS),
-        query_start_loc_list=list(range(len(SEQ_LENS) + 1)),
-        seq_lens_list=list(SEQ_LENS),
+        num_decodes=len(seq_lens),
+        query_start_loc_list=list(range(len(seq_lens) + 1)),
+        seq_lens_list=list(seq_lens),
     )
 
 
 def one_step(
-    loaded, native: bool, rows: torch.Tensor | None = None
+    loaded, native: bool, rows: torch.Tensor | None = None, seq_lens: list[int] = SEQ_LENS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (of ``rows``, default all) and the cache after one decode step over a cache
-    of random K/V (NaN in the blocks no row reads)."""
+    """Logits (of ``rows``, default all) and the cache after one decode step of rows of
+    ``seq_lens`` tokens over a cache of random K/V (NaN in the blocks no row reads)."""
     model, config = loaded.model, loaded.config
-    num_blocks = 24
+    num_blocks = 13 + sum(-(-n // BLOCK_SIZE) for n in seq_lens)  # 24 for SEQ_LENS
     dtype = loaded.kv_dtype  # float16 in the fast mode
     cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     # bf16-representable values: every dtype's cache holds the same numbers
     cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16).to(dtype))
-    meta = decode_batch(num_blocks)
+    meta = decode_batch(num_blocks, seq_lens)
     used = set(meta.block_tables.flatten().tolist())
     for block in range(num_blocks):
         if block not in used:
             cache[:, :, block] = float("nan")
-    ids = torch.tensor([(17 * i + 5) % config.vocab_size for i in range(len(SEQ_LENS))])
+    ids = torch.tensor([(17 * i + 5) % config.vocab_size for i in range(len(seq_lens))])
     positions = meta.seq_lens - 1
-    rows = torch.arange(len(SEQ_LENS)) if rows is None else rows
+    rows = torch.arange(len(seq_lens)) if rows is None else rows
     logits = model(ids, positions, cache, meta, rows, native=native)
     return logits, cache
 
@@ -150,6 +150,42 @@ def test_native_step_does_not_depend_on_how_the_threads_split_the_rows(smollm2):
     (logits1, cache1), (logits2, cache2) = results
     assert torch.equal(logits1, logits2)
     assert torch.equal(cache1.nan_to_num(), cache2.nan_to_num())
+
+
+@pytest.mark.parametrize("which", ["smollm2_fast", "smollm2_auto"])
+@pytest.mark.parametrize(
+    "rows", [None, [0, 5, 9, 9, 17], [17, 0]], ids=["every-row", "in-order", "out-of-order"]
+)
+def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(request, which, rows):
+    """The bf16 kernels' steps of 18 decodes on two threads: each thread runs a share of
+    the rows (9 here) through every layer alone (``use_row_shares``, csrc/decode_layers.cpp's
+    ``run_in_shares``), or the threads share each product: the logits of the rows asked
+    for (in order: the shares' rows joined; out of order: one run) and the cache, bit
+    for bit."""
+    native = native_kernels()
+    if not native.q4_bf16_available():
+        pytest.skip("no AVX512_BF16 kernel on this CPU: no step runs in shares of rows")
+    loaded = request.getfixturevalue(which)
+    seq_lens = SEQ_LENS * 3  # 18 rows
+    picked = None if rows is None else torch.tensor(rows)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(2)
+        for least in (8, 0):
+            assert native.use_row_shares(least) == least
+            results.append(one_step(loaded, native=True, rows=picked, seq_lens=seq_lens))
+    finally:
+        native.use_row_shares(8)
+        torch.set_num_threads(threads)
+    (logits, cache), (expected, expected_cache) = results
+    assert logits.shape == (len(seq_lens) if rows is None else len(rows), loaded.config.vocab_size)
+    assert torch.equal(logits, expected)
+    assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
+    with pytest.raises(
+        RuntimeError, match=r"use_row_shares: rows must be >= 0 \(0: never\), got -1"
+    ):
+        native.use_row_shares(-1)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_auto"])
