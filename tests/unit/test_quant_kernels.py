@@ -770,6 +770,25 @@ def test_tiled_f32_results_do_not_depend_on_how_the_threads_split_the_tiles(
     assert ids1.tolist() == ids2.tolist() == logits1.argmax(dim=1).tolist()
 
 
+def check_probe_choice(monkeypatch, probe, use, in_use, timings: list[float], chosen: bool):
+    """A load-time probe of ``int4`` (``onednn_gemm``, ``tile_pairs``: each times two ways
+    of one product through ``_best_time`` and sets the native switch ``use`` to the
+    faster), given ``timings`` in the order it takes them: it returns ``chosen``, the
+    switch (read by ``in_use``) says so, whatever it said before; then the probe is run
+    again for real, so the process keeps this CPU's choice."""
+    times = iter(timings)
+    monkeypatch.setattr(int4, "_best_time", lambda fn, repeats=5: next(times))
+    probe.cache_clear()
+    try:
+        use(not chosen)
+        assert probe() is chosen
+        assert in_use() is chosen
+    finally:
+        probe.cache_clear()
+        monkeypatch.undo()
+        use(probe())
+
+
 @pytest.mark.parametrize("rows", [9, 16, 64, 600])
 def test_tiles_in_pairs_give_the_same_bits_as_one_tile_at_a_time(native, rows):
     """csrc/tiled_f32.cpp's buffered loop (more than 8 rows) takes tiles in pairs or one at
@@ -804,17 +823,11 @@ def test_tile_pairs_takes_the_faster_loop_of_this_cpu(
     if not native.tiled_f32_available() or not native.use_tile_pairs(True):
         pytest.skip("this build has no pair loop (AVX2: one tile at a time)")
     probes = len(int4.PAIR_PROBE_ROWS)
-    times = iter([pairs_s] * probes + [alone_s] * probes)  # in pairs first, then alone
-    monkeypatch.setattr(int4, "_best_time", lambda fn, repeats=5: next(times))
-    int4.tile_pairs.cache_clear()
-    try:
-        native.use_tile_pairs(not chosen)
-        assert int4.tile_pairs() is chosen
-        assert native.tile_pairs_in_use() is chosen
-    finally:
-        int4.tile_pairs.cache_clear()
-        monkeypatch.undo()
-        native.use_tile_pairs(int4.tile_pairs())
+    timings = [pairs_s] * probes + [alone_s] * probes  # in pairs first, then alone
+    check_probe_choice(
+        monkeypatch, int4.tile_pairs, native.use_tile_pairs, native.tile_pairs_in_use, timings,
+        chosen,
+    )  # fmt: skip
 
 
 def test_bf16_q4_weight_falls_back_to_torch_int4_then_dense(monkeypatch):
@@ -964,17 +977,11 @@ def test_onednn_gemm_takes_the_faster_gemm_of_this_cpu(
     product faster (the timings are given), and ``dense_f32_mm`` then takes it."""
     if not native.onednn_gemm_available():
         pytest.skip("this torch has no oneDNN float32 linear")
-    times = iter([mkl_s, onednn_s])  # MKL first, then oneDNN
-    monkeypatch.setattr(int4, "_best_time", lambda fn, repeats=5: next(times))
-    int4.onednn_gemm.cache_clear()
-    try:
-        native.use_onednn_gemm(not chosen)
-        assert int4.onednn_gemm() is chosen
-        assert native.onednn_gemm_in_use() is chosen
-    finally:
-        int4.onednn_gemm.cache_clear()
-        monkeypatch.undo()
-        native.use_onednn_gemm(int4.onednn_gemm())
+    timings = [mkl_s, onednn_s]  # MKL first, then oneDNN
+    check_probe_choice(
+        monkeypatch, int4.onednn_gemm, native.use_onednn_gemm, native.onednn_gemm_in_use,
+        timings, chosen,
+    )  # fmt: skip
 
 
 def test_the_cuda_kernels_tilings_by_row_count_and_their_checks():

@@ -6,7 +6,7 @@
 // torch's CPU flash kernel as the Python path's does; everything else of theirs is the
 // same loops and matmuls as the single rows'.
 //
-// With two or more threads a step of single rows (decodes) runs in shares of rows, each
+// With two threads a step of single rows (decodes) runs in shares of rows, each
 // thread its own rows through every layer (run_in_shares), rather than both threads on
 // each product: where a thread is off its core, the other is held once a step, not at
 // each of a layer's dozen parallel loops.
@@ -669,10 +669,13 @@ class DecodeLayers {
   int64_t row_shares(int64_t B, const int64_t* slots, const int64_t* seq_lens,
                      const int64_t* tables, int64_t width, int64_t block_size,
                      const torch::Tensor* rows) const {
+    // Two threads, one share each: measured there only. With more threads a step's few
+    // rows would leave threads idle (each share runs on one), and each share of ~8 rows
+    // would read every weight again.
     const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
     const int64_t least = share_rows().load();
-    const int64_t shares = least > 0 ? std::min<int64_t>(threads, B / least) : 1;
-    if (shares < 2) return 1;
+    if (threads != 2 || least <= 0 || B < 2 * least) return 1;
+    const int64_t shares = 2;
     for (const Layer& layer : layers_)
       for (const Linear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
         if (linear->kind != kQ4 || linear->int4_rows < B) return 1;
