@@ -744,8 +744,8 @@ def test_tiled_f32_results_do_not_depend_on_how_the_threads_split_the_tiles(
     native, model_tensors, rows
 ):
     """csrc/pieces.h: with two threads the tiles go in pieces claimed as threads come free
-    (300 rows of the down projection are several passes: one share per thread); with one
-    thread one call takes them all. Every output, and the head's argmax, bit for bit."""
+    (300 rows of the down projection are several passes, each in pieces); with one thread
+    one call takes them all. Every output, and the head's argmax, bit for bit."""
     if not native.tiled_f32_available():
         pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     down = Q4Weight.from_packed(
@@ -772,12 +772,12 @@ def test_tiled_f32_results_do_not_depend_on_how_the_threads_split_the_tiles(
 
 def check_probe_choice(monkeypatch, probe, use, in_use, timings: list[float], chosen: bool):
     """A load-time probe of ``int4`` (``onednn_gemm``, ``tile_pairs``: each times two ways
-    of one product through ``_best_time`` and sets the native switch ``use`` to the
+    of one product through ``_best_times`` and sets the native switch ``use`` to the
     faster), given ``timings`` in the order it takes them: it returns ``chosen``, the
     switch (read by ``in_use``) says so, whatever it said before; then the probe is run
     again for real, so the process keeps this CPU's choice."""
     times = iter(timings)
-    monkeypatch.setattr(int4, "_best_time", lambda fn, repeats=5: next(times))
+    monkeypatch.setattr(int4, "_best_times", lambda *fns, repeats=5: [next(times) for _ in fns])
     probe.cache_clear()
     try:
         use(not chosen)
@@ -813,6 +813,26 @@ def test_tiles_in_pairs_give_the_same_bits_as_one_tile_at_a_time(native, rows):
         assert torch.equal(paired, alone)
 
 
+def test_probe_timings_are_taken_in_turn(monkeypatch):
+    """``_best_times``: one warm-up run of each way, then one run of each in turn, each
+    way's best run returned (a clock that only the runs move, so the times are exact)."""
+    now, calls = [0.0], []
+
+    def way(name: str, costs: list[float]):
+        runs = iter(costs)
+
+        def run() -> None:
+            calls.append(name)
+            now[0] += next(runs)
+
+        return run
+
+    monkeypatch.setattr(int4.time, "perf_counter", lambda: now[0])
+    ways = way("a", [9.0, 3.0, 1.0, 3.0]), way("b", [9.0, 2.0, 4.0, 2.0])
+    assert int4._best_times(*ways, repeats=3) == [1.0, 2.0]
+    assert calls == ["a", "b"] * 4
+
+
 @pytest.mark.parametrize(("pairs_s", "alone_s", "chosen"), [(1.0, 2.0, True), (2.0, 1.0, False)])
 def test_tile_pairs_takes_the_faster_loop_of_this_cpu(
     native, monkeypatch, pairs_s, alone_s, chosen
@@ -823,7 +843,7 @@ def test_tile_pairs_takes_the_faster_loop_of_this_cpu(
     if not native.tiled_f32_available() or not native.use_tile_pairs(True):
         pytest.skip("this build has no pair loop (AVX2: one tile at a time)")
     probes = len(int4.PAIR_PROBE_ROWS)
-    timings = [pairs_s] * probes + [alone_s] * probes  # in pairs first, then alone
+    timings = [pairs_s, alone_s] * probes  # at each row count: in pairs, then alone
     check_probe_choice(
         monkeypatch, int4.tile_pairs, native.use_tile_pairs, native.tile_pairs_in_use, timings,
         chosen,
@@ -856,14 +876,19 @@ def measured_limit(monkeypatch, row_limit, probe_rows, dense_wins_from: int | No
     int4.tile_pairs()  # and its tiled kernel's loop
     calls = iter(range(2 * len(probe_rows)))  # the kernel, then the GEMM, at each count
 
-    def timed(fn, repeats: int = 5) -> float:
-        index = next(calls)
-        rows = probe_rows[index // 2]
-        if index % 2 == 0:
-            return 1.0
-        return 0.5 if dense_wins_from is not None and rows >= dense_wins_from else 2.0
+    def timed(*fns, repeats: int = 5) -> list[float]:
+        times = []
+        for _ in fns:
+            index = next(calls)
+            rows = probe_rows[index // 2]
+            if index % 2 == 0:
+                times.append(1.0)
+            else:
+                wins = dense_wins_from is not None and rows >= dense_wins_from
+                times.append(0.5 if wins else 2.0)
+        return times
 
-    monkeypatch.setattr(int4, "_best_time", timed)
+    monkeypatch.setattr(int4, "_best_times", timed)
     row_limit.cache_clear()
     try:
         return row_limit(32, 64)

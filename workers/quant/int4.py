@@ -286,14 +286,14 @@ GEMM_PROBE_SHAPE = (1024, 1536, 576)
 
 @functools.cache
 def onednn_gemm() -> bool:
-    """Whether the exact mode's GEMM of many rows (``dense_f32_mm``, Python's and the
-    native stack's) goes through oneDNN rather than MKL's ``at::mm`` in this process: the
-    faster of the two on one ``GEMM_PROBE_SHAPE`` product (best of a few), where this torch
-    has oneDNN. MKL picks its kernels by CPU vendor: on a 2-core AMD EPYC with AVX-512 its
-    float32 GEMM ran at 167-187 GFLOP/s where oneDNN's ran at 378-407 (256-2,048 rows of
-    SmolLM2's shapes). Both are float32 sums of the same weights in their own order.
-    Decided once per process (~0.15 s, oneDNN's first call included), before
-    ``exact_row_limit`` measures against it."""
+    """Whether the exact mode's GEMM of many rows (``dense_f32_mm``, Python's and the native
+    stack's) goes through oneDNN rather than MKL's ``at::mm`` in this process: the faster of
+    the two on one ``GEMM_PROBE_SHAPE`` product (best of a few, taken in turn), where this
+    torch has oneDNN. MKL picks its kernels by CPU vendor: on a 2-core AMD EPYC with AVX-512
+    its float32 GEMM ran at 167-187 GFLOP/s where oneDNN's ran at 378-407 (256-2,048 rows of
+    SmolLM2's shapes). Both are float32 sums of the same weights in their own order. Decided
+    once per process (~0.15 s, oneDNN's first call included), before ``exact_row_limit``
+    measures against it."""
     native = native_kernels()
     if native is None or not native.onednn_gemm_available():
         return False
@@ -301,13 +301,14 @@ def onednn_gemm() -> bool:
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(rows, in_features, generator=generator)
     w = torch.randn(in_features, out_features, generator=generator)
-    times = {}
-    for wanted in (False, True):
-        native.use_onednn_gemm(wanted)
-        times[wanted] = _best_time(lambda: native.dense_f32_mm(x, w))
-    chosen = native.use_onednn_gemm(times[True] < times[False])
+
+    def through(onednn: bool) -> Callable[[], object]:
+        return lambda: (native.use_onednn_gemm(onednn), native.dense_f32_mm(x, w))
+
+    mkl, onednn = _best_times(through(False), through(True))
+    chosen = native.use_onednn_gemm(onednn < mkl)
     logger.info("float32 GEMM (%dx%dx%d): MKL %.0f us, oneDNN %.0f us: %s",
-                rows, in_features, out_features, times[False] * 1e6, times[True] * 1e6,
+                rows, in_features, out_features, mkl * 1e6, onednn * 1e6,
                 "oneDNN" if chosen else "MKL")  # fmt: skip
     return chosen
 
@@ -322,10 +323,10 @@ PAIR_PROBE_ROWS = (16, 64)
 def tile_pairs() -> bool:
     """Whether the exact mode's tiled kernel, given more than 8 rows, takes its tiles in
     pairs (``csrc/tiled_f32.cpp``'s ``pair_f32``, AVX-512 builds only) in this process:
-    whichever of the two loops ran ``PAIR_PROBE_SHAPE`` faster at ``PAIR_PROBE_ROWS``
-    rows together (best of a few each). Both give the same bits, so only speed decides,
-    and that is the CPU's: pairs took one step's products at 64 rows in 124 ms against
-    179 on an Ice Lake Xeon, and at 16 rows in 39-40 against 32-34 on a Zen 4 EPYC,
+    whichever of the two loops ran ``PAIR_PROBE_SHAPE`` faster at ``PAIR_PROBE_ROWS`` rows
+    together (best of a few each, taken in turn). Both give the same bits, so only speed
+    decides, and that is the CPU's: pairs took one step's products at 64 rows in 124 ms
+    against 179 on an Ice Lake Xeon, and at 16 rows in 39-40 against 32-34 on a Zen 4 EPYC,
     whose 512-bit FMAs run in two halves. Decided once per process (~0.1 s), before
     ``exact_row_limit`` times the kernel."""
     native = native_kernels()
@@ -334,14 +335,18 @@ def tile_pairs() -> bool:
     weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, *PAIR_PROBE_SHAPE), exact=True)
     generator = torch.Generator().manual_seed(3)
     xs = [torch.randn(rows, PAIR_PROBE_SHAPE[1], generator=generator) for rows in PAIR_PROBE_ROWS]
-    times = {}
-    for wanted in (True, False):
-        native.use_tile_pairs(wanted)
-        times[wanted] = sum(_best_time(lambda x=x: weight.matmul(x)) for x in xs)
-    chosen = native.use_tile_pairs(times[True] < times[False])
+
+    def loop(x: torch.Tensor, in_pairs: bool) -> Callable[[], object]:
+        return lambda: (native.use_tile_pairs(in_pairs), weight.matmul(x))
+
+    pairs = alone = 0.0
+    for x in xs:
+        paired, single = _best_times(loop(x, True), loop(x, False))
+        pairs, alone = pairs + paired, alone + single
+    chosen = native.use_tile_pairs(pairs < alone)
     logger.info("float32 tiled kernel (%dx%d, %s rows): tiles in pairs %.0f us, one at a "
                 "time %.0f us: %s", *PAIR_PROBE_SHAPE, " + ".join(map(str, PAIR_PROBE_ROWS)),
-                times[True] * 1e6, times[False] * 1e6,
+                pairs * 1e6, alone * 1e6,
                 "pairs" if chosen else "one at a time")  # fmt: skip
     return chosen
 
@@ -390,15 +395,15 @@ def _row_limit(
 ) -> int:
     """The largest of ``probe_rows`` up to which ``weight.matmul(x)`` beats ``gemm(x)`` at
     every probed count (``floor`` where it loses at the first; ``ALL_ROWS`` where it never
-    loses), each timed at its best of a few runs on random ``x``; logged as a table."""
+    loses), each timed at its best of a few runs on random ``x``, the two in turn
+    (``_best_times``); logged as a table."""
     out_features, in_features = weight.out_features, weight.in_features
     generator = torch.Generator().manual_seed(1)
     limit = floor
     table = []
     for rows in probe_rows:
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
-        ours = _best_time(lambda x=x: weight.matmul(x))
-        theirs = _best_time(lambda x=x: gemm(x))
+        ours, theirs = _best_times(lambda x=x: weight.matmul(x), lambda x=x: gemm(x))
         table.append(f"{rows}: {ours * 1e6:.0f} vs {theirs * 1e6:.0f} us")
         if ours >= theirs:
             break
@@ -411,11 +416,17 @@ def _row_limit(
     return limit
 
 
-def _best_time(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _best_times(*fns: Callable[[], object], repeats: int = 5) -> list[float]:
+    """Each of ``fns``' best time of ``repeats`` runs after one warm-up, the runs taken in
+    turn (one of each, then again), so that a slow spell of a shared machine falls on all
+    of them alike (on the 2-core Zen 3 EPYC of stop 61, one GEMM ran at 36 GMAC/s and then
+    at 80 a second later)."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best

@@ -5,11 +5,11 @@
 // ~0.6 ms of the step.
 //
 // Each call of the kernel's parallel loop covers a contiguous range of tiles, in
-// increasing order, for every row. Its `Range` keeps, per row and lane, the largest value
-// seen and the tile it first came in (a strict comparison keeps the first of equals),
-// updated right after each tile's values are stored (still in L1). `result` merges the
-// ranges in column order: each row's maximum at its smallest column, as argmax_rows gives
-// it. A row holding a NaN is read again whole by argmax_row (its first NaN), as
+// increasing order, for a contiguous range of rows (all of them, or one pass's). Its
+// `Range` keeps, per row and lane, the largest value seen and the tile it first came in (a
+// strict comparison keeps the first of equals), updated right after each tile's values
+// are stored (still in L1). `result` merges, for each row, the ranges holding it in column
+// order: the row's maximum at its smallest column, as argmax_rows gives it. A row holding a NaN is read again whole by argmax_row (its first NaN), as
 // argmax_rows does. Included inside a kernel file's anonymous namespace, where vec16.h's
 // types are compiled in (TESSERA_VEC16); the file includes <algorithm>, <limits>,
 // <mutex>, <vector>, rows.h (argmax_row_of) and vec16.h.
@@ -18,19 +18,23 @@ class TileArgmax {
  public:
   struct Range {
     int64_t first_tile = 0;
-    std::vector<vec16::F> best;  // [T]: each lane's largest value
-    std::vector<vec16::I> tile;  // [T]: the tile (int32 lanes) that value first came in
-    std::vector<uint8_t> nan;   // [T]: whether the row held a NaN
+    int64_t first_row = 0;       // its rows: first_row .. first_row + best.size() - 1
+    std::vector<vec16::F> best;  // [rows]: each lane's largest value
+    std::vector<vec16::I> tile;  // [rows]: the tile (int32 lanes) that value first came in
+    std::vector<uint8_t> nan;   // [rows]: whether the row held a NaN
   };
 
   explicit TileArgmax(int64_t rows) : rows_(rows) {}
 
-  Range begin(int64_t first_tile) const {
+  // A range from tile first_tile on, over `rows` rows from first_row (-1: to the last).
+  Range begin(int64_t first_tile, int64_t first_row = 0, int64_t rows = -1) const {
+    if (rows < 0) rows = rows_ - first_row;
     Range range;
     range.first_tile = first_tile;
-    range.best.assign(rows_, vec16::set1(-std::numeric_limits<float>::infinity()));
-    range.tile.assign(rows_, vec16::set1_i(static_cast<int32_t>(first_tile)));
-    range.nan.assign(rows_, 0);
+    range.first_row = first_row;
+    range.best.assign(rows, vec16::set1(-std::numeric_limits<float>::infinity()));
+    range.tile.assign(rows, vec16::set1_i(static_cast<int32_t>(first_tile)));
+    range.nan.assign(rows, 0);
     return range;
   }
 
@@ -39,13 +43,13 @@ class TileArgmax {
   void scan(Range& range, const float* y, int64_t N, int64_t tile, int64_t r0,
             int64_t rows) const {
     const vec16::I here = vec16::set1_i(static_cast<int32_t>(tile));
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0, i = r0 - range.first_row; r < rows; ++r, ++i) {
       const vec16::F v = vec16::load(y + r * N);
-      vec16::F& best = range.best[r0 + r];
+      vec16::F& best = range.best[i];
       const vec16::Mask above = vec16::greater(v, best);
       best = vec16::select(above, best, v);
-      range.tile[r0 + r] = vec16::select(above, range.tile[r0 + r], here);
-      range.nan[r0 + r] |= vec16::any_nan(v);
+      range.tile[i] = vec16::select(above, range.tile[i], here);
+      range.nan[i] |= vec16::any_nan(v);
     }
   }
 
@@ -65,10 +69,12 @@ class TileArgmax {
       float best = 0.0f;
       int64_t column = -1;
       for (const Range& range : ranges_) {
-        nan |= range.nan[r] != 0;
-        vec16::store(values, range.best[r]);
-        vec16::store_i(tiles, range.tile[r]);
-        const float top = vec16::reduce_max(range.best[r]);
+        const int64_t i = r - range.first_row;
+        if (i < 0 || i >= static_cast<int64_t>(range.best.size())) continue;  // not its rows
+        nan |= range.nan[i] != 0;
+        vec16::store(values, range.best[i]);
+        vec16::store_i(tiles, range.tile[i]);
+        const float top = vec16::reduce_max(range.best[i]);
         if (column >= 0 && !(top > best)) continue;  // an earlier range holds it first
         int64_t first = -1;
         for (int lane = 0; lane < 16; ++lane) {

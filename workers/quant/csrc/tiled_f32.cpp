@@ -237,67 +237,68 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t T = s.T, K = s.K, nb = s.nb, N = s.N, tiles = s.tiles;
-  const int64_t pass =
+  // Passes of at most ~kPassBytesF32 of x, as equal as multiples of kRowsF32 rows allow (a
+  // short last pass would dequantise every tile again for a few rows).
+  const int64_t most =
       std::max<int64_t>(kRowsF32, kPassBytesF32 / (K * 4) / kRowsF32 * kRowsF32);
-  // Rows in one pass (a step's decodes): the tiles go in pieces. More passes (a long prompt)
-  // keep one share per thread, whose every tile reads one pass of x from L2 in turn: in
-  // pieces each piece read all of x again (2,048 rows: 4.3 s against 3.1 s a step).
+  const int64_t even = (T + (T + most - 1) / most - 1) / ((T + most - 1) / most);
+  const int64_t pass = (even + kRowsF32 - 1) / kRowsF32 * kRowsF32;
+  // The rows go pass by pass, and in each pass torch's threads claim the tiles in pieces
+  // (pieces.h: parallel_pieces_in_passes), so that a thread the OS preempted, or one on a
+  // slower core, delays only the piece it holds; each piece's tiles read that pass of x
+  // from L2 in turn. (Pieces that each took every pass, each reading all of x again, ran
+  // 2,048 rows in 4.3 s a step against 3.1 s in one share per thread.)
   // Above kRowsF32 rows the tiles go in pairs (pair_f32), where the build has them and
   // use_tile_pairs chose them.
   const int64_t span = kPairRows > 0 && T > kRowsF32 && pairs_wanted().load() ? 2 : 1;
   const int64_t units = (tiles + span - 1) / span;
-  const auto loop = [&](const auto& body) {
-    if (T <= pass) return parallel_pieces(0, units, 1, body);
-    at::parallel_for(0, units, 1, body);
-  };
-  loop([&](int64_t begin, int64_t end) {
+  const int64_t passes = (T + pass - 1) / pass;
+  parallel_pieces_in_passes(passes, 0, units, 1, [&](int64_t p, int64_t begin, int64_t end) {
+    const int64_t first = p * pass, last = std::min(T, first + pass);
     // a unit's tiles, dequantised (more than kRowsF32 rows): [K, 16] or a pair's [K, 2, 16]
     thread_local std::vector<float> buf;
-    TileArgmax::Range range =
-        argmax != nullptr ? argmax->begin(begin * span) : TileArgmax::Range{};
+    TileArgmax::Range range = argmax != nullptr ? argmax->begin(begin * span, first, last - first)
+                                                : TileArgmax::Range{};
     const auto scan = [&](int64_t tile, int64_t r0, int64_t rows) {
       if (argmax != nullptr) argmax->scan(range, yp + tile * 16 + r0 * N, N, tile, r0, rows);
     };
-    for (int64_t first = 0; first < T; first += pass) {
-      const int64_t last = std::min(T, first + pass);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t t0 = unit * span, t1 = std::min(tiles, t0 + span);
-        if (T > tiled::kPrefetchRows && unit + 1 < end) {
-          for (int64_t t = t1; t < std::min(tiles, t1 + span); ++t) make_tile(t).prefetch(nb);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t t0 = unit * span, t1 = std::min(tiles, t0 + span);
+      if (T > tiled::kPrefetchRows && unit + 1 < end) {
+        for (int64_t t = t1; t < std::min(tiles, t1 + span); ++t) make_tile(t).prefetch(nb);
+      }
+      if (last - first <= kRowsF32) {
+        for (int64_t tile = t0; tile < t1; ++tile) {
+          tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), yp + tile * 16 + first * N,
+                              N, last - first);
+          scan(tile, first, last - first);
         }
-        if (last - first <= kRowsF32) {
-          for (int64_t tile = t0; tile < t1; ++tile) {
-            tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), yp + tile * 16 + first * N,
-                                N, last - first);
-            scan(tile, first, last - first);
-          }
-          continue;
-        }
-        // more rows than one micro-kernel holds: dequantise the unit once for all of them
-        const int64_t width = t1 - t0;
-        buf.resize(K * 16 * width);
-        for (int64_t h = 0; h < width; ++h) {
-          const auto direct = make_tile(t0 + h);
-          for (int64_t b = 0; b < nb; ++b)
-            direct(b, [&](int k, F w) {
-              vec16::store(buf.data() + ((b * kBlock + k) * width + h) * 16, w);
-            });
-        }
-        if (width == 2) {
-          for (int64_t r0 = first; r0 < last; r0 += kPairRows) {
-            const int64_t rows = std::min<int64_t>(kPairRows, last - r0);
-            pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), yp + t0 * 16 + r0 * N, N, rows);
-            scan(t0, r0, rows);
-            scan(t0 + 1, r0, rows);
-          }
-          continue;
-        }
-        const Buffered buffered{buf.data()};
-        for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
-          const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
-          tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yp + t0 * 16 + r0 * N, N, rows);
+        continue;
+      }
+      // more rows than one micro-kernel holds: dequantise the unit once for all of them
+      const int64_t width = t1 - t0;
+      buf.resize(K * 16 * width);
+      for (int64_t h = 0; h < width; ++h) {
+        const auto direct = make_tile(t0 + h);
+        for (int64_t b = 0; b < nb; ++b)
+          direct(b, [&](int k, F w) {
+            vec16::store(buf.data() + ((b * kBlock + k) * width + h) * 16, w);
+          });
+      }
+      if (width == 2) {
+        for (int64_t r0 = first; r0 < last; r0 += kPairRows) {
+          const int64_t rows = std::min<int64_t>(kPairRows, last - r0);
+          pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), yp + t0 * 16 + r0 * N, N, rows);
           scan(t0, r0, rows);
+          scan(t0 + 1, r0, rows);
         }
+        continue;
+      }
+      const Buffered buffered{buf.data()};
+      for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
+        const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
+        tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yp + t0 * 16 + r0 * N, N, rows);
+        scan(t0, r0, rows);
       }
     }
     if (argmax != nullptr) argmax->end(std::move(range));
