@@ -9,10 +9,11 @@
 // `Range` keeps, per row and lane, the largest value seen and the tile it first came in (a
 // strict comparison keeps the first of equals), updated right after each tile's values
 // are stored (still in L1). `result` merges, for each row, the ranges holding it in column
-// order: the row's maximum at its smallest column, as argmax_rows gives it. A row holding a NaN is read again whole by argmax_row (its first NaN), as
-// argmax_rows does. Included inside a kernel file's anonymous namespace, where vec16.h's
-// types are compiled in (TESSERA_VEC16); the file includes <algorithm>, <limits>,
-// <mutex>, <vector>, rows.h (argmax_row_of) and vec16.h.
+// order: the row's maximum at its smallest column, as argmax_rows gives it. A row holding
+// a NaN is read again whole by argmax_row (its first NaN), as argmax_rows does. Included
+// inside a kernel file's anonymous namespace, where vec16.h's types are compiled in
+// (TESSERA_VEC16); the file includes <algorithm>, <limits>, <mutex>, <vector>, rows.h
+// (argmax_row_of) and vec16.h.
 
 class TileArgmax {
  public:

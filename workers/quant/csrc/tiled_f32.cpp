@@ -241,8 +241,9 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
   // short last pass would dequantise every tile again for a few rows).
   const int64_t most =
       std::max<int64_t>(kRowsF32, kPassBytesF32 / (K * 4) / kRowsF32 * kRowsF32);
-  const int64_t even = (T + (T + most - 1) / most - 1) / ((T + most - 1) / most);
-  const int64_t pass = (even + kRowsF32 - 1) / kRowsF32 * kRowsF32;
+  const int64_t fewest = (T + most - 1) / most;        // passes of at most `most` rows
+  const int64_t even = (T + fewest - 1) / fewest;       // rows a pass if they were equal
+  const int64_t pass = (even + kRowsF32 - 1) / kRowsF32 * kRowsF32;  // <= most
   // The rows go pass by pass, and in each pass torch's threads claim the tiles in pieces
   // (pieces.h: parallel_pieces_in_passes), so that a thread the OS preempted, or one on a
   // slower core, delays only the piece it holds; each piece's tiles read that pass of x
