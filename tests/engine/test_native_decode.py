@@ -188,6 +188,43 @@ def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(reques
         native.use_row_shares(-1)
 
 
+@pytest.mark.parametrize("which", ["smollm2_fast", "smollm2_auto"])
+def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which):
+    """A share of a step of 18 decodes on two threads queues each next layer's K/V blocks
+    of its rows for the bf16 x Q4 kernel to fetch while it computes
+    (csrc/side_prefetch.h): every line of them is asked for (with ``use_kv_prefetch``
+    on, none with it off), and the logits and the cache are bit for bit those of the step
+    without."""
+    native = native_kernels()
+    if not native.q4_bf16_available():
+        pytest.skip("no AVX512_BF16 kernel on this CPU: no step runs in shares of rows")
+    loaded = request.getfixturevalue(which)
+    seq_lens = SEQ_LENS * 3  # 18 rows, 9 a share
+    config = loaded.config
+    kv_size = config.num_kv_heads * config.head_dim
+    cache_bytes = loaded.kv_dtype.itemsize  # float16 (fast) or bfloat16
+    blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens)
+    # every layer but the first: each row's K and V blocks, whole
+    expected_lines = (config.num_layers - 1) * blocks * 2 * BLOCK_SIZE * kv_size * cache_bytes // 64
+    threads = torch.get_num_threads()
+    results, asked = [], []
+    try:
+        torch.set_num_threads(2)
+        for wanted in (True, False):
+            assert native.use_kv_prefetch(wanted) is wanted
+            before = native.kv_prefetched_lines()
+            results.append(one_step(loaded, native=True, seq_lens=seq_lens))
+            asked.append(native.kv_prefetched_lines() - before)
+    finally:
+        native.use_kv_prefetch(True)
+        torch.set_num_threads(threads)
+    # the kernel's AMX path (a CPU with AMX) computes without fetching any
+    assert asked == [0 if native.amx_in_use() else expected_lines, 0]
+    (logits, cache), (expected, expected_cache) = results
+    assert torch.equal(logits, expected)
+    assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
+
+
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_auto"])
 @pytest.mark.parametrize("native", [True, False])
 def test_a_step_gives_the_logits_of_the_rows_asked_for(request, which, native):

@@ -70,6 +70,7 @@ HEADERS = tuple(
         "bf16_blocks.h",
         "pieces.h",
         "rows.h",
+        "side_prefetch.h",
         "tile_argmax.h",
         "tiled_layouts.h",
         "vec16.h",

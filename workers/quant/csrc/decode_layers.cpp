@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "pieces.h"
+#include "side_prefetch.h"
 #include "vec16.h"
 
 // The vector paths (AVX-512 or AVX2: vec16.h); the loops after each take the rest.
@@ -89,6 +90,10 @@ std::atomic<int64_t>& share_rows() {
   static std::atomic<int64_t> rows{8};
   return rows;
 }
+
+// Rows of x one micro-kernel of the bf16 x Q4 kernel takes (bf16_blocks.h's kRows): how
+// often it asks a queue of side_prefetch.h for lines.
+constexpr int64_t kKernelRows = 8;
 
 // What splitting attention between threads counts for a row besides its context tokens
 // (its query heads' setup and output), in tokens.
@@ -728,7 +733,7 @@ class DecodeLayers {
         }
         kept[i] = run<T, C>(part, cos.narrow(0, b0, n), sin.narrow(0, b0, n), slots + b0, n,
                             seq_lens + b0, tables + b0 * width, width, {}, kv_cache,
-                            rows != nullptr ? &wanted : nullptr);
+                            rows != nullptr ? &wanted : nullptr, /*share=*/true);
       }
     });
     return rows != nullptr ? at::cat(kept) : hidden;
@@ -746,6 +751,33 @@ class DecodeLayers {
     return out;
   }
 
+  // Queues, on this thread (side_prefetch.h), layer l + 1's K/V blocks of the B decode rows
+  // (each row's K blocks, then its V blocks: the order attend_all reads them), paced to
+  // drain over the products left before that layer's attention: layer l's o, gate_up and
+  // down, each micro-kernel of kKernelRows rows calling some() once a block of 32 inputs.
+  // A row's new token is fetched before it is written: a line too many, no error.
+  template <typename C>
+  void queue_next_kv(int64_t l, int64_t B, const C* k_cache, const C* v_cache,
+                     int64_t layer_stride, const int64_t* seq_lens, const int64_t* tables,
+                     int64_t width, int64_t block_size, int64_t decodes) const {
+    side::Queue& queue = side::queue();
+    queue.clear();
+    if (l + 1 >= num_layers()) return;
+    const int64_t kv_size = num_kv_heads_ * head_dim_, H = layers_[0].input_norm.numel();
+    const int64_t block_bytes = block_size * kv_size * static_cast<int64_t>(sizeof(C));
+    int64_t lines = 0;
+    for (int64_t b = 0; b < decodes; ++b)
+      for (const C* cache : {k_cache + layer_stride, v_cache + layer_stride})
+        for (int64_t j = 0; j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
+          queue.add(cache + tables[b * width + j] * block_size * kv_size, block_bytes);
+          lines += block_bytes / 64;
+        }
+    const int64_t q_size = num_heads_ * head_dim_, I = intermediate_;
+    const int64_t blocks_of_tiles =  // o, gate_up, down: output tiles x blocks of inputs
+        (H / 16) * (q_size / 32) + (2 * I / 16) * (H / 32) + (H / 16) * (I / 32);
+    queue.pace(lines, (B + kKernelRows - 1) / kKernelRows * blocks_of_tiles);
+  }
+
   // T: the model's dtype (activations between the matmuls); C: the KV cache's (T, or
   // float16 under a float32 model: the fast mode). Updates hidden in place; with `rows`
   // [S], the last layer goes on past its attention with those rows only (a prompt's
@@ -757,7 +789,8 @@ class DecodeLayers {
   torch::Tensor run(torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                     const int64_t* slots, int64_t decodes, const int64_t* seq_lens,
                     const int64_t* tables, int64_t width, const std::vector<Prompt>& prompts,
-                    const torch::Tensor& kv_cache, const torch::Tensor* rows) const {
+                    const torch::Tensor& kv_cache, const torch::Tensor* rows,
+                    bool share = false) const {
     const int64_t B = hidden.size(0), H = hidden.size(1), D = head_dim_;
     const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
     const int64_t block_size = kv_cache.size(3);
@@ -773,6 +806,15 @@ class DecodeLayers {
     for (const Prompt& prompt : prompts) masks.push_back(causal_bias(prompt, options));
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     C* cache = kv_cache.data_ptr<C>();
+    // a share's thread alone (run_in_shares) fetches the next layer's K/V as it goes; its
+    // queue is emptied however run() ends (it points into this step's cache)
+    const bool prefetch = share && side::kv_prefetch_wanted().load();
+    struct Emptied {
+      bool on;
+      ~Emptied() {
+        if (on) side::queue().clear();
+      }
+    } emptied{prefetch};
     for (int64_t l = 0; l < num_layers(); ++l) {
       const Layer& layer = layers_[l];
       C* k_cache = cache + l * layer_stride;
@@ -793,6 +835,9 @@ class DecodeLayers {
       });
       attend<T, C>(qkv_p, row, k_cache, v_cache, seq_lens, tables, width, block_size, decodes,
                    attn.data_ptr<T>());
+      if (prefetch)
+        queue_next_kv(l, B, k_cache, v_cache, layer_stride, seq_lens, tables, width, block_size,
+                      decodes);
       for (size_t i = 0; i < prompts.size(); ++i)
         attend_prompt(qkv, kv_cache[l], prompts[i], masks[i], attn);
       int64_t R = B;  // rows past the attention
@@ -1015,8 +1060,21 @@ int64_t use_row_shares(int64_t rows) {
   return rows;
 }
 
+bool use_kv_prefetch(bool wanted) {
+  side::kv_prefetch_wanted().store(wanted);
+  return wanted;
+}
+
+int64_t kv_prefetched_lines() { return side::lines_asked().load(); }
+
 void register_decode_layers(pybind11::module& m) {
   namespace py = pybind11;
+  m.def("use_kv_prefetch", &use_kv_prefetch,
+        "let a share of a decode step fetch the next layer's K/V while its products run "
+        "(side_prefetch.h; the default) or not: the same numbers; returns wanted",
+        py::arg("wanted"));
+  m.def("kv_prefetched_lines", &kv_prefetched_lines,
+        "cache lines of K/V the decode steps' shares have asked for so far (every thread)");
   m.def("use_row_shares", &use_row_shares,
         "let steps of decodes run in shares of at least `rows` rows (default 8), one per "
         "thread, each through every layer alone, or (0) every product shared by the threads: "

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "tiled_layouts.h"
+#include "side_prefetch.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -76,14 +77,16 @@ inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m51
 }
 
 // R <= kRows rows through one tile, each block's pairs expanded in registers and
-// used at once.
+// used at once; before each block, a few lines of the thread's queue sq (side_prefetch.h:
+// the K/V its next attention reads), if it has one.
 template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
                         const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y,
-                        int64_t N) {
+                        int64_t N, side::Queue* sq) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (sq) sq->some();  // a few lines of it between blocks (side_prefetch.h)
     __m512 part[R];
     const uint8_t* block = nibbles + b * 4 * 64;
     block_sums<R>(x, K, b, [block](int p) {  // pair p: step p / 4's zmm, nibble pair p % 4
@@ -103,10 +106,10 @@ inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t n
 template <int R, typename Y>
 void direct_through(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
                     const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y, int64_t N,
-                    int64_t rows) {
+                    int64_t rows, side::Queue* sq) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_direct<R>(x, K, sx, nb, nibbles, d, m, y, N);
-    return direct_through<R - 1>(x, K, sx, nb, nibbles, d, m, y, N, rows);
+    if (rows == R) return tile_direct<R>(x, K, sx, nb, nibbles, d, m, y, N, sq);
+    return direct_through<R - 1>(x, K, sx, nb, nibbles, d, m, y, N, rows, sq);
   }
 }
 
@@ -160,6 +163,8 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
   // through them, kRows rows at a time.
   const int64_t pass = rows_per_pass(K);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    side::Queue* sq = &side::queue();  // the K/V a share of a decode step will attend over
+    if (sq->empty()) sq = nullptr;
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
@@ -173,7 +178,8 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
         }
         for (int64_t r0 = first; r0 < last; r0 += kRows)
           direct_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
-                                yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, last - r0));
+                                yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, last - r0),
+                                sq);
       }
     }
   });
