@@ -55,15 +55,19 @@ class Queue {
     else ranges_.emplace_back(c, c + bytes);
   }
   bool empty() const { return ranges_.empty(); }
-  // Lines each call of some() asks for: the queue's lines over the calls expected before
-  // they are wanted, so that it drains by then and evenly.
+  // Paces some() to ask for `lines` evenly over the next `calls` calls (in 1/256ths of a
+  // line a call, at most 32 lines), so that the queue drains just as they end.
   void pace(int64_t lines, int64_t calls) {
-    const int64_t each = (lines + calls - 1) / std::max<int64_t>(calls, 1);
-    per_call_ = static_cast<int>(std::clamp<int64_t>(each, 1, 32));
+    const int64_t each = (lines * 256 + calls - 1) / std::max<int64_t>(calls, 1);
+    rate_ = static_cast<int>(std::clamp<int64_t>(each, 1, 32 * 256));
+    credit_ = 0;
   }
   // The next few lines, into L2 (and below).
   inline void some() {
-    for (int i = 0; i < per_call_; ++i) {
+    credit_ += rate_;
+    const int lines = credit_ >> 8;
+    credit_ &= 255;
+    for (int i = 0; i < lines; ++i) {
       if (at_ >= end_) {
         if (next_ >= ranges_.size()) return;
         at_ = ranges_[next_].first;
@@ -80,7 +84,8 @@ class Queue {
   const char* at_ = nullptr;
   const char* end_ = nullptr;
   size_t next_ = 0;
-  int per_call_ = 1;
+  int rate_ = 256;   // lines a call, x 256
+  int credit_ = 0;   // lines owed, x 256
   int64_t asked_ = 0;
   std::vector<std::pair<const char*, const char*>> ranges_;
 };
