@@ -9,9 +9,10 @@
 // products (~80% of its time) are bound by arithmetic with memory mostly idle. When a
 // thread runs its share of a step's rows through every layer alone (decode_layers.cpp's
 // run_in_shares), it queues the next layer's K/V blocks of its rows as it leaves a
-// layer's attention, and the products of the rest of the layer fetch them a few lines
-// per block of weights: by the next attention they sit in L2 / L3. Fetched all at
-// once (a burst before the products) the lines only wait on memory as attention would.
+// layer's attention, and the products until the next attention (the rest of this
+// layer's, the next layer's qkv) fetch them a few lines per block of weights: by then they
+// sit in L2 / L3. (Not measured: a burst of them before the products would wait on
+// memory as attention itself does; the point is that the fetches overlap arithmetic.)
 //
 // A prefetch never changes a number: the kernel's sums are the same with or without.
 #include <algorithm>
