@@ -5,7 +5,7 @@
 // the file's kBlock (32 inputs per GGUF block).
 
 constexpr int64_t kDirectRows = 4;  // Q8_0: up to this many rows, no expanded buffer
-constexpr int kRows = 8;  // rows of x one micro-kernel holds: 3 zmm each
+constexpr int kRows = tiled::kBf16Rows;  // rows of x one micro-kernel holds: 3 zmm each
 constexpr int64_t kPassBytes = 128 * 1024;  // x per pass over the tiles (see rows_per_pass)
 
 // Rows of x per pass over a chunk of tiles: a pass's rows (bf16) stay in L2 while each

@@ -46,6 +46,7 @@
 
 #include "pieces.h"
 #include "side_prefetch.h"
+#include "tiled_layouts.h"
 #include "vec16.h"
 
 // The vector paths (AVX-512 or AVX2: vec16.h); the loops after each take the rest.
@@ -90,10 +91,6 @@ std::atomic<int64_t>& share_rows() {
   static std::atomic<int64_t> rows{8};
   return rows;
 }
-
-// Rows of x one micro-kernel of the bf16 x Q4 kernel takes (bf16_blocks.h's kRows): how
-// often it asks a queue of side_prefetch.h for lines.
-constexpr int64_t kKernelRows = 8;
 
 // What splitting attention between threads counts for a row besides its context tokens
 // (its query heads' setup and output), in tokens.
@@ -754,7 +751,7 @@ class DecodeLayers {
   // Queues, on this thread (side_prefetch.h), layer l + 1's K/V blocks of the B decode rows
   // (each row's K blocks, then its V blocks: the order attend_all reads them), paced to
   // drain evenly over the products left before that layer's attention: layer l's o,
-  // gate_up and down and layer l + 1's qkv, each micro-kernel of kKernelRows rows calling
+  // gate_up and down and layer l + 1's qkv, each micro-kernel of tiled::kBf16Rows rows calling
   // some() once a block of 32 inputs (drained by the end of down instead, or at 0.85x /
   // 1.15x the even pace, 64-row steps measured no faster). A row's new token is fetched
   // before it is written: a line too many, no error.
@@ -778,7 +775,8 @@ class DecodeLayers {
     const int64_t blocks_of_tiles =  // output tiles x blocks of inputs: o, gate_up, down, qkv
         (H / 16) * (q_size / 32) + (2 * I / 16) * (H / 32) + (H / 16) * (I / 32) +
         ((q_size + 2 * kv_size) / 16) * (H / 32);
-    queue.pace(lines, (B + kKernelRows - 1) / kKernelRows * blocks_of_tiles);
+    const int64_t groups = (B + tiled::kBf16Rows - 1) / tiled::kBf16Rows;
+    queue.pace(lines, groups * blocks_of_tiles);
   }
 
   // T: the model's dtype (activations between the matmuls); C: the KV cache's (T, or

@@ -38,8 +38,8 @@
 #include <cstring>
 #include <vector>
 
-#include "tiled_layouts.h"
 #include "side_prefetch.h"
+#include "tiled_layouts.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>

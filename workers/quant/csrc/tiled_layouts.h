@@ -17,6 +17,9 @@
 namespace tessera::tiled {
 
 constexpr int64_t kBlock = 32;  // inputs per GGUF block
+// Rows of x one micro-kernel of the bf16 x Q4 / Q8_0 kernels holds (bf16_blocks.h's
+// kRows; decode_layers.cpp paces its K/V queue by it, side_prefetch.h)
+constexpr int kBf16Rows = 8;
 constexpr int kQ4_0 = 2;        // GGML type ids (gguf.GGMLQuantizationType)
 constexpr int kQ4_1 = 3;
 
