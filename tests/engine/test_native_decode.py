@@ -152,31 +152,46 @@ def test_native_step_does_not_depend_on_how_the_threads_split_the_rows(smollm2):
     assert torch.equal(cache1.nan_to_num(), cache2.nan_to_num())
 
 
-@pytest.mark.parametrize("which", ["smollm2_fast", "smollm2_auto"])
+#: Rows a share takes at least by default (``use_row_shares``; csrc/decode_layers.cpp's
+#: ``share_rows``), restored after each test that changes it.
+DEFAULT_SHARE_ROWS = 4
+
+
+def loaded_in_shares(request, which: str):
+    """The fixture ``which``, or a skip where its steps of decodes cannot run in shares of
+    rows: every projection must take the tiled Q4 kernels (the exact mode's float32 one,
+    AVX-512 or AVX2; the fast and bfloat16 modes' bf16 one, AVX512_BF16)."""
+    native = native_kernels()
+    if which == "smollm2" and not native.tiled_f32_available():
+        pytest.skip("no AVX-512 or AVX2 kernel on this CPU: no exact step runs in shares of rows")
+    if which != "smollm2" and not native.q4_bf16_available():
+        pytest.skip("no AVX512_BF16 kernel on this CPU: no step runs in shares of rows")
+    return request.getfixturevalue(which)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
 @pytest.mark.parametrize(
     "rows", [None, [0, 5, 9, 9, 17], [17, 0]], ids=["every-row", "in-order", "out-of-order"]
 )
 def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(request, which, rows):
-    """The bf16 kernels' steps of 18 decodes on two threads: each thread runs a share of
+    """The Q4 kernels' steps of 18 decodes on two threads: each thread runs a share of
     the rows (9 here) through every layer alone (``use_row_shares``, csrc/decode_layers.cpp's
     ``run_in_shares``), or the threads share each product: the logits of the rows asked
     for (in order: the shares' rows joined; out of order: one run) and the cache, bit
-    for bit."""
+    for bit, in the exact, fast and bfloat16 modes."""
     native = native_kernels()
-    if not native.q4_bf16_available():
-        pytest.skip("no AVX512_BF16 kernel on this CPU: no step runs in shares of rows")
-    loaded = request.getfixturevalue(which)
+    loaded = loaded_in_shares(request, which)
     seq_lens = SEQ_LENS * 3  # 18 rows
     picked = None if rows is None else torch.tensor(rows)
     threads = torch.get_num_threads()
     results = []
     try:
         torch.set_num_threads(2)
-        for least in (8, 0):
+        for least in (DEFAULT_SHARE_ROWS, 0):
             assert native.use_row_shares(least) == least
             results.append(one_step(loaded, native=True, rows=picked, seq_lens=seq_lens))
     finally:
-        native.use_row_shares(8)
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
         torch.set_num_threads(threads)
     (logits, cache), (expected, expected_cache) = results
     assert logits.shape == (len(seq_lens) if rows is None else len(rows), loaded.config.vocab_size)
@@ -188,21 +203,20 @@ def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(reques
         native.use_row_shares(-1)
 
 
-@pytest.mark.parametrize("which", ["smollm2_fast", "smollm2_auto"])
-def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which):
-    """A share of a step of 18 decodes on two threads queues each next layer's K/V blocks
-    of its rows for the bf16 x Q4 kernel to fetch while it computes
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
+@pytest.mark.parametrize("seq_lens", [SEQ_LENS * 3, SEQ_LENS[:4] * 2], ids=["18-rows", "8-rows"])
+def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which, seq_lens):
+    """A share of a step of 18 or 8 decodes on two threads queues each next layer's K/V
+    blocks of its rows for the Q4 kernel (float32 or bf16) to fetch while it computes
     (csrc/side_prefetch.h): every line of them is asked for (with ``use_kv_prefetch``
     on, none with it off), and the logits and the cache are bit for bit those of the step
-    without."""
+    without. 9 rows a share go through the exact kernel's buffered loop, 4 through its
+    direct one."""
     native = native_kernels()
-    if not native.q4_bf16_available():
-        pytest.skip("no AVX512_BF16 kernel on this CPU: no step runs in shares of rows")
-    loaded = request.getfixturevalue(which)
-    seq_lens = SEQ_LENS * 3  # 18 rows, 9 a share
+    loaded = loaded_in_shares(request, which)
     config = loaded.config
     kv_size = config.num_kv_heads * config.head_dim
-    cache_bytes = loaded.kv_dtype.itemsize  # float16 (fast) or bfloat16
+    cache_bytes = loaded.kv_dtype.itemsize  # float32 (exact), float16 (fast) or bfloat16
     blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens)
     # every layer but the first: each row's K and V blocks, whole
     expected_lines = (config.num_layers - 1) * blocks * 2 * BLOCK_SIZE * kv_size * cache_bytes // 64
@@ -218,8 +232,9 @@ def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which)
     finally:
         native.use_kv_prefetch(True)
         torch.set_num_threads(threads)
-    # the kernel's AMX path (a CPU with AMX) computes without fetching any
-    assert asked == [0 if native.amx_in_use() else expected_lines, 0]
+    # the bf16 kernel's AMX path (a CPU with AMX) computes without fetching any
+    amx = which != "smollm2" and native.amx_in_use()
+    assert asked == [0 if amx else expected_lines, 0]
     (logits, cache), (expected, expected_cache) = results
     assert torch.equal(logits, expected)
     assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())

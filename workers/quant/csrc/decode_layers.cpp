@@ -65,6 +65,9 @@ torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
                         int64_t qtype);
 torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
                            const c10::optional<torch::Tensor>& m, int64_t qtype);
+// some() calls of the thread's K/V queue (side_prefetch.h) that q4_f32_mm makes for T rows
+// through `tiles` tiles of nb blocks (tiled_f32.cpp)
+int64_t q4_f32_queue_calls(int64_t T, int64_t tiles, int64_t nb);
 torch::Tensor dense_f32_mm(const torch::Tensor& x, const torch::Tensor& w,
                            const c10::optional<torch::Tensor>& bias);
 
@@ -86,9 +89,13 @@ constexpr int64_t kRowGrain = 16;
 
 // Rows of a step of decodes each thread takes at least to run its share of the rows
 // through every layer alone (DecodeLayers::run_in_shares), 0: never; use_row_shares sets
-// it (one number for the process). The same numbers either way.
+// it (one number for the process). The same numbers either way. On a Zen 4 EPYC (2
+// threads, the next layer's K/V fetched, stop 65), steps in shares of 4 / 3 / 2 / 1 rows
+// against every product shared: 8 decodes 16.9 / 21.3 ms (exact) and 10.8 / 12.9
+// (fast); 6 decodes 13.6 / 14.8 and 12.5 / 12.9; 4 decodes 10.5 / 10.7 and 6.8 / 6.4; 2
+// decodes 9.1 / 8.5 and 6.1 / 5.4 (each share reads every weight).
 std::atomic<int64_t>& share_rows() {
-  static std::atomic<int64_t> rows{8};
+  static std::atomic<int64_t> rows{4};
   return rows;
 }
 
@@ -664,10 +671,12 @@ class DecodeLayers {
   // from the cache, stay in one run). 1: the threads share each product. On a Zen 4
   // EPYC, steps in shares and not in turn within one run (fast mode, 2 threads): 64
   // decodes 71.5 / 85.6 ms against 76.9 / 90.9, 32 decodes 53.1 against 57.1, 16 decodes
-  // 22.5 / 29.8 against 23.6 / 31.1; the bfloat16 mode's 77.9 against 82.2 at 64. Not
-  // the exact mode's float32 kernel: above 8 rows it dequantises each tile once for all
-  // of a call's rows, which each share would do again (no gain measured); the bf16
-  // kernels expand each block for every 8 rows anyway.
+  // 22.5 / 29.8 against 23.6 / 31.1; the bfloat16 mode's 77.9 against 82.2 at 64. The
+  // exact mode's float32 kernel (q4_f32_mm, whose rows never depend on T either) too:
+  // above 8 rows it dequantises each tile once for all of a call's rows, which each share
+  // does again, so in shares alone it measured no gain (stop 59); with the next layer's
+  // K/V fetched (twice the fast mode's bytes) 16 decodes took 32.3 ms against 37.1 in
+  // shares without and 40.3 shared, 64 decodes 119.7 against 126.0 and 130.3 (stop 65).
   int64_t row_shares(int64_t B, const int64_t* slots, const int64_t* seq_lens,
                      const int64_t* tables, int64_t width, int64_t block_size,
                      const torch::Tensor* rows) const {
@@ -680,7 +689,8 @@ class DecodeLayers {
     const int64_t shares = 2;
     for (const Layer& layer : layers_)
       for (const Linear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        if (linear->kind != kQ4 || linear->int4_rows < B) return 1;
+        if ((linear->kind != kQ4 && linear->kind != kQ4Exact) || linear->int4_rows < B)
+          return 1;
     if (rows != nullptr) {
       const int64_t* r = rows->data_ptr<int64_t>();
       if (!std::is_sorted(r, r + rows->numel())) return 1;
@@ -772,11 +782,13 @@ class DecodeLayers {
           lines += block_bytes / 64;
         }
     const int64_t q_size = num_heads_ * head_dim_, I = intermediate_;
-    const int64_t blocks_of_tiles =  // output tiles x blocks of inputs: o, gate_up, down, qkv
-        (H / 16) * (q_size / 32) + (2 * I / 16) * (H / 32) + (H / 16) * (I / 32) +
-        ((q_size + 2 * kv_size) / 16) * (H / 32);
-    const int64_t groups = (B + tiled::kBf16Rows - 1) / tiled::kBf16Rows;
-    queue.pace(lines, groups * blocks_of_tiles);
+    const auto calls = [B](const Linear& w, int64_t N, int64_t K) {  // of one product of B rows
+      if (w.kind == kQ4Exact) return q4_f32_queue_calls(B, N / 16, K / tiled::kBlock);
+      return (B + tiled::kBf16Rows - 1) / tiled::kBf16Rows * (N / 16) * (K / tiled::kBlock);
+    };
+    const Layer &layer = layers_[l], &next = layers_[l + 1];
+    queue.pace(lines, calls(layer.o, H, q_size) + calls(layer.gate_up, 2 * I, H) +
+                          calls(layer.down, H, I) + calls(next.qkv, q_size + 2 * kv_size, H));
   }
 
   // T: the model's dtype (activations between the matmuls); C: the KV cache's (T, or
@@ -1077,7 +1089,7 @@ void register_decode_layers(pybind11::module& m) {
   m.def("kv_prefetched_lines", &kv_prefetched_lines,
         "cache lines of K/V the decode steps' shares have asked for so far (every thread)");
   m.def("use_row_shares", &use_row_shares,
-        "let steps of decodes run in shares of at least `rows` rows (default 8), one per "
+        "let steps of decodes run in shares of at least `rows` rows (default 4), one per "
         "thread, each through every layer alone, or (0) every product shared by the threads: "
         "the same numbers; returns rows",
         py::arg("rows"));

@@ -46,6 +46,7 @@
 
 #include "pieces.h"
 #include "rows.h"
+#include "side_prefetch.h"
 #include "tiled_layouts.h"
 #include "vec16.h"
 
@@ -159,12 +160,15 @@ struct Buffered {
 
 // R rows of x through one tile of 16 outputs; weights(b, f) calls f(k, w) with the tile's
 // 16 weights of each input k of block b, in order.
+// Before each block, a few lines of the thread's queue sq (side_prefetch.h: the K/V its
+// next attention reads), if it has one.
 template <int R, typename Weights>
 inline void tile_f32(const float* x, int64_t K, int64_t nb, const Weights& weights, float* y,
-                     int64_t N) {
+                     int64_t N, side::Queue* sq) {
   F even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = vec16::zero();
   for (int64_t b = 0; b < nb; ++b) {
+    if (sq) sq->some();
     const float* xb = x + b * kBlock;
     weights(b, [&](int k, F w) {
       for (int r = 0; r < R; ++r) {
@@ -182,10 +186,10 @@ inline void tile_f32(const float* x, int64_t K, int64_t nb, const Weights& weigh
 // rows (1..R) of x through one tile (tile_f32<rows>).
 template <int R, typename Weights>
 void tile_rows(const float* x, int64_t K, int64_t nb, const Weights& weights, float* y, int64_t N,
-               int64_t rows) {
+               int64_t rows, side::Queue* sq) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_f32<R>(x, K, nb, weights, y, N);
-    return tile_rows<R - 1>(x, K, nb, weights, y, N, rows);
+    if (rows == R) return tile_f32<R>(x, K, nb, weights, y, N, sq);
+    return tile_rows<R - 1>(x, K, nb, weights, y, N, rows, sq);
   }
 }
 
@@ -195,11 +199,14 @@ void tile_rows(const float* x, int64_t K, int64_t nb, const Weights& weights, fl
 // the same; each x[r, k] loaded feeds two FMAs, not one. On the Ice Lake Xeon of stop 58
 // (one thread, 64 rows, SmolLM2's shapes) 80-89 GFLOP/s against tile_f32<8>'s 52-63 from
 // a buffer of one tile.
+// Before each block of inputs, a few lines of sq's K/V (tile_f32).
 template <int R>
-inline void pair_f32(const float* x, int64_t K, const float* buf, float* y, int64_t N) {
+inline void pair_f32(const float* x, int64_t K, const float* buf, float* y, int64_t N,
+                     side::Queue* sq) {
   F even0[R], odd0[R], even1[R], odd1[R];
   for (int r = 0; r < R; ++r) even0[r] = odd0[r] = even1[r] = odd1[r] = vec16::zero();
   for (int64_t k = 0; k < K; k += 2) {  // K is a multiple of kBlock, so even
+    if (sq && k % kBlock == 0) sq->some();
     const float* w = buf + k * 32;
     const F w0e = vec16::load(w), w1e = vec16::load(w + 16);
     const F w0o = vec16::load(w + 32), w1o = vec16::load(w + 48);
@@ -220,10 +227,11 @@ inline void pair_f32(const float* x, int64_t K, const float* buf, float* y, int6
 
 // rows (1..R) of x through two buffered tiles (pair_f32<rows>).
 template <int R>
-void pair_rows(const float* x, int64_t K, const float* buf, float* y, int64_t N, int64_t rows) {
+void pair_rows(const float* x, int64_t K, const float* buf, float* y, int64_t N, int64_t rows,
+               side::Queue* sq) {
   if constexpr (R > 0) {
-    if (rows == R) return pair_f32<R>(x, K, buf, y, N);
-    return pair_rows<R - 1>(x, K, buf, y, N, rows);
+    if (rows == R) return pair_f32<R>(x, K, buf, y, N, sq);
+    return pair_rows<R - 1>(x, K, buf, y, N, rows, sq);
   }
 }
 
@@ -258,6 +266,8 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
     const int64_t first = p * pass, last = std::min(T, first + pass);
     // a unit's tiles, dequantised (more than kRowsF32 rows): [K, 16] or a pair's [K, 2, 16]
     thread_local std::vector<float> buf;
+    side::Queue* sq = &side::queue();  // the K/V a share of a decode step will attend over
+    if (sq->empty()) sq = nullptr;
     TileArgmax::Range range = argmax != nullptr ? argmax->begin(begin * span, first, last - first)
                                                 : TileArgmax::Range{};
     const auto scan = [&](int64_t tile, int64_t r0, int64_t rows) {
@@ -271,7 +281,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       if (last - first <= kRowsF32) {
         for (int64_t tile = t0; tile < t1; ++tile) {
           tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), yp + tile * 16 + first * N,
-                              N, last - first);
+                              N, last - first, sq);
           scan(tile, first, last - first);
         }
         continue;
@@ -289,7 +299,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       if (width == 2) {
         for (int64_t r0 = first; r0 < last; r0 += kPairRows) {
           const int64_t rows = std::min<int64_t>(kPairRows, last - r0);
-          pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), yp + t0 * 16 + r0 * N, N, rows);
+          pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), yp + t0 * 16 + r0 * N, N, rows, sq);
           scan(t0, r0, rows);
           scan(t0 + 1, r0, rows);
         }
@@ -298,7 +308,7 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       const Buffered buffered{buf.data()};
       for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
         const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
-        tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yp + t0 * 16 + r0 * N, N, rows);
+        tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yp + t0 * 16 + r0 * N, N, rows, sq);
         scan(t0, r0, rows);
       }
     }
@@ -310,6 +320,13 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
 }  // namespace
 
 bool tiled_f32_available() { return TESSERA_TILED_F32 != 0; }
+
+int64_t q4_f32_queue_calls(int64_t T, int64_t tiles, int64_t nb) {
+  if (T <= kRowsF32) return tiles * nb;  // one micro-kernel's rows through every tile
+  if (kPairRows > 0 && pairs_wanted().load())
+    return (T + kPairRows - 1) / kPairRows * ((tiles + 1) / 2) * nb;
+  return (T + kRowsF32 - 1) / kRowsF32 * tiles * nb;
+}
 
 bool tile_pairs_in_use() { return pairs_wanted().load(); }
 
