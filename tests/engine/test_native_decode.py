@@ -31,53 +31,70 @@ BLOCK_SIZE = 16
 SEQ_LENS = [1, 15, 16, 17, 40, 33]
 
 
-def decode_batch(num_blocks: int, seq_lens: list[int] = SEQ_LENS) -> AttentionMetadata:
-    """Rows of ``seq_lens`` tokens, each on its own scattered blocks (never block 0..1)."""
+def decode_batch(
+    num_blocks: int, seq_lens: list[int] = SEQ_LENS, chunks: list[tuple[int, int]] = ()
+) -> AttentionMetadata:
+    """Rows of ``seq_lens`` tokens, then causal chunks of (rows, seq_len) (each the last
+    ``rows`` tokens of its sequence), each sequence on its own scattered blocks (never
+    block 0..1)."""
     generator = torch.Generator().manual_seed(1)
     free = (torch.randperm(num_blocks - 2, generator=generator) + 2).tolist()
-    width = max(-(-n // BLOCK_SIZE) for n in seq_lens)
-    tables = []
-    for n in seq_lens:
+    lengths = [*seq_lens, *(n for _, n in chunks)]
+    new_rows = [1] * len(seq_lens) + [rows for rows, _ in chunks]
+    width = max(-(-n // BLOCK_SIZE) for n in lengths)
+    tables, slots = [], []
+    for n, rows in zip(lengths, new_rows, strict=True):
         own = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
         tables.append(own + [0] * (width - len(own)))
-    block_tables = torch.tensor(tables)
-    slots = torch.tensor(
-        [
-            t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-            for t, n in zip(tables, seq_lens, strict=True)
-        ]
-    )
+        slots += [own[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(n - rows, n)]
+    starts = [0]
+    for rows in new_rows:
+        starts.append(starts[-1] + rows)
     return AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=torch.arange(len(seq_lens) + 1),
-        seq_lens=torch.tensor(seq_lens),
-        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(lengths),
+        block_tables=torch.tensor(tables),
         num_decodes=len(seq_lens),
-        query_start_loc_list=list(range(len(seq_lens) + 1)),
-        seq_lens_list=list(seq_lens),
+        query_start_loc_list=starts,
+        seq_lens_list=lengths,
     )
 
 
 def one_step(
-    loaded, native: bool, rows: torch.Tensor | None = None, seq_lens: list[int] = SEQ_LENS
+    loaded,
+    native: bool,
+    rows: torch.Tensor | None = None,
+    seq_lens: list[int] = SEQ_LENS,
+    chunks: list[tuple[int, int]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (of ``rows``, default all) and the cache after one decode step of rows of
-    ``seq_lens`` tokens over a cache of random K/V (NaN in the blocks no row reads)."""
+    """Logits (of ``rows``, default all) and the cache after one step of decode rows of
+    ``seq_lens`` tokens and prompt ``chunks`` (``decode_batch``) over a cache of random K/V
+    (NaN in the blocks no row reads)."""
     model, config = loaded.model, loaded.config
-    num_blocks = 13 + sum(-(-n // BLOCK_SIZE) for n in seq_lens)  # 24 for SEQ_LENS
+    lengths = [*seq_lens, *(n for _, n in chunks)]
+    num_blocks = 13 + sum(-(-n // BLOCK_SIZE) for n in lengths)  # 24 for SEQ_LENS
     dtype = loaded.kv_dtype  # float16 in the fast mode
     cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
     # bf16-representable values: every dtype's cache holds the same numbers
     cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16).to(dtype))
-    meta = decode_batch(num_blocks, seq_lens)
+    meta = decode_batch(num_blocks, seq_lens, chunks)
     used = set(meta.block_tables.flatten().tolist())
     for block in range(num_blocks):
         if block not in used:
             cache[:, :, block] = float("nan")
-    ids = torch.tensor([(17 * i + 5) % config.vocab_size for i in range(len(seq_lens))])
-    positions = meta.seq_lens - 1
-    rows = torch.arange(len(seq_lens)) if rows is None else rows
+    T = meta.query_start_loc_list[-1]
+    ids = torch.tensor([(17 * i + 5) % config.vocab_size for i in range(T)])
+    positions = torch.cat(
+        [
+            torch.arange(n - (end - start), n)
+            for n, start, end in zip(
+                lengths, meta.query_start_loc_list[:-1], meta.query_start_loc_list[1:], strict=True
+            )
+        ]
+    )
+    rows = torch.arange(T) if rows is None else rows
     logits = model(ids, positions, cache, meta, rows, native=native)
     return logits, cache
 
@@ -201,6 +218,43 @@ def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(reques
         RuntimeError, match=r"use_row_shares: rows must be >= 0 \(0: never\), got -1"
     ):
         native.use_row_shares(-1)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
+@pytest.mark.parametrize(
+    "rows", [None, [0, 3, 7, 8, 10, 12, 17], [9, 0]], ids=["every-row", "in-order", "out-of-order"]
+)
+def test_a_steps_decodes_go_in_shares_before_its_prompt_chunks(request, which, rows):
+    """A step of 8 decodes and two prompt chunks (5 rows after 15 cached tokens, then a
+    whole 5-token prompt) on two threads: the decode rows in shares, then the chunks' rows
+    with the threads sharing each product (csrc/decode_layers.cpp's ``run_split``), or
+    every row in one run: the logits of the rows asked for and the cache, bit for bit."""
+    native = native_kernels()
+    loaded = loaded_in_shares(request, which)
+    chunks = [(5, 20), (5, 5)]
+    picked = None if rows is None else torch.tensor(rows)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(2)
+        for least in (DEFAULT_SHARE_ROWS, 0):
+            assert native.use_row_shares(least) == least
+            before = native.kv_prefetched_lines()
+            results.append(
+                one_step(loaded, native=True, rows=picked, seq_lens=SEQ_LENS[:4] * 2, chunks=chunks)
+            )
+            fetched = native.kv_prefetched_lines() - before
+            # the shares' rows fetch the next layer's K/V: only when the step is split
+            amx = which != "smollm2" and native.amx_in_use()
+            in_shares = least > 0 and rows != [9, 0]  # rows out of order: one run
+            assert (fetched > 0) == (in_shares and not amx), (least, fetched)
+    finally:
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
+        torch.set_num_threads(threads)
+    (logits, cache), (expected, expected_cache) = results
+    assert logits.shape == (18 if rows is None else len(rows), loaded.config.vocab_size)
+    assert torch.equal(logits, expected)
+    assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])

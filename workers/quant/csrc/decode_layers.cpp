@@ -630,14 +630,16 @@ class DecodeLayers {
     // the MLP) are only those rows, gathered in their order: no other row's output is read
     torch::Tensor last;
     const int64_t shares =
-        chunks.empty() ? row_shares(B, slot_p, len_p, table_p, width, block_size,
-                                    rows ? &picked : nullptr)
-                       : 1;
+        row_shares(decodes, B, slot_p, len_p, table_p, width, block_size, rows ? &picked : nullptr);
 #define TESSERA_RUN(T, C)                                                                      \
-  last = shares > 1 ? run_in_shares<T, C>(shares, hidden, cos, sin, slot_p, len_p, table_p,    \
-                                          width, kv_cache, rows ? &picked : nullptr)           \
-                    : run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width,      \
-                                chunks, kv_cache, rows ? &picked : nullptr)
+  last = shares == 1   ? run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width,   \
+                                   chunks, kv_cache, rows ? &picked : nullptr)                 \
+         : chunks.empty() ? run_in_shares<T, C>(shares, hidden, cos, sin, slot_p, len_p,       \
+                                                table_p, width, kv_cache,                      \
+                                                rows ? &picked : nullptr)                      \
+                          : run_split<T, C>(shares, hidden, cos, sin, slot_p, decodes, len_p,  \
+                                            table_p, width, chunks, kv_cache,                  \
+                                            rows ? &picked : nullptr)
     if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
     else if (dtype == at::kFloat && cache == at::kHalf) TESSERA_RUN(float, c10::Half);
     else if (dtype == at::kBFloat16 && cache == at::kBFloat16) TESSERA_RUN(c10::BFloat16, c10::BFloat16);
@@ -662,13 +664,14 @@ class DecodeLayers {
     return out;
   }
 
-  // How many threads run a step's rows in shares (run_in_shares), each its rows through
-  // every layer alone: a step of single rows (no prompt chunks) of at least share_rows()
-  // rows a share, whose products all take the bf16 kernels' tiled layout at this many
-  // rows (q4_bf16_mm, whose rows never depend on T: a row's numbers are the ones it has
-  // in the whole batch), with the rows wanted (`rows`) in order, and no row reading a
-  // block another share's rows write (a short prompt's rows, which read each other's K/V
-  // from the cache, stay in one run). 1: the threads share each product. On a Zen 4
+  // How many threads run a step's D single rows (decodes; the B - D rows after them are
+  // prompt chunks, run_split) in shares (run_in_shares), each its rows through every
+  // layer alone: at least share_rows() rows a share, whose products all take the tiled
+  // Q4 layout at this many rows (q4_bf16_mm, q4_f32_mm, whose rows never depend on T: a
+  // row's numbers are the ones it has in the whole batch), with the rows wanted (`rows`)
+  // in order, and no decode row reading a block another share's rows or a chunk's write
+  // (a short prompt's rows, which read each other's K/V from the cache, stay in one
+  // run). 1: the threads share each product. On a Zen 4
   // EPYC, steps in shares and not in turn within one run (fast mode, 2 threads): 64
   // decodes 71.5 / 85.6 ms against 76.9 / 90.9, 32 decodes 53.1 against 57.1, 16 decodes
   // 22.5 / 29.8 against 23.6 / 31.1; the bfloat16 mode's 77.9 against 82.2 at 64. The
@@ -677,7 +680,7 @@ class DecodeLayers {
   // does again, so in shares alone it measured no gain (stop 59); with the next layer's
   // K/V fetched (twice the fast mode's bytes) 16 decodes took 32.3 ms against 37.1 in
   // shares without and 40.3 shared, 64 decodes 119.7 against 126.0 and 130.3 (stop 65).
-  int64_t row_shares(int64_t B, const int64_t* slots, const int64_t* seq_lens,
+  int64_t row_shares(int64_t D, int64_t B, const int64_t* slots, const int64_t* seq_lens,
                      const int64_t* tables, int64_t width, int64_t block_size,
                      const torch::Tensor* rows) const {
     // Two threads, one share each: measured there only. With more threads a step's few
@@ -685,22 +688,24 @@ class DecodeLayers {
     // would read every weight again.
     const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
     const int64_t least = share_rows().load();
-    if (threads != 2 || least <= 0 || B < 2 * least) return 1;
+    if (threads != 2 || least <= 0 || D < 2 * least) return 1;
     const int64_t shares = 2;
     for (const Layer& layer : layers_)
       for (const Linear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        if ((linear->kind != kQ4 && linear->kind != kQ4Exact) || linear->int4_rows < B)
+        if ((linear->kind != kQ4 && linear->kind != kQ4Exact) || linear->int4_rows < D)
           return 1;
     if (rows != nullptr) {
       const int64_t* r = rows->data_ptr<int64_t>();
       if (!std::is_sorted(r, r + rows->numel())) return 1;
     }
-    // (block written, share), sorted; then every row's context blocks looked up in it
+    // (block written, share; the chunks' rows: `shares`), sorted; then every decode row's
+    // context blocks looked up in it
     std::vector<std::pair<int64_t, int64_t>> written(B);
-    for (int64_t b = 0; b < B; ++b) written[b] = {slots[b] / block_size, b * shares / B};
+    for (int64_t b = 0; b < B; ++b)
+      written[b] = {slots[b] / block_size, b < D ? b * shares / D : shares};
     std::sort(written.begin(), written.end());
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t share = b * shares / B;
+    for (int64_t b = 0; b < D; ++b) {
+      const int64_t share = b * shares / D;
       for (int64_t j = 0; j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
         auto at = std::lower_bound(written.begin(), written.end(),
                                    std::pair<int64_t, int64_t>{tables[b * width + j], 0});
@@ -744,6 +749,45 @@ class DecodeLayers {
       }
     });
     return rows != nullptr ? at::cat(kept) : hidden;
+  }
+
+  // A step of D decode rows and prompt chunks after them: the decode rows in `shares`
+  // shares (run_in_shares), then the chunks' rows on their own (run, the threads sharing
+  // each product). No row reads K/V another row of the step writes across the two
+  // (row_shares checked the decode rows; a chunk reads only its own sequence's blocks),
+  // and every kernel's row is independent of the others, so each row gets the numbers
+  // it would have in one run, up to the kernels chosen by row count. With `rows` (sorted:
+  // row_shares), the decode rows' kept rows, then the chunks'. Where a stream of requests
+  // keeps arriving, most steps carry a new prompt, and before this none of them ran its
+  // decodes in shares (nor fetched their K/V ahead). Stop 65 (Zen 4, fast mode,
+  // serve_load.py's 64-stream schedule): in process no change (mixed steps of < 100
+  // prompt tokens 106.6 / 105.7 ms against 105.2 / 106.1: the chunks' run reads every
+  // weight again); over HTTP, a fresh server each, two pairs, 379.1 / 380.1 tok/s at 64
+  // streams against 359.2 / 373.6, at 16 346.9 / 320.9 against 323.0 / 339.1.
+  template <typename T, typename C>
+  torch::Tensor run_split(int64_t shares, torch::Tensor& hidden, const torch::Tensor& cos,
+                          const torch::Tensor& sin, const int64_t* slots, int64_t D,
+                          const int64_t* seq_lens, const int64_t* tables, int64_t width,
+                          const std::vector<Prompt>& prompts, const torch::Tensor& kv_cache,
+                          const torch::Tensor* rows) const {
+    const int64_t B = hidden.size(0);
+    torch::Tensor decode_rows = hidden.narrow(0, 0, D), prompt_rows = hidden.narrow(0, D, B - D);
+    torch::Tensor decode_kept, prompt_kept;
+    if (rows != nullptr) {
+      const int64_t* r = rows->data_ptr<int64_t>();
+      const int64_t n = rows->numel(), split = std::lower_bound(r, r + n, D) - r;
+      decode_kept = rows->narrow(0, 0, split);
+      prompt_kept = rows->narrow(0, split, n - split) - D;
+    }
+    std::vector<Prompt> moved(prompts);  // their rows counted from the first chunk's
+    for (Prompt& prompt : moved) prompt.first -= D;
+    torch::Tensor decoded =
+        run_in_shares<T, C>(shares, decode_rows, cos.narrow(0, 0, D), sin.narrow(0, 0, D), slots,
+                            seq_lens, tables, width, kv_cache, rows ? &decode_kept : nullptr);
+    torch::Tensor prompted =
+        run<T, C>(prompt_rows, cos.narrow(0, D, B - D), sin.narrow(0, D, B - D), slots + D, 0,
+                  seq_lens, tables, width, moved, kv_cache, rows ? &prompt_kept : nullptr);
+    return rows != nullptr ? at::cat({decoded, prompted}) : hidden;
   }
 
   // rows [S] of x [B, F], gathered: [S, F]
