@@ -186,53 +186,33 @@ def loaded_in_shares(request, which: str):
     return request.getfixturevalue(which)
 
 
+#: Two steps of 18 rows: 18 decodes; 8 decodes, then two prompt chunks (5 rows after 15
+#: cached tokens, then a whole 5-token prompt).
+STEPS_OF_18 = {
+    "decodes": (SEQ_LENS * 3, []),
+    "decodes-and-chunks": (SEQ_LENS[:4] * 2, [(5, 20), (5, 5)]),
+}
+
+
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
+@pytest.mark.parametrize("step", list(STEPS_OF_18))
 @pytest.mark.parametrize(
     "rows", [None, [0, 5, 9, 9, 17], [17, 0]], ids=["every-row", "in-order", "out-of-order"]
 )
-def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(request, which, rows):
-    """The Q4 kernels' steps of 18 decodes on two threads: each thread runs a share of
-    the rows (9 here) through every layer alone (``use_row_shares``, csrc/decode_layers.cpp's
-    ``run_in_shares``), or the threads share each product: the logits of the rows asked
-    for (in order: the shares' rows joined; out of order: one run) and the cache, bit
-    for bit, in the exact, fast and bfloat16 modes."""
+def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(
+    request, which, step, rows
+):
+    """The Q4 kernels' steps of 18 rows on two threads: each thread runs a share of the
+    decode rows through every layer alone (``use_row_shares``, csrc/decode_layers.cpp's
+    ``run_in_shares``; a step's prompt chunks after them, ``run_split``), or the threads
+    share each product: the logits of the rows asked for (in order: the shares' rows
+    joined; out of order: one run) and the cache, bit for bit, in the exact, fast and
+    bfloat16 modes. Only the shares fetch the next layer's K/V."""
     native = native_kernels()
     loaded = loaded_in_shares(request, which)
-    seq_lens = SEQ_LENS * 3  # 18 rows
+    seq_lens, chunks = STEPS_OF_18[step]
     picked = None if rows is None else torch.tensor(rows)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        torch.set_num_threads(2)
-        for least in (DEFAULT_SHARE_ROWS, 0):
-            assert native.use_row_shares(least) == least
-            results.append(one_step(loaded, native=True, rows=picked, seq_lens=seq_lens))
-    finally:
-        native.use_row_shares(DEFAULT_SHARE_ROWS)
-        torch.set_num_threads(threads)
-    (logits, cache), (expected, expected_cache) = results
-    assert logits.shape == (len(seq_lens) if rows is None else len(rows), loaded.config.vocab_size)
-    assert torch.equal(logits, expected)
-    assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
-    with pytest.raises(
-        RuntimeError, match=r"use_row_shares: rows must be >= 0 \(0: never\), got -1"
-    ):
-        native.use_row_shares(-1)
-
-
-@pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
-@pytest.mark.parametrize(
-    "rows", [None, [0, 3, 7, 8, 10, 12, 17], [9, 0]], ids=["every-row", "in-order", "out-of-order"]
-)
-def test_a_steps_decodes_go_in_shares_before_its_prompt_chunks(request, which, rows):
-    """A step of 8 decodes and two prompt chunks (5 rows after 15 cached tokens, then a
-    whole 5-token prompt) on two threads: the decode rows in shares, then the chunks' rows
-    with the threads sharing each product (csrc/decode_layers.cpp's ``run_split``), or
-    every row in one run: the logits of the rows asked for and the cache, bit for bit."""
-    native = native_kernels()
-    loaded = loaded_in_shares(request, which)
-    chunks = [(5, 20), (5, 5)]
-    picked = None if rows is None else torch.tensor(rows)
+    amx = which != "smollm2" and native.amx_in_use()  # the bf16 AMX path fetches none
     threads = torch.get_num_threads()
     results = []
     try:
@@ -241,12 +221,10 @@ def test_a_steps_decodes_go_in_shares_before_its_prompt_chunks(request, which, r
             assert native.use_row_shares(least) == least
             before = native.kv_prefetched_lines()
             results.append(
-                one_step(loaded, native=True, rows=picked, seq_lens=SEQ_LENS[:4] * 2, chunks=chunks)
+                one_step(loaded, native=True, rows=picked, seq_lens=seq_lens, chunks=chunks)
             )
             fetched = native.kv_prefetched_lines() - before
-            # the shares' rows fetch the next layer's K/V: only when the step is split
-            amx = which != "smollm2" and native.amx_in_use()
-            in_shares = least > 0 and rows != [9, 0]  # rows out of order: one run
+            in_shares = least > 0 and rows != [17, 0]
             assert (fetched > 0) == (in_shares and not amx), (least, fetched)
     finally:
         native.use_row_shares(DEFAULT_SHARE_ROWS)
@@ -255,6 +233,10 @@ def test_a_steps_decodes_go_in_shares_before_its_prompt_chunks(request, which, r
     assert logits.shape == (18 if rows is None else len(rows), loaded.config.vocab_size)
     assert torch.equal(logits, expected)
     assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
+    with pytest.raises(
+        RuntimeError, match=r"use_row_shares: rows must be >= 0 \(0: never\), got -1"
+    ):
+        native.use_row_shares(-1)
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])

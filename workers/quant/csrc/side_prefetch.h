@@ -1,6 +1,7 @@
 #pragma once
-// A thread's queue of byte ranges that the bf16 x Q4 kernel (q4_bf16.cpp's tile_direct)
-// asks the caches for a few lines at a time, between its blocks, while it computes.
+// A thread's queue of byte ranges that the Q4 kernels (q4_bf16.cpp's tile_direct;
+// tiled_f32.cpp's tile_f32 and pair_f32, the exact mode's) ask the caches for a few lines
+// at a time, between their blocks, while they compute.
 //
 // What it is for: a decode step's attention reads every running sequence's K/V of a layer
 // once (64 sequences of ~210 tokens: ~10 MB a layer in float16, ~310 MB a step), far more
