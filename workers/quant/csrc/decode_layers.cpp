@@ -753,9 +753,10 @@ class DecodeLayers {
 
   // A step of D decode rows and prompt chunks after them: the decode rows in `shares`
   // shares (run_in_shares), then the chunks' rows on their own (run, the threads sharing
-  // each product). No row reads K/V another row of the step writes across the two
-  // (row_shares checked the decode rows; a chunk reads only its own sequence's blocks),
-  // and every kernel's row is independent of the others, so each row gets the numbers
+  // each product). No decode row reads K/V a chunk's row writes (row_shares checked it);
+  // a chunk's row that read a decode row's K/V would find it written either way (the
+  // decode rows run first, and their K/V never depends on the chunks); and every
+  // kernel's row is independent of the others, so each row gets the numbers
   // it would have in one run, up to the kernels chosen by row count. With `rows` (sorted:
   // row_shares), the decode rows' kept rows, then the chunks'. Where a stream of requests
   // keeps arriving, most steps carry a new prompt, and before this none of them ran its
