@@ -8,7 +8,10 @@ drawn, seeded, from ``benchmarks/data/serve_lengths.json`` (chat-like and long-t
 prompts 16..512 tokens, median 93; outputs 16..256, median 77); every rate gets the same
 draws. Prompts are token ids drawn uniformly from [1000, 30000) (inside SmolLM2's 49152
 vocabulary), so their lengths are exact, and fresh ids at each rate, so no run hits
-prefix-cache blocks that an earlier one left. Each is ``POST /v1/completions`` with
+prefix-cache blocks that an earlier one left; the ids are drawn from ``--seed`` and a salt new
+to each invocation (``--prompt-salt``, recorded in the JSON), since a server kept up between
+invocations, a peer's above all, would find the last invocation's prompts in its prefix cache
+(vLLM's server did: a 393-token prompt's first token in 39 ms). Each is ``POST /v1/completions`` with
 ``stream``, ``stream_options.include_usage``, ``max_tokens`` = its output length,
 ``temperature`` 0 and ``ignore_eos`` (a Tessera/vLLM extra), so every request generates
 exactly its output length. A warm-up (``--warmup`` short requests) precedes the runs.
@@ -83,6 +86,7 @@ import json
 import os
 import random
 import re
+import secrets
 import shlex
 import signal
 import statistics
@@ -164,11 +168,13 @@ def build_schedule(
     seed: int,
     num_requests: int | None,
     duration_s: float | None,
+    salt: str = "",
 ) -> list[Request]:
-    """Poisson arrivals at ``rate``: the first at 0, then exponential gaps."""
+    """Poisson arrivals at ``rate``: the first at 0, then exponential gaps. The token ids
+    are drawn from ``seed`` and ``salt`` (``--prompt-salt``), the rest from ``seed``."""
     gaps = random.Random(seed)  # the same unit-rate gaps and length draws at every rate
     draws = random.Random(seed + 1)
-    ids = random.Random(f"{seed}-ids-{rate_index}")  # fresh ids per rate: no prefix hits
+    ids = random.Random(f"{seed}{salt}-ids-{rate_index}")  # fresh ids per rate: no prefix hits
     requests: list[Request] = []
     arrival = 0.0
     while num_requests is None or len(requests) < num_requests:
@@ -182,11 +188,12 @@ def build_schedule(
 
 
 def build_closed(
-    lengths: list[tuple[int, int]], index: int, seed: int, num_requests: int
+    lengths: list[tuple[int, int]], index: int, seed: int, num_requests: int, salt: str = ""
 ) -> list[Request]:
-    """``num_requests`` due at once (a closed loop sends each when a slot frees)."""
+    """``num_requests`` due at once (a closed loop sends each when a slot frees); token
+    ids as in ``build_schedule``."""
     draws = random.Random(seed + 1)
-    ids = random.Random(f"{seed}-ids-closed-{index}")
+    ids = random.Random(f"{seed}{salt}-ids-closed-{index}")
     requests = []
     for _ in range(num_requests):
         prompt_tokens, output_tokens = draws.choice(lengths)
@@ -430,7 +437,7 @@ def bench_engine(
 
     async def run() -> tuple[dict, dict]:
         engine = AsyncEngine(Engine(config))
-        warm = random.Random(f"{args.seed}-warm-up")
+        warm = random.Random(f"{args.seed}{args.prompt_salt}-warm-up")
         try:
             for _ in range(args.warmup):
                 prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
@@ -538,7 +545,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                     client, "peer", args.peer_name, args.peer_url, args.peer_model, key, 5.0
                 )
             )
-        warm = random.Random(f"{args.seed}-warm-up")
+        warm = random.Random(f"{args.seed}{args.prompt_salt}-warm-up")
         for target in targets:
             for _ in range(args.warmup):
                 prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
@@ -755,6 +762,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             "num_requests": args.num_requests,
             "duration_s": args.duration_s,
             "seed": args.seed,
+            "prompt_salt": args.prompt_salt,
             "temperature": args.temperature,
             "slo": {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s},
             "lengths": str(LENGTHS.relative_to(ROOT)),
@@ -922,6 +930,14 @@ def main() -> None:
     )
     count.add_argument("--duration-s", type=float, help="or: every arrival in this time")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompt-salt",
+        default=secrets.token_hex(4),
+        help="drawn into the prompts' token ids with --seed (default: new each run, and "
+        "recorded in the JSON: pass it to send the same ids again). A server kept up "
+        "between runs, a peer's above all, would otherwise find a run's prompts in its "
+        "prefix cache from the last run with that seed",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput SLO (2 s)")
     parser.add_argument("--slo-tpot-s", type=float, default=0.2, help="goodput SLO (0.2 s)")
@@ -952,7 +968,9 @@ def main() -> None:
         if min(args.concurrency) <= 0 or len(set(args.concurrency)) != len(args.concurrency):
             parser.error("--concurrency must be positive and distinct")
         schedules = {
-            c: build_closed(lengths, i, args.seed, args.num_requests or max(16, 4 * c))
+            c: build_closed(
+                lengths, i, args.seed, args.num_requests or max(16, 4 * c), args.prompt_salt
+            )
             for i, c in enumerate(args.concurrency)
         }
     else:
@@ -963,7 +981,9 @@ def main() -> None:
         if min(args.rates) <= 0 or len(set(args.rates)) != len(args.rates):
             parser.error("--rates must be positive and distinct")
         schedules = {
-            rate: build_schedule(lengths, rate, i, args.seed, args.num_requests, args.duration_s)
+            rate: build_schedule(
+                lengths, rate, i, args.seed, args.num_requests, args.duration_s, args.prompt_salt
+            )
             for i, rate in enumerate(args.rates)
         }
     if args.dry_run:
