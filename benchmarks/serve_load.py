@@ -11,10 +11,11 @@ vocabulary), so their lengths are exact, and fresh ids at each rate, so no run h
 prefix-cache blocks that an earlier one left; the ids are drawn from ``--seed`` and a salt new
 to each invocation (``--prompt-salt``, recorded in the JSON), since a server kept up between
 invocations, a peer's above all, would find the last invocation's prompts in its prefix cache
-(vLLM's server did: a 393-token prompt's first token in 39 ms). Each is ``POST /v1/completions`` with
-``stream``, ``stream_options.include_usage``, ``max_tokens`` = its output length,
-``temperature`` 0 and ``ignore_eos`` (a Tessera/vLLM extra), so every request generates
-exactly its output length. A warm-up (``--warmup`` short requests) precedes the runs.
+(vLLM's server did: a 393-token prompt's first token in 39 ms). Each is ``POST
+/v1/completions`` with ``stream``, ``stream_options.include_usage``, ``max_tokens`` = its
+output length, ``temperature`` 0 and ``ignore_eos`` (a Tessera/vLLM extra), so every
+request generates exactly its output length. A warm-up (``--warmup`` short requests)
+precedes the runs.
 
 What is timed, per request, on this client from the moment it is sent: TTFT, to the
 first chunk with text; ITL, the gaps between successive chunks with text (a chunk that
