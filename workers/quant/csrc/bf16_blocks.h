@@ -4,8 +4,8 @@
 // each file's anonymous namespace where the CPU has AVX512_BF16, after <immintrin.h> and
 // the file's kBlock (32 inputs per GGUF block).
 
-constexpr int64_t kDirectRows = 4;  // Q8_0: up to this many rows, no expanded buffer
 constexpr int kRows = tiled::kBf16Rows;  // rows of x one micro-kernel holds: 3 zmm each
+constexpr int64_t kDirectRows = kRows;  // Q8_0: up to this many rows, no expanded buffer
 constexpr int64_t kPassBytes = 128 * 1024;  // x per pass over the tiles (see rows_per_pass)
 
 // Rows of x per pass over a chunk of tiles: a pass's rows (bf16) stay in L2 while each

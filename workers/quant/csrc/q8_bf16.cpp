@@ -13,10 +13,16 @@
 //   d   fp16 [N / 16, K / 32, 16].
 // A pair's 32 bytes become one zmm of 16 bf16 pairs (lane c: output 16t + c) by two
 // sign extensions, two conversions to float and one VCVTNE2PS2BF16, all exact. Up to
-// kDirectRows rows each block is expanded in registers and used at once; for more, each
-// tile is expanded into a buffer that every group of up to kRows rows runs through, in
-// passes of ~128 KB of x (the tile expanded again for each pass), the next tile's bytes
-// prefetched (tiled::prefetch_bytes).
+// kDirectRows rows (one micro-kernel's) each block is expanded in registers and used at
+// once; for more, each tile is expanded into a buffer that every group of up to kRows
+// rows runs through, in passes of ~128 KB of x (the tile expanded again for each pass).
+// The next tile's bytes are prefetched (tiled::prefetch_bytes) from kPrefetchRows rows up.
+// Expanding in registers for every row count, as the Q4 kernel does, lost above one
+// group: the expansion's conversions take the same units as VDPBF16PS, and a Q8_0 pair
+// costs five of them to the Q4 pair's fewer (Zen 4 EPYC, stop 66: 12 / 16 / 64 rows 3.54
+// / 4.15 / 14.0 ms against 2.96 / 3.86 / 12.5 buffered, 2 threads). Up to one group
+// both expand each pair once, and the buffer's stores and loads cost more than they
+// save: 8 rows on one thread (a share of a 16-row decode step) 4.40 ms against 5.59.
 // Both sum through block_sums (bf16_blocks.h, shared with the Q4 kernel), so a row's
 // result never depends on T.
 
@@ -100,6 +106,15 @@ inline void tile_rows(const uint16_t* x, int64_t K, int64_t nb, const __m512i* p
 }
 
 template <int R, typename Y>
+void direct_through(const uint16_t* x, int64_t K, int64_t nb, const int8_t* qs,
+                    const uint16_t* d, Y* y, int64_t N, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return tile_direct<R>(x, K, nb, qs, d, y, N);
+    return direct_through<R - 1>(x, K, nb, qs, d, y, N, rows);
+  }
+}
+
+template <int R, typename Y>
 void rows_through(const uint16_t* x, int64_t K, int64_t nb, const __m512i* pairs,
                   const __m512* dq, Y* y, int64_t N, int64_t rows) {
   if constexpr (R > 0) {
@@ -144,14 +159,11 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
       for (int64_t tile = begin; tile < end; ++tile) {
         const int8_t* qt = qp + tile * nb * 512;
         const uint16_t* dt = dp + tile * nb * 16;
-        Y* yt = yp + tile * 16;
-        switch (T) {
-          case 0: break;
-          case 1: tile_direct<1>(xp, K, nb, qt, dt, yt, N); break;
-          case 2: tile_direct<2>(xp, K, nb, qt, dt, yt, N); break;
-          case 3: tile_direct<3>(xp, K, nb, qt, dt, yt, N); break;
-          default: tile_direct<4>(xp, K, nb, qt, dt, yt, N); break;
+        if (T > tiled::kPrefetchRows && tile + 1 < end) {  // the next tile's q and d
+          tiled::prefetch_bytes(qt + nb * 512, nb * 512);
+          tiled::prefetch_bytes(dt + nb * 16, nb * 32);
         }
+        direct_through<kDirectRows>(xp, K, nb, qt, dt, yp + tile * 16, N, T);
         scan(range, tile, 0, T);
       }
       end_range(std::move(range));
