@@ -16,6 +16,16 @@ inline int64_t rows_per_pass(int64_t K) {
   return std::max<int64_t>(kRows, kPassBytes / (K * 2) / kRows * kRows);
 }
 
+// f(std::integral_constant<int, R>{}) for R == rows (1 <= rows <= kRows): a group's row
+// count as the compile-time constant the micro-kernels' templates take.
+template <int R = kRows, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R > 0) {
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    return with_rows<R - 1>(rows, f);
+  }
+}
+
 inline __m512bh x_pair(const uint16_t* x) {  // inputs x[0], x[1] broadcast as one bf16 pair
   int32_t xx;
   std::memcpy(&xx, x, sizeof xx);

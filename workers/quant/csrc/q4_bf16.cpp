@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "side_prefetch.h"
@@ -102,17 +103,6 @@ inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t n
   for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
-// rows (1..R) of x through one tile directly (tile_direct<rows>).
-template <int R, typename Y>
-void direct_through(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
-                    const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y, int64_t N,
-                    int64_t rows, side::Queue* sq) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile_direct<R>(x, K, sx, nb, nibbles, d, m, y, N, sq);
-    return direct_through<R - 1>(x, K, sx, nb, nibbles, d, m, y, N, rows, sq);
-  }
-}
-
 // y [T, N] = x [T, K] (bf16 bits) @ W^T, y bf16 (uint16_t) or float32. With xf (float32
 // x [T, K]), xp is a buffer that each row of xf is rounded into first (nearest even, as
 // torch's conversion, in the pass that sums the blocks of x: a separate torch conversion
@@ -177,9 +167,10 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
           if (mt) tiled::prefetch_bytes(mt + nb * 16, nb * 32);
         }
         for (int64_t r0 = first; r0 < last; r0 += kRows)
-          direct_through<kRows>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
-                                yp + r0 * N + tile * 16, N, std::min<int64_t>(kRows, last - r0),
-                                sq);
+          with_rows(std::min<int64_t>(kRows, last - r0), [&](auto r) {
+            tile_direct<decltype(r)::value>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
+                           yp + r0 * N + tile * 16, N, sq);
+          });
       }
     }
   });

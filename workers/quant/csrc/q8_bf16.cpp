@@ -105,24 +105,6 @@ inline void tile_rows(const uint16_t* x, int64_t K, int64_t nb, const __m512i* p
   for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
-template <int R, typename Y>
-void direct_through(const uint16_t* x, int64_t K, int64_t nb, const int8_t* qs,
-                    const uint16_t* d, Y* y, int64_t N, int64_t rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile_direct<R>(x, K, nb, qs, d, y, N);
-    return direct_through<R - 1>(x, K, nb, qs, d, y, N, rows);
-  }
-}
-
-template <int R, typename Y>
-void rows_through(const uint16_t* x, int64_t K, int64_t nb, const __m512i* pairs,
-                  const __m512* dq, Y* y, int64_t N, int64_t rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return tile_rows<R>(x, K, nb, pairs, dq, y, N);
-    return rows_through<R - 1>(x, K, nb, pairs, dq, y, N, rows);
-  }
-}
-
 // y = x @ W^T; `argmax` (float32 y only): each row's argmax taken as y is written.
 template <typename Y>
 void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const uint16_t* dp,
@@ -163,7 +145,9 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
           tiled::prefetch_bytes(qt + nb * 512, nb * 512);
           tiled::prefetch_bytes(dt + nb * 16, nb * 32);
         }
-        direct_through<kDirectRows>(xp, K, nb, qt, dt, yp + tile * 16, N, T);
+        with_rows(T, [&](auto r) {
+          tile_direct<decltype(r)::value>(xp, K, nb, qt, dt, yp + tile * 16, N);
+        });
         scan(range, tile, 0, T);
       }
       end_range(std::move(range));
@@ -189,8 +173,10 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
         }
         for (int64_t r0 = first; r0 < last; r0 += kRows) {
           const int64_t rows = std::min<int64_t>(kRows, last - r0);
-          rows_through<kRows>(xp + r0 * K, K, nb, pairs.data(), dq.data(),
-                              yp + r0 * N + tile * 16, N, rows);
+          with_rows(rows, [&](auto r) {
+            tile_rows<decltype(r)::value>(xp + r0 * K, K, nb, pairs.data(), dq.data(),
+                                          yp + r0 * N + tile * 16, N);
+          });
           scan(range, tile, r0, rows);
         }
       }
