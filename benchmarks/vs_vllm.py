@@ -30,6 +30,7 @@ AVX512_BF16) against vLLM in bf16, its own reduced-precision mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -125,13 +126,20 @@ class VllmPeer:
             env={**os.environ, **VLLM_ENV},
             cwd=self._dir.name,  # not the repository root: keep its packages off vLLM's sys.path
         )
-        self.startup_s = self._ask({"model": model, "dtype": dtype})["startup_s"]
+        try:
+            self.startup_s = self._ask({"model": model, "dtype": dtype})["startup_s"]
+        except BaseException:
+            self.close()
+            raise
 
     def _ask(self, message: object) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+        except BrokenPipeError:
+            answer = ""
         if not answer:
             raise SystemExit(f"vLLM subprocess failed (exit {self.proc.wait()}); see its log above")
         return json.loads(answer)
@@ -147,7 +155,8 @@ class VllmPeer:
 
     def close(self) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.close()  # the child's loop ends and it exits
+        with contextlib.suppress(BrokenPipeError):  # it may have died already
+            self.proc.stdin.close()  # the child's loop ends and it exits
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
