@@ -175,7 +175,7 @@ def build_schedule(
     are drawn from ``seed`` and ``salt`` (``--prompt-salt``), the rest from ``seed``."""
     gaps = random.Random(seed)  # the same unit-rate gaps and length draws at every rate
     draws = random.Random(seed + 1)
-    ids = random.Random(f"{seed}{salt}-ids-{rate_index}")  # fresh ids per rate: no prefix hits
+    ids = random.Random(f"{seed}-{salt}-ids-{rate_index}")  # fresh ids per rate: no prefix hits
     requests: list[Request] = []
     arrival = 0.0
     while num_requests is None or len(requests) < num_requests:
@@ -194,7 +194,7 @@ def build_closed(
     """``num_requests`` due at once (a closed loop sends each when a slot frees); token
     ids as in ``build_schedule``."""
     draws = random.Random(seed + 1)
-    ids = random.Random(f"{seed}{salt}-ids-closed-{index}")
+    ids = random.Random(f"{seed}-{salt}-ids-closed-{index}")
     requests = []
     for _ in range(num_requests):
         prompt_tokens, output_tokens = draws.choice(lengths)
@@ -438,7 +438,7 @@ def bench_engine(
 
     async def run() -> tuple[dict, dict]:
         engine = AsyncEngine(Engine(config))
-        warm = random.Random(f"{args.seed}{args.prompt_salt}-warm-up")
+        warm = random.Random(f"{args.seed}-{args.prompt_salt}-warm-up")
         try:
             for _ in range(args.warmup):
                 prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
@@ -546,7 +546,7 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                     client, "peer", args.peer_name, args.peer_url, args.peer_model, key, 5.0
                 )
             )
-        warm = random.Random(f"{args.seed}{args.prompt_salt}-warm-up")
+        warm = random.Random(f"{args.seed}-{args.prompt_salt}-warm-up")
         for target in targets:
             for _ in range(args.warmup):
                 prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
