@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import ray
+
+from tessera.cluster.server import _free_ports
 
 
 @dataclass
@@ -49,9 +50,10 @@ class Server:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below Linux's ephemeral range, as ``tessera serve`` picks its own
+    (``_free_ports``): one the OS picked (bind to 0) was taken by a process of the
+    server's own Ray before HAProxy bound it, and the server failed to start."""
+    return _free_ports(1)[0]
 
 
 def wait_for_line(process: subprocess.Popen, log: Path, text: str, timeout_s: float) -> None:
@@ -78,8 +80,7 @@ def serve_process(
     if "dtype" not in settings:  # the exact mode, which the tests compare against
         settings = f"dtype: float32\n{settings}"
     config.write_text(f"namespace: {namespace}\n{settings}")
-    port = free_port()
-    grpc_port = free_port() if grpc else None
+    port, grpc_port = _free_ports(2) if grpc else (free_port(), None)
     log = root / "serve.log"
     with log.open("w") as out:
         process = subprocess.Popen(
