@@ -568,13 +568,14 @@ def test_native_q4_bf16_matmul_over_many_blocks(native, bf16_path, rows):
     assert torch.equal(y[16:17], bf16_q4_weight(packed).matmul(x[16:17]))
 
 
-@pytest.mark.parametrize("rows", BF16_ROWS)
+@pytest.mark.parametrize("rows", (*BF16_ROWS, 8, 9))
 def test_native_q8_bf16_matmul_is_the_exact_product_of_bf16_rows_with_the_files_weights(
     native, bf16_path, rows
 ):
     """The fast and bfloat16 modes' head: Q8_0 weights (int8 q, exact in bf16, times the
     file's fp16 d) with x rounded to bf16, summed in float32: float32 x gives the float32
-    sums, bf16 x the same sums rounded once to bf16; batch-invariant."""
+    sums, bf16 x the same sums rounded once to bf16; batch-invariant. 8 rows: the most
+    the kernel expands in registers (one group); 9: the fewest through its buffer."""
     if not native.q8_bf16_available():
         pytest.skip("no AVX512_BF16 on this CPU: the heads stay on the float32 kernel")
     packed, dense = random_packed(QuantType.Q8_0, Q4_ODD, seed=rows)

@@ -168,8 +168,8 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
         }
         for (int64_t r0 = first; r0 < last; r0 += kRows)
           with_rows(std::min<int64_t>(kRows, last - r0), [&](auto r) {
-            tile_direct<decltype(r)::value>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt, mt,
-                           yp + r0 * N + tile * 16, N, sq);
+            tile_direct<decltype(r)::value>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt,
+                                            mt, yp + r0 * N + tile * 16, N, sq);
           });
       }
     }
