@@ -21,8 +21,8 @@
 //   d, m    fp16 [N / 16, K / 32, 16] (m empty for Q4_0).
 // Each block is expanded in registers and used at once by up to kRows rows of x (a
 // nibble pair is one AND-OR away from bf16, cheaper than a round trip through a buffer),
-// in passes of ~128 KB of x over the tiles (a pass's rows stay in L2; above
-// tiled::kPrefetchRows rows, the next tile's bytes are prefetched). An expanded-tile
+// in passes of ~128 KB of x over the tiles (a pass's rows stay in L2; its first group of
+// rows on a tile asks for the next tile's bytes block by block, tiled::NextTile). An expanded-tile
 // buffer that every group of rows ran through (above 4 rows) measured slower at every
 // row count: one step's 120 projections of SmolLM2, 2 threads, 8 / 16 / 64 / 256 rows:
 // 6.3-6.6 / 11.2-11.8 / 38.8-39.8 / 148-150 ms against 9.3-10.8 / 13.9-18.3 / 41.4-45.5 /
@@ -79,15 +79,16 @@ inline void block_scales(const uint16_t* d, const uint16_t* m, __m512& dq, __m51
 
 // R <= kRows rows through one tile, each block's pairs expanded in registers and
 // used at once; before each block, a few lines of the thread's queue sq (side_prefetch.h:
-// the K/V its next attention reads), if it has one.
+// the K/V its next attention reads), if it has one, and that block of the next tile.
 template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, const float* sx, int64_t nb,
                         const uint8_t* nibbles, const uint16_t* d, const uint16_t* m, Y* y,
-                        int64_t N, side::Queue* sq) {
+                        int64_t N, side::Queue* sq, const tiled::NextTile& next) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (sq) sq->some();  // a few lines of it between blocks (side_prefetch.h)
+    next.block(b);
     __m512 part[R];
     const uint8_t* block = nibbles + b * 4 * 64;
     block_sums<R>(x, K, b, [block](int p) {  // pair p: step p / 4's zmm, nibble pair p % 4
@@ -161,15 +162,15 @@ void q4_rows(const float* xf, uint16_t* xp, int64_t T, int64_t K, const uint8_t*
         const uint8_t* nt = np + tile * nb * 256;
         const uint16_t* dt = dp + tile * nb * 16;
         const uint16_t* mt = mp ? mp + tile * nb * 16 : nullptr;
-        if (T > tiled::kPrefetchRows && tile + 1 < end) {  // the next tile's nibbles, d, m
-          tiled::prefetch_bytes(nt + nb * 256, nb * 256);
-          tiled::prefetch_bytes(dt + nb * 16, nb * 32);
-          if (mt) tiled::prefetch_bytes(mt + nb * 16, nb * 32);
-        }
+        tiled::NextTile next;  // the next tile's nibbles, d, m, fetched by the first group
+        if (tile + 1 < end)
+          next = {reinterpret_cast<const char*>(nt + nb * 256), 256, dt + nb * 16,
+                  (mt ? mt : dt) + nb * 16};
         for (int64_t r0 = first; r0 < last; r0 += kRows)
           with_rows(std::min<int64_t>(kRows, last - r0), [&](auto r) {
             tile_direct<decltype(r)::value>(xp + r0 * K, K, sx.data() + r0 * nb, nb, nt, dt,
-                                            mt, yp + r0 * N + tile * 16, N, sq);
+                                            mt, yp + r0 * N + tile * 16, N, sq,
+                                            r0 == first ? next : tiled::NextTile{});
           });
       }
     }

@@ -16,7 +16,8 @@
 // kDirectRows rows (one micro-kernel's) each block is expanded in registers and used at
 // once; for more, each tile is expanded into a buffer that every group of up to kRows
 // rows runs through, in passes of ~128 KB of x (the tile expanded again for each pass).
-// The next tile's bytes are prefetched (tiled::prefetch_bytes) from kPrefetchRows rows up.
+// The next tile's bytes are asked for block by block (tiled::NextTile) as this tile's are
+// expanded.
 // Expanding in registers for every row count, as the Q4 kernel does, lost above one
 // group: the expansion's conversions take the same units as VDPBF16PS, and a Q8_0 pair
 // costs five of them to the Q4 pair's fewer (Zen 4 EPYC, stop 66: 12 / 16 / 64 rows 3.54
@@ -74,13 +75,15 @@ inline __m512 block_d(const uint16_t* d) {  // a block's 16 outputs' d, fp16 -> 
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
 }
 
-// R <= kDirectRows rows through one tile, each pair expanded in registers and used at once.
+// R <= kDirectRows rows through one tile, each pair expanded in registers and used at once;
+// before each block, that block of the next tile is asked for.
 template <int R, typename Y>
 inline void tile_direct(const uint16_t* x, int64_t K, int64_t nb, const int8_t* qs,
-                        const uint16_t* d, Y* y, int64_t N) {
+                        const uint16_t* d, Y* y, int64_t N, const tiled::NextTile& next) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    next.block(b);
     __m512 part[R];
     const int8_t* block = qs + b * 16 * 32;
     block_sums<R>(x, K, b, [block](int p) { return expand_pair(block + p * 32); }, part);
@@ -141,12 +144,11 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
       for (int64_t tile = begin; tile < end; ++tile) {
         const int8_t* qt = qp + tile * nb * 512;
         const uint16_t* dt = dp + tile * nb * 16;
-        if (T > tiled::kPrefetchRows && tile + 1 < end) {  // the next tile's q and d
-          tiled::prefetch_bytes(qt + nb * 512, nb * 512);
-          tiled::prefetch_bytes(dt + nb * 16, nb * 32);
-        }
+        tiled::NextTile next;  // the next tile's q and d
+        if (tile + 1 < end)
+          next = {reinterpret_cast<const char*>(qt + nb * 512), 512, dt + nb * 16, dt + nb * 16};
         with_rows(T, [&](auto r) {
-          tile_direct<decltype(r)::value>(xp, K, nb, qt, dt, yp + tile * 16, N);
+          tile_direct<decltype(r)::value>(xp, K, nb, qt, dt, yp + tile * 16, N, next);
         });
         scan(range, tile, 0, T);
       }
@@ -163,11 +165,12 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
       const int64_t last = std::min(T, first + pass);
       for (int64_t tile = begin; tile < end; ++tile) {
         const int8_t* qt = qp + tile * nb * 512;
-        if (tile + 1 < end) {  // the next tile's q and d (T > kDirectRows >= kPrefetchRows)
-          tiled::prefetch_bytes(qt + nb * 512, nb * 512);
-          tiled::prefetch_bytes(dp + (tile + 1) * nb * 16, nb * 32);
-        }
+        tiled::NextTile next;  // the next tile's q and d, asked for as this one is expanded
+        if (tile + 1 < end)
+          next = {reinterpret_cast<const char*>(qt + nb * 512), 512, dp + (tile + 1) * nb * 16,
+                  dp + (tile + 1) * nb * 16};
         for (int64_t b = 0; b < nb; ++b) {
+          next.block(b);
           for (int p = 0; p < 16; ++p) pairs[b * 16 + p] = expand_pair(qt + (b * 16 + p) * 32);
           dq[b] = block_d(dp + (tile * nb + b) * 16);
         }

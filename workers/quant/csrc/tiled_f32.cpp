@@ -96,10 +96,8 @@ struct Q4Tile {
         d(dp + tile * nb * 16),
         m(Q41 ? mp + tile * nb * 16 : nullptr) {}
 
-  void prefetch(int64_t nb) const {
-    tiled::prefetch_bytes(nibbles, nb * 256);
-    tiled::prefetch_bytes(d, nb * 32);
-    if (Q41) tiled::prefetch_bytes(m, nb * 32);
+  tiled::NextTile fetch() const {  // this tile, asked for a block at a time
+    return {reinterpret_cast<const char*>(nibbles), 256, d, Q41 ? m : d};
   }
 
   static inline F weights(I v, int shift, F dq, F mq) {
@@ -130,9 +128,8 @@ struct Q8Tile {
   Q8Tile(const int8_t* qp, const uint16_t* dp, int64_t tile, int64_t nb)
       : qs(qp + tile * nb * 512), d(dp + tile * nb * 16) {}
 
-  void prefetch(int64_t nb) const {
-    tiled::prefetch_bytes(qs, nb * 512);
-    tiled::prefetch_bytes(d, nb * 32);
+  tiled::NextTile fetch() const {  // this tile, asked for a block at a time
+    return {reinterpret_cast<const char*>(qs), 512, d, d};
   }
 
   template <typename Use>
@@ -161,14 +158,15 @@ struct Buffered {
 // R rows of x through one tile of 16 outputs; weights(b, f) calls f(k, w) with the tile's
 // 16 weights of each input k of block b, in order.
 // Before each block, a few lines of the thread's queue sq (side_prefetch.h: the K/V its
-// next attention reads), if it has one.
+// next attention reads), if it has one, and that block of the next tile.
 template <int R, typename Weights>
 inline void tile_f32(const float* x, int64_t K, int64_t nb, const Weights& weights, float* y,
-                     int64_t N, side::Queue* sq) {
+                     int64_t N, side::Queue* sq, const tiled::NextTile& next) {
   F even[R], odd[R];
   for (int r = 0; r < R; ++r) even[r] = odd[r] = vec16::zero();
   for (int64_t b = 0; b < nb; ++b) {
     if (sq) sq->some();
+    next.block(b);
     const float* xb = x + b * kBlock;
     weights(b, [&](int k, F w) {
       for (int r = 0; r < R; ++r) {
@@ -186,10 +184,10 @@ inline void tile_f32(const float* x, int64_t K, int64_t nb, const Weights& weigh
 // rows (1..R) of x through one tile (tile_f32<rows>).
 template <int R, typename Weights>
 void tile_rows(const float* x, int64_t K, int64_t nb, const Weights& weights, float* y, int64_t N,
-               int64_t rows, side::Queue* sq) {
+               int64_t rows, side::Queue* sq, const tiled::NextTile& next = {}) {
   if constexpr (R > 0) {
-    if (rows == R) return tile_f32<R>(x, K, nb, weights, y, N, sq);
-    return tile_rows<R - 1>(x, K, nb, weights, y, N, rows, sq);
+    if (rows == R) return tile_f32<R>(x, K, nb, weights, y, N, sq, next);
+    return tile_rows<R - 1>(x, K, nb, weights, y, N, rows, sq, next);
   }
 }
 
@@ -275,13 +273,16 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
     };
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t t0 = unit * span, t1 = std::min(tiles, t0 + span);
-      if (T > tiled::kPrefetchRows && unit + 1 < end) {
-        for (int64_t t = t1; t < std::min(tiles, t1 + span); ++t) make_tile(t).prefetch(nb);
-      }
+      // tile t + span's bytes, asked for while tile t goes through (tiled::NextTile): the
+      // next unit's tiles (a piece's first unit is not asked for ahead)
+      const auto next_of = [&](int64_t t) {
+        return t + span < std::min(tiles, end * span) ? make_tile(t + span).fetch()
+                                                       : tiled::NextTile{};
+      };
       if (last - first <= kRowsF32) {
         for (int64_t tile = t0; tile < t1; ++tile) {
           tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), yp + tile * 16 + first * N,
-                              N, last - first, sq);
+                              N, last - first, sq, next_of(tile));
           scan(tile, first, last - first);
         }
         continue;
@@ -291,10 +292,13 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       buf.resize(K * 16 * width);
       for (int64_t h = 0; h < width; ++h) {
         const auto direct = make_tile(t0 + h);
-        for (int64_t b = 0; b < nb; ++b)
+        const tiled::NextTile next = next_of(t0 + h);
+        for (int64_t b = 0; b < nb; ++b) {
+          next.block(b);
           direct(b, [&](int k, F w) {
             vec16::store(buf.data() + ((b * kBlock + k) * width + h) * 16, w);
           });
+        }
       }
       if (width == 2) {
         for (int64_t r0 = first; r0 < last; r0 += kPairRows) {

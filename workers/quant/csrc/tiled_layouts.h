@@ -2,7 +2,7 @@
 // tessera/workers/quant/int4.py; the layouts are described in q4_bf16.cpp and
 // q8_bf16.cpp): q4_bf16.cpp, q8_bf16.cpp and tiled_f32.cpp. Their checks (each kernel
 // checks its own x dtype first; messages start with the kernel's name), the prefetch of
-// the next tile, and the AMX switch.
+// the next tile (NextTile), and the AMX switch.
 
 #pragma once
 
@@ -23,18 +23,33 @@ constexpr int kBf16Rows = 8;
 constexpr int kQ4_0 = 2;        // GGML type ids (gguf.GGMLQuantizationType)
 constexpr int kQ4_1 = 3;
 
-// A tile's weights, asked for before their turn: the kernels over these layouts, given
-// more than kPrefetchRows rows, prefetch the next tile's bytes as they start on one.
-// Decode steps of the built-in model (2 threads, Zen 5, weights from memory, with and
-// without in alternate steps) at 8 / 16 / 64 sequences: the fast mode's 1.12-1.16x /
-// 1.09-1.11x / 1.02x faster, the exact mode's 1.03x / 1.00-1.02x / 1.00-1.02x (its
-// float32 kernel waits on its FMAs more than on memory). Through 1-4 rows (a tile gone
-// through quickly, the hardware's prefetcher following) it measured no gain.
-constexpr int64_t kPrefetchRows = 4;
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* at = static_cast<const char*>(p);
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(at + line, 0, 3);
-}
+// The next tile's weights, asked for a block at a time while the kernel goes through this
+// tile: before its block b (in its first group of rows; the buffered kernels, as they
+// expand or dequantise block b), a kernel calls next.block(b), which prefetches block b's
+// bytes of the next tile and its scales (and mins). Each block's few lines then arrive
+// while blocks compute. Asking for the whole next tile as a tile started (until stop 67,
+// from 5 rows up; below that the hardware's prefetcher alone) was slower at every row
+// count, a thread's share of a decode step above all: the bf16 x Q4 kernel on 30 distinct
+// layers' weights (huge pages, a Zen 4 EPYC), one thread, 1 / 8 / 16 / 32 / 64 rows: 3.02 /
+// 9.9 / 19.3 / 37.5 / 75.4 ms against 3.93 / 12.4 / 22.2 / 41.0 / 81.0 (docs/architecture.md,
+// stop 67).
+struct NextTile {
+  const char* bytes = nullptr;  // the next tile's block 0; nullptr: no next tile
+  int64_t block_bytes = 0;      // its weight bytes a block
+  const uint16_t* d = nullptr;  // its scales, 16 fp16 a block
+  const uint16_t* m = nullptr;  // its mins (Q4_1), else its scales again: never nullptr
+
+  // No branch on m here: GCC 12 at -O2 and -O3 dropped every prefetch of this function
+  // (the loop's too) when the mins' prefetch sat under `if (m != nullptr)`, or behind
+  // `m ? m : d`, after the check on bytes.
+  inline void block(int64_t b) const {
+    if (bytes == nullptr) return;
+    const char* at = bytes + b * block_bytes;
+    for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(at + line, 0, 3);
+    __builtin_prefetch(d + b * 16, 0, 3);
+    __builtin_prefetch(m + b * 16, 0, 3);
+  }
+};
 
 // Whether the bf16 x Q4 / Q8_0 kernels take their AMX path where the CPU has one
 // (amx_tiles.h); set by use_amx(). One flag for the process (an inline function's static).
