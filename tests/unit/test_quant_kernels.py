@@ -1028,3 +1028,54 @@ def test_the_cuda_kernels_tilings_by_row_count_and_their_checks():
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             dataclasses.replace(triton_mm.DOT, **change)
     assert dataclasses.replace(triton_mm.GEMV, tile_n=8).tile_n == 8  # one row: any power
+
+
+def prefetches_by_function(library: str) -> dict[str, dict[str, int]]:
+    """Each function of the built library (demangled name) -> its count of each x86
+    prefetch instruction, from ``objdump``'s disassembly."""
+    listing = subprocess.run(
+        ["objdump", "-d", "-C", "--no-show-raw-insn", library],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    found: dict[str, dict[str, int]] = {}
+    name = ""
+    for line in listing.splitlines():
+        start = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if start:
+            name = start.group(1)
+            continue
+        hint = re.search(r"\s(prefetcht[012]|prefetchnta)\s", line)
+        if hint:
+            counts = found.setdefault(name, {})
+            counts[hint.group(1)] = counts.get(hint.group(1), 0) + 1
+    return found
+
+
+def test_the_built_kernels_keep_their_prefetches(native):
+    """The prefetches are hints that never change a number, so no product test can see
+    them go. GCC 12 once compiled every prefetch out of the kernels' next-tile helper
+    (``tiled::NextTile``, tiled_layouts.h) without a word; a decode step's products lost
+    ~10%. So the library as built here is read back: each kernel's tile loop asks for the
+    next tile (``prefetcht0``), and the ones a share of a decode step runs also drain the
+    next layer's K/V queue (``prefetcht1``, side_prefetch.h)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the check reads x86 instructions; this is {platform.machine()}")
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump (binutils) to read the built library with")
+    found = prefetches_by_function(native.__file__)
+    wanted = [("decode attention", "attend_heads<", ("prefetcht0",))]
+    if native.q4_bf16_available():
+        wanted.append(("bf16 x Q4", "q4_rows<float>(", ("prefetcht0", "prefetcht1")))
+    if native.q8_bf16_available():
+        wanted.append(("bf16 x Q8_0", "q8_rows<float>(", ("prefetcht0",)))
+    if native.tiled_f32_available():
+        both = ("prefetcht0", "prefetcht1")
+        wanted.append(("float32 x Q4", "tiled_rows<tessera::q4_f32_mm(", both))
+        wanted.append(("float32 x Q8_0", "q8_f32_product(", ("prefetcht0",)))
+    missing = [
+        f"{kernel} ({marker}...): no {hint}"
+        for kernel, marker, hints in wanted
+        for hint in hints
+        if not any(marker in name and counts.get(hint) for name, counts in found.items())
+    ]
+    assert not missing, f"prefetches compiled out of {native.__file__}: {missing}"
