@@ -16,11 +16,13 @@ and called through ctypes, one Python thread per torch thread (ctypes releases t
 each on its own CPU.
 ``peak_gmacs`` returns ``{}`` where no compiler is found.
 
-    python benchmarks/cpu_peak.py            # both peaks, this process's torch threads
+    python benchmarks/cpu_peak.py               # both peaks, on torch's threads
+    python benchmarks/cpu_peak.py --threads 1   # one core's
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import shutil
@@ -160,10 +162,23 @@ def peak_gmacs(threads: int | None = None, repeats: int = 3) -> dict[str, float]
     return peaks
 
 
-if __name__ == "__main__":
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads()
-    found = peak_gmacs(threads)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(),
+        help="threads running at once, each on its own CPU (default: torch's, %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, help="measurements, best kept")
+    args = parser.parse_args()
+    for name in ("threads", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: must be at least 1, got {getattr(args, name)}")
+    found = peak_gmacs(args.threads, args.repeats)
     if not found:
-        sys.exit("no C compiler found: nothing measured")
+        sys.exit("no C compiler found (cc or gcc): nothing measured")
     for kind, gmacs in found.items():
-        print(f"{kind}: {gmacs:.1f} GMAC/s on {threads} thread(s)")
+        print(f"{kind}: {gmacs:.1f} GMAC/s on {args.threads} thread(s)")
+
+
+if __name__ == "__main__":
+    main()
