@@ -8,7 +8,7 @@ as well. Host time is scheduling, building the flattened batch, sampling, detoke
 and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
 
 On the CPU each point then times as many steps again whose forward only hands back the
-last real step's logits (``host_warm_ms``): the same host work, without a forward
+last real step's output (``host_warm_ms``): the same host work, without a forward
 streaming the weights (~100 MB a step for SmolLM2's packed GGUF) through the caches
 first. The gap between ``host_ms`` and ``host_warm_ms`` is what the host part pays for
 finding its code and each sequence's objects evicted.
@@ -85,8 +85,9 @@ def measure(loaded, args: argparse.Namespace, running: int) -> dict:
 
 
 class _Replay:
-    """The model, except that a call hands back the first call's logits (and, where the
-    LM head took their argmax, that argmax) without running anything."""
+    """The model, except that a call hands back the first call's output without running
+    anything: its logits (and, where the LM head took their argmax, that argmax), or for
+    a step of greedy decodes (``argmax_only``) the rows' argmax alone."""
 
     def __init__(self, model) -> None:
         self.model = model

@@ -462,7 +462,10 @@ class Engine:
         groups = self.groups
         bs = self.kv.block_size
         prompt_tokens = self._prompt_tokens
+        argmax_only = True  # every token a plain argmax: the forward gives those, no logits
         for seq in seqs:
+            if not seq.argmax_only or seq.grammar is not None:
+                argmax_only = False
             start = seq.num_computed_tokens
             seq_ids.append(seq.seq_id)
             token_ids.append(seq.token_ids[-1])
@@ -474,16 +477,31 @@ class Engine:
             if len(seq.token_ids) == seq.num_prompt_tokens:  # the prompt's last token
                 self._prompt_tokens += 1
         try:
-            logits = self.runner.execute_decodes(seq_ids, token_ids, starts)
+            out = self.runner.execute_decodes(seq_ids, token_ids, starts, argmax_only)
         except BaseException:
             for seq, start in zip(seqs, starts, strict=True):
                 seq.num_computed_tokens = start
             self._prompt_tokens = prompt_tokens
             raise
-        argmax = taken_argmax(logits)  # as in _run_batch
         for seq in filled:
             self._cache_computed(seq, seq.num_computed_tokens // bs - 1)
-        return self._sample(targets, logits, argmax)
+        if argmax_only:
+            return self._append_argmax(targets, out.tolist())
+        return self._sample(targets, out, taken_argmax(out))  # as in _run_batch
+
+    def _append_argmax(
+        self, targets: list[tuple[SequenceGroup, Sequence]], token_ids: list[int]
+    ) -> list[RequestOutput]:
+        """Append each target's token, its row's argmax (every target ``argmax_only``,
+        unconstrained), and return the deltas."""
+        outputs: list[RequestOutput] = []
+        for (group, seq), token_id in zip(targets, token_ids, strict=True):
+            self._append_token(group, seq, token_id, None)
+            if seq.plain:  # it streams, and has this token to send
+                outputs.append(sequence_output(seq))
+            else:
+                outputs += self._emit(group, seq)
+        return outputs
 
     def _sample(
         self,
@@ -502,13 +520,7 @@ class Engine:
             argmax = None
         if all(seq.argmax_only for _, seq in targets):  # what the sampler would answer
             token_ids = (argmax_rows(logits) if argmax is None else argmax).tolist()
-            for (group, seq), token_id in zip(targets, token_ids, strict=True):
-                self._append_token(group, seq, token_id, None)
-                if seq.plain:  # it streams, and has this token to send
-                    outputs.append(sequence_output(seq))
-                else:
-                    outputs += self._emit(group, seq)
-            return outputs
+            return self._append_argmax(targets, token_ids)
         sampling_rows = [self._sampling_row(s) for _, s in targets]
         results = self.sampler.sample(logits, sampling_rows, argmax)
         for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):

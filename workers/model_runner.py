@@ -31,6 +31,7 @@ from tessera.workers.attention.paged import plan_decode
 from tessera.workers.cuda_graphs import DecodeGraphs
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.llama import LlamaModel
+from tessera.workers.quant.kernels import argmax_rows
 
 
 @dataclass(slots=True)  # not frozen: a step builds one per sequence, in half the time
@@ -280,12 +281,17 @@ class ModelRunner:
         )
 
     def execute_decodes(
-        self, seq_ids: Seq[str], token_ids: list[int], starts: list[int]
+        self,
+        seq_ids: Seq[str],
+        token_ids: list[int],
+        starts: list[int],
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """``execute`` of one plain decode per sequence, without building its chunks:
         ``Chunk(seq_ids[i], [token_ids[i]], starts[i], logits_rows=(0,))`` for each ``i``
         (its token at cache index and position ``starts[i]``, causal), the logits in this
-        order. The steady state of serving: 64 decodes' chunks and entries took ~0.25 ms.
+        order, or with ``argmax_only`` each row's argmax (int64, ``argmax_rows``' answer).
+        The steady state of serving: 64 decodes' chunks and entries took ~0.25 ms.
         """
         self._apply_copies()
         block_ids = self.kv.block_ids
@@ -294,12 +300,22 @@ class ModelRunner:
         rows = list(range(num))
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(num):
-            return self._timed(graphs.prepare(token_ids, starts, starts, tables, rows))
+            logits = self._timed(graphs.prepare(token_ids, starts, starts, tables, rows))
+            return argmax_rows(logits) if argmax_only else logits
         bs = self.block_size
         slots = [t[start // bs] * bs + start % bs for t, start in zip(tables, starts, strict=True)]
         seq_lens = [start + 1 for start in starts]
         return self._forward(
-            token_ids, starts, slots, list(range(num + 1)), seq_lens, rows, tables, [], num
+            token_ids,
+            starts,
+            slots,
+            list(range(num + 1)),
+            seq_lens,
+            rows,
+            tables,
+            [],
+            num,
+            argmax_only,
         )
 
     def _apply_copies(self) -> None:
@@ -318,10 +334,12 @@ class ModelRunner:
         tables: list[list[int]],
         masks: list[torch.Tensor | None],
         num_decodes: int,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
         """The forward over a flattened batch (the layout in this module's docstring):
         its first ``num_decodes`` sequences are decodes of one row each, causal; ``masks``
-        holds one entry (a mask or None) for each of the others."""
+        holds one entry (a mask or None) for each of the others. The logits, or with
+        ``argmax_only`` their rows' argmax."""
         # Every integer input in one host list, then one buffer (``HostInts``,
         # ``int64_tensors``): seven tensors built from lists took ~0.15 ms a step.
         width = max(len(t) for t in tables)
@@ -363,7 +381,7 @@ class ModelRunner:
             decode_plan=decode_plan,
         )
         inputs = (ids_t, positions_t, self.kv_cache, meta, rows_t)
-        return self._timed(lambda: self.model(*inputs, native=native))
+        return self._timed(lambda: self.model(*inputs, native=native, argmax_only=argmax_only))
 
     def _static_decode(
         self, chunks: Seq[Chunk], entries: list[tuple[int, int, int]]

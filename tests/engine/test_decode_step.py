@@ -20,14 +20,17 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def lean_steps(engine) -> list[int]:
-    """The number of sequences of each lean step the engine runs from now on."""
+def lean_steps(engine, argmax_only: list[bool] | None = None) -> list[int]:
+    """The number of sequences of each lean step the engine runs from now on (and into
+    ``argmax_only``, whether the step asked the forward for its rows' argmax alone)."""
     calls: list[int] = []
     execute = engine.runner.execute_decodes
 
-    def counted(seq_ids, token_ids, starts):
+    def counted(seq_ids, token_ids, starts, only=False):
         calls.append(len(seq_ids))
-        return execute(seq_ids, token_ids, starts)
+        if argmax_only is not None:
+            argmax_only.append(only)
+        return execute(seq_ids, token_ids, starts, only)
 
     engine.runner.execute_decodes = counted
     return calls
@@ -35,7 +38,8 @@ def lean_steps(engine) -> list[int]:
 
 def test_plain_decodes_take_the_lean_path_and_match_transformers(make_engine, hf_reference):
     engine = make_engine()
-    calls = lean_steps(engine)
+    argmax_only: list[bool] = []
+    calls = lean_steps(engine, argmax_only)
     prompts = [tuple(engine.tokenize(text)) for text in PROMPTS]
     for i, prompt in enumerate(prompts):
         # the last one asks for logprobs: plain, but sampled by the sampler, not the argmax
@@ -46,6 +50,7 @@ def test_plain_decodes_take_the_lean_path_and_match_transformers(make_engine, hf
     outputs = run_engine(engine)
     assert calls and set(calls) == {3}  # only once the forked request has ended
     assert len(calls) == 40 - 10  # its last step ran the others' 10th token with it
+    assert not any(argmax_only)  # r2's logprobs need the logits
     for i, prompt in enumerate(prompts):
         assert_greedy_matches(tokens_of(outputs[f"r{i}"]), hf_reference.greedy(prompt, 40))
     assert all(len(d.logprobs) == len(d.token_ids) for d in outputs["r2"])
@@ -56,11 +61,13 @@ def test_plain_decodes_take_the_lean_path_and_match_transformers(make_engine, hf
 
 def test_blocks_filled_by_generated_tokens_are_cached_for_a_follow_up(make_engine, hf_reference):
     engine = make_engine()
-    calls = lean_steps(engine)
+    argmax_only: list[bool] = []
+    calls = lean_steps(engine, argmax_only)
     prompt = engine.tokenize(" ".join(PROMPTS) * 3)[:40]
     engine.add_request("first", prompt, greedy(70))
     first = tokens_of(run_engine(engine)["first"])
     assert len(calls) == 69  # every decode after the prompt's step
+    assert all(argmax_only)  # greedy: the forward gives its argmax, not its logits
     before = engine.stats().prefix_cache
     follow_up = tuple(prompt + first)
     engine.add_request("second", follow_up, greedy(8))

@@ -258,8 +258,13 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
 def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
     """The mode's LM head takes each row's argmax as it writes the logits (where it runs
     on the native Q8_0 kernel); greedy steps use it (no second read of the logits) and
-    give the tokens that reading them gives."""
+    give the tokens that reading them gives. A step of greedy decodes asks the forward
+    for the argmax alone (``argmax_only``: the native head writes no logits), and gets
+    the tokens that the argmax of the logits gives."""
     from tessera.workers import engine as engine_module
+    from tessera.workers.model_runner import ModelRunner
+    from tessera.workers.quant.int4 import Q8Weight
+    from tessera.workers.quant.kernels import argmax_rows
 
     contract, loaded = mode
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -279,9 +284,23 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
         taken.append(indices is not None)
         return indices
 
+    asked: list[bool] = []
+    real_decodes = ModelRunner.execute_decodes
+
+    def spy_decodes(self, seq_ids, token_ids, starts, argmax_only=False):
+        asked.append(argmax_only)
+        out = real_decodes(self, seq_ids, token_ids, starts, argmax_only)
+        assert out.shape == ((len(seq_ids),) if argmax_only else (len(seq_ids), 49152))
+        return out
+
     monkeypatch.setattr(engine_module, "taken_argmax", spy)
+    monkeypatch.setattr(ModelRunner, "execute_decodes", spy_decodes)
     with_head = run()
     native_head = loaded.model.head_q8 is not None  # else the head is quant_matmul
     assert taken and all(t == native_head for t in taken)  # every step's, or none
+    assert len(asked) >= 10 and all(asked)  # every decode step: the argmax alone
     monkeypatch.setattr(engine_module, "taken_argmax", lambda logits: None)
     assert run() == with_head  # argmax_rows over the logits: the same tokens
+    if native_head:  # its argmax as argmax_rows reads it from the logits: the same tokens
+        monkeypatch.setattr(Q8Weight, "argmax", lambda self, x: argmax_rows(self.matmul(x)))
+        assert run() == with_head

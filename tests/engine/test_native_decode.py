@@ -432,10 +432,10 @@ def _prompt_logprobs(loaded, native: bool, calls: list[tuple[bool, int]]) -> tor
     model = engine.runner.model
     forward = model.forward
 
-    def spy(*args, native: bool = False):
+    def spy(*args, native: bool = False, argmax_only: bool = False):
         meta = args[3]
         calls.append((native, meta.num_seqs - meta.num_decodes))
-        return forward(*args, native=native)
+        return forward(*args, native=native, argmax_only=argmax_only)
 
     model.forward = spy
     try:

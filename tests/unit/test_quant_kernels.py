@@ -605,10 +605,14 @@ def check_head_argmax(native, exact: bool) -> None:
     (``csrc/tile_argmax.h``): torch's argmax of those logits on every row count and pass,
     ties to the first maximum across lanes, tiles and threads' ranges, a row's first NaN
     (also one in the last range), a row of -inf; ``taken_argmax`` of the logits gives it
-    once, and only for them."""
+    once, and only for them. ``Q8Weight.argmax`` (the kernel's argmax without the logits
+    written; with a NaN it writes them and reads that row again) gives the same indices,
+    for the exact head through both of its buffered loops (one tile at a time, pairs)."""
     assert torch.get_num_threads() >= 2  # so that the 7 tiles split into ranges
     name = "q8_f32_mm" if exact else "q8_bf16_mm"
     plain, with_argmax = getattr(native, name), getattr(native, f"{name}_argmax")
+    only = getattr(native, name.replace("_mm", "_argmax"))
+    pair_loops = (False, True) if exact and native.use_tile_pairs(True) else (None,)
     packed, _ = random_packed(QuantType.Q8_0, Q4_ODD)
     qs, scales = packed.qs.clone(), packed.scales.abs()  # every d > 0
     # outputs 17, 50 and 100 (tiles 1, 3 and 6) the same, and the largest for positive x
@@ -640,9 +644,21 @@ def check_head_argmax(native, exact: bool) -> None:
         assert kernels.taken_argmax(logits) is None  # once
         weight.matmul(x)
         assert kernels.taken_argmax(logits) is None  # another tensor's
+        try:
+            for pairs in pair_loops:
+                if pairs is not None:
+                    native.use_tile_pairs(pairs)
+                assert torch.equal(weight.argmax(x), ids), (rows, pairs)
+                if rows > 4:  # no NaN: the logits are never written
+                    assert torch.equal(weight.argmax(x[5:]), ids[5:]), (rows, pairs)
+        finally:
+            native.use_tile_pairs(int4.tile_pairs())
     assert with_argmax(x[:0], weight.qs, weight.d)[1].shape == (0,)
+    assert only(x[:0], weight.qs, weight.d).shape == (0,)
     with pytest.raises(RuntimeError, match=rf"{name}_argmax: x must be a float32 \[T, K\]"):
         with_argmax(x.to(torch.bfloat16), weight.qs, weight.d)
+    with pytest.raises(RuntimeError, match=rf"{only.__name__}: x must be a float32 \[T, K\]"):
+        only(x.to(torch.bfloat16), weight.qs, weight.d)
 
 
 #: csrc/tiled_f32.cpp holds kRowsF32 rows at once, 8 (AVX-512) or 3 (AVX2): 2-4 rows take

@@ -31,7 +31,7 @@ from tessera.workers.quant.int4 import (
     exact_row_limit,
     int4_row_limit,
 )
-from tessera.workers.quant.kernels import embedding, native_kernels
+from tessera.workers.quant.kernels import argmax_rows, embedding, native_kernels
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
 Weight = torch.Tensor | PackedWeight
@@ -320,8 +320,11 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S]: rows of the batch whose next-token logits we need
         native: bool = False,
+        argmax_only: bool = False,
     ) -> torch.Tensor:
-        """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab].
+        """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab],
+        or with ``argmax_only`` each of those rows' argmax (int64 [S], ``argmax_rows``'
+        answer; a Q8_0 head on the native kernels takes it without writing the logits).
 
         ``native``: a batch without masks (decodes, then causal chunks) runs its layers
         through ``native_layers()`` where that exists, not op by op; the chunks' attention
@@ -366,6 +369,14 @@ class LlamaModel(nn.Module):
                 rows = logits_indices if index == last else None
                 hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
             hidden = self.norm(hidden)
+        if argmax_only:
+            if self.lm_head is None and self.head_q8 is not None:
+                return self.head_q8.argmax(hidden.float())
+            return argmax_rows(self._logits(hidden))
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [S, vocab] of the final-normed rows ``hidden`` [S, hidden]."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.head_q8 is not None:  # float32 sums and logits (inputs bf16-rounded unless exact)

@@ -108,16 +108,27 @@ inline void tile_rows(const uint16_t* x, int64_t K, int64_t nb, const __m512i* p
   for (int r = 0; r < R; ++r) store16(y + r * N, acc[r]);
 }
 
-// y = x @ W^T; `argmax` (float32 y only): each row's argmax taken as y is written.
+// y = x @ W^T; `argmax` (float32 y only): each row's argmax taken as y is written. With
+// yp == nullptr (and argmax, not on the AMX path) the argmax alone: each tile's rows go to
+// a scratch of kRows x 16 floats in L1 instead of y, and are scanned there. A 64-row decode
+// step's logits are 12.6 MB; their stores, one line per row 196 KB apart (every row's line
+// of a tile in one L1 set), and the scan reading them back took ~1.5 ms of the head's ~12.
 template <typename Y>
 void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const uint16_t* dp,
              int64_t tiles, Y* yp, TileArgmax* argmax = nullptr) {
   const int64_t nb = K / kBlock, N = tiles * 16;
-  // each tile's rows r0 .. r0 + rows - 1, just stored (float32 y only)
-  const auto scan = [argmax, yp, N](TileArgmax::Range& range, int64_t tile, int64_t r0,
-                                    int64_t rows) {
+  const bool kept = yp != nullptr;
+  TORCH_CHECK(kept || (argmax != nullptr && !amx_on()), "q8_rows: no y to write");
+  // where rows r0.. of a tile go (y, or the scratch), and their row stride
+  const auto out = [yp, N, kept](int64_t tile, int64_t r0, Y* scratch) {
+    return kept ? yp + r0 * N + tile * 16 : scratch;
+  };
+  const int64_t stride = kept ? N : 16;
+  // each tile's rows r0 .. r0 + rows - 1, just stored at at (float32 y only)
+  const auto scan = [argmax, stride](TileArgmax::Range& range, const Y* at, int64_t tile,
+                                     int64_t r0, int64_t rows) {
     if constexpr (std::is_same_v<Y, float>)
-      if (argmax != nullptr) argmax->scan(range, yp + r0 * N + tile * 16, N, tile, r0, rows);
+      if (argmax != nullptr) argmax->scan(range, at, stride, tile, r0, rows);
   };
   const auto begin_range = [argmax](int64_t first_tile) {
     return argmax != nullptr ? argmax->begin(first_tile) : TileArgmax::Range{};
@@ -140,6 +151,7 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
   }
   if (T <= kDirectRows) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) Y scratch[kDirectRows * 16];
       TileArgmax::Range range = begin_range(begin);
       for (int64_t tile = begin; tile < end; ++tile) {
         const int8_t* qt = qp + tile * nb * 512;
@@ -147,10 +159,11 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
         tiled::NextTile next;  // the next tile's q and d
         if (tile + 1 < end)
           next = {reinterpret_cast<const char*>(qt + nb * 512), 512, dt + nb * 16, dt + nb * 16};
+        Y* at = out(tile, 0, scratch);
         with_rows(T, [&](auto r) {
-          tile_direct<decltype(r)::value>(xp, K, nb, qt, dt, yp + tile * 16, N, next);
+          tile_direct<decltype(r)::value>(xp, K, nb, qt, dt, at, stride, next);
         });
-        scan(range, tile, 0, T);
+        scan(range, at, tile, 0, T);
       }
       end_range(std::move(range));
     });
@@ -160,6 +173,7 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512i> pairs(nb * 16);  // C++17: over-aligned allocation
     std::vector<__m512> dq(nb);
+    alignas(64) Y scratch[kRows * 16];
     TileArgmax::Range range = begin_range(begin);
     for (int64_t first = 0; first < T; first += pass) {
       const int64_t last = std::min(T, first + pass);
@@ -176,11 +190,12 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
         }
         for (int64_t r0 = first; r0 < last; r0 += kRows) {
           const int64_t rows = std::min<int64_t>(kRows, last - r0);
+          Y* at = out(tile, r0, scratch);
           with_rows(rows, [&](auto r) {
-            tile_rows<decltype(r)::value>(xp + r0 * K, K, nb, pairs.data(), dq.data(),
-                                          yp + r0 * N + tile * 16, N);
+            tile_rows<decltype(r)::value>(xp + r0 * K, K, nb, pairs.data(), dq.data(), at,
+                                          stride);
           });
-          scan(range, tile, r0, rows);
+          scan(range, at, tile, r0, rows);
         }
       }
     }
@@ -195,16 +210,18 @@ bool q8_bf16_available() { return TESSERA_Q8_BF16 != 0; }
 
 namespace {
 
-// y, and with `ids` (float32 x) each row's argmax of y into it.
+// y, and with `ids` (float32 x) each row's argmax of y into it; with `ids` and not
+// `keep_y`, the argmax alone (y undefined), unless a row held a NaN or the AMX path runs.
 torch::Tensor q8_product(const char* name, const torch::Tensor& x, const torch::Tensor& qs,
-                         const torch::Tensor& d, torch::Tensor* ids) {
+                         const torch::Tensor& d, torch::Tensor* ids,
+                         [[maybe_unused]] bool keep_y = true) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
               name, ": x must be a bfloat16 or float32 [T, K] CPU tensor");
   const tiled::Shape s = tiled::check_x_and_d(name, x, d);
   tiled::check_q8(name, s, qs);
   [[maybe_unused]] const int64_t tiles = s.tiles, K = s.K, N = s.N, T = s.T;
-  auto y = torch::empty({T, N}, x.options());
+  torch::Tensor y;
 #if TESSERA_Q8_BF16
   const auto xc = (x.scalar_type() == torch::kFloat32 ? x.to(torch::kBFloat16) : x).contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
@@ -213,10 +230,23 @@ torch::Tensor q8_product(const char* name, const torch::Tensor& x, const torch::
   if (ids != nullptr) {
     TORCH_CHECK(N > 0, name, ": no outputs to take the argmax of");
     TileArgmax argmax(T);
-    q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>(), &argmax);
+    if (keep_y || amx_on()) {
+      y = torch::empty({T, N}, x.options());
+      q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>(), &argmax);
+    } else {
+      q8_rows(xp, T, K, qp, dp, tiles, static_cast<float*>(nullptr), &argmax);
+      if (argmax.any_nan()) {  // its rows are read again (argmax_rows' first NaN)
+        y = torch::empty({T, N}, x.options());
+        q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>());
+      }
+    }
     *ids = torch::empty({T}, x.options().dtype(torch::kInt64));
-    if (T > 0) argmax.result(y.data_ptr<float>(), N, ids->data_ptr<int64_t>());
-  } else if (y.scalar_type() == torch::kFloat32) {
+    if (T > 0)
+      argmax.result(y.defined() ? y.data_ptr<float>() : nullptr, N, ids->data_ptr<int64_t>());
+    return y;
+  }
+  y = torch::empty({T, N}, x.options());
+  if (y.scalar_type() == torch::kFloat32) {
     q8_rows(xp, T, K, qp, dp, tiles, y.data_ptr<float>());
   } else {
     q8_rows(xp, T, K, qp, dp, tiles, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
@@ -243,6 +273,15 @@ std::tuple<torch::Tensor, torch::Tensor> q8_bf16_mm_argmax(const torch::Tensor& 
   return {y, ids};
 }
 
+torch::Tensor q8_bf16_argmax(const torch::Tensor& x, const torch::Tensor& qs,
+                             const torch::Tensor& d) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32,
+              "q8_bf16_argmax: x must be a float32 [T, K] CPU tensor");
+  torch::Tensor ids;
+  q8_product("q8_bf16_argmax", x, qs, d, &ids, /*keep_y=*/false);
+  return ids;
+}
+
 void register_q8_bf16(pybind11::module& m) {
   namespace py = pybind11;
   m.def("q8_bf16_available", &q8_bf16_available,
@@ -254,6 +293,10 @@ void register_q8_bf16(pybind11::module& m) {
   m.def("q8_bf16_mm_argmax", &q8_bf16_mm_argmax,
         "q8_bf16_mm of float32 x, and each row's argmax of y (argmax_rows' answer) taken as "
         "y is written",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
+  m.def("q8_bf16_argmax", &q8_bf16_argmax,
+        "each row's argmax of q8_bf16_mm(x) for float32 x (argmax_rows' answer, int64 [T]), "
+        "without writing the products to memory",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
 }
 

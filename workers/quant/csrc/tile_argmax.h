@@ -59,7 +59,16 @@ class TileArgmax {
     ranges_.push_back(std::move(range));
   }
 
-  // Each row's argmax of y [T, N] (int64 [T]), once every range has ended.
+  // Whether a row held a NaN (result then reads it again from y), once every range ended.
+  bool any_nan() const {
+    for (const Range& range : ranges_)
+      for (const uint8_t nan : range.nan)
+        if (nan) return true;
+    return false;
+  }
+
+  // Each row's argmax of y [T, N] (int64 [T]), once every range has ended. y is read only
+  // for a row that held a NaN (any_nan), and may be nullptr where none did.
   void result(const float* y, int64_t N, int64_t* out) {
     std::sort(ranges_.begin(), ranges_.end(),
               [](const Range& a, const Range& b) { return a.first_tile < b.first_tile; });

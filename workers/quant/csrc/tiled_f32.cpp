@@ -234,14 +234,18 @@ void pair_rows(const float* x, int64_t K, const float* buf, float* y, int64_t N,
 }
 
 // y [T, N] = x [T, K] @ W^T (float32), make_tile(t) giving tile t's weights (Q4Tile,
-// Q8Tile); `argmax`: each row's argmax of y taken as it is written.
+// Q8Tile); `argmax`: each row's argmax of y taken as it is written. With y undefined (and
+// argmax) the argmax alone: each tile's rows go to a scratch in L1, scanned there, and
+// nothing to y (q8_bf16.cpp's q8_rows does the same, and says what it saves).
 template <typename MakeTile>
 void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
                 const MakeTile& make_tile, TileArgmax* argmax = nullptr) {
   if (s.T == 0) return;
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const bool kept = y.defined();
+  TORCH_CHECK(kept || argmax != nullptr, "tiled_rows: no y to write");
+  float* yp = kept ? y.data_ptr<float>() : nullptr;
   const int64_t T = s.T, K = s.K, nb = s.nb, N = s.N, tiles = s.tiles;
   // Passes of at most ~kPassBytesF32 of x, as equal as multiples of kRowsF32 rows allow (a
   // short last pass would dequantise every tile again for a few rows).
@@ -268,8 +272,16 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
     if (sq->empty()) sq = nullptr;
     TileArgmax::Range range = argmax != nullptr ? argmax->begin(begin * span, first, last - first)
                                                 : TileArgmax::Range{};
-    const auto scan = [&](int64_t tile, int64_t r0, int64_t rows) {
-      if (argmax != nullptr) argmax->scan(range, yp + tile * 16 + r0 * N, N, tile, r0, rows);
+    // where rows r0.. of tiles t0 (.. t0 + width - 1) go, and their row stride: y, or the
+    // scratch (up to a micro-kernel's rows of a pair of tiles)
+    alignas(64) float scratch[std::max(kRowsF32, std::max<int>(kPairRows, 1)) * 32];
+    const auto at = [&](int64_t t0, int64_t r0) {
+      return kept ? yp + t0 * 16 + r0 * N : scratch;
+    };
+    const auto stride = [&](int64_t width) { return kept ? N : 16 * width; };
+    const auto scan = [&](const float* y0, int64_t stride, int64_t tile, int64_t r0,
+                          int64_t rows) {
+      if (argmax != nullptr) argmax->scan(range, y0, stride, tile, r0, rows);
     };
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t t0 = unit * span, t1 = std::min(tiles, t0 + span);
@@ -281,9 +293,10 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       };
       if (last - first <= kRowsF32) {
         for (int64_t tile = t0; tile < t1; ++tile) {
-          tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), yp + tile * 16 + first * N,
-                              N, last - first, sq, next_of(tile));
-          scan(tile, first, last - first);
+          float* y0 = at(tile, first);
+          tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), y0, stride(1),
+                              last - first, sq, next_of(tile));
+          scan(y0, stride(1), tile, first, last - first);
         }
         continue;
       }
@@ -303,17 +316,19 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
       if (width == 2) {
         for (int64_t r0 = first; r0 < last; r0 += kPairRows) {
           const int64_t rows = std::min<int64_t>(kPairRows, last - r0);
-          pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), yp + t0 * 16 + r0 * N, N, rows, sq);
-          scan(t0, r0, rows);
-          scan(t0 + 1, r0, rows);
+          float* y0 = at(t0, r0);
+          pair_rows<kPairRows>(xp + r0 * K, K, buf.data(), y0, stride(2), rows, sq);
+          scan(y0, stride(2), t0, r0, rows);
+          scan(y0 + 16, stride(2), t0 + 1, r0, rows);
         }
         continue;
       }
       const Buffered buffered{buf.data()};
       for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
         const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
-        tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, yp + t0 * 16 + r0 * N, N, rows, sq);
-        scan(t0, r0, rows);
+        float* y0 = at(t0, r0);
+        tile_rows<kRowsF32>(xp + r0 * K, K, nb, buffered, y0, stride(1), rows, sq);
+        scan(y0, stride(1), t0, r0, rows);
       }
     }
     if (argmax != nullptr) argmax->end(std::move(range));
@@ -452,11 +467,12 @@ namespace {
 
 // y, and with `ids` each row's argmax of y into it.
 torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const torch::Tensor& qs,
-                             const torch::Tensor& d, torch::Tensor* ids) {
+                             const torch::Tensor& d, torch::Tensor* ids,
+                             [[maybe_unused]] bool keep_y = true) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, name, ": x must be a float32 [T, K] CPU tensor");
   const tiled::Shape s = tiled::check_x_and_d(name, x, d);
   tiled::check_q8(name, s, qs);
-  auto y = torch::empty({s.T, s.N}, x.options());
+  torch::Tensor y;
 #if TESSERA_TILED_F32
   const int8_t* qp = qs.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -465,10 +481,17 @@ torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const tor
   if (ids != nullptr) {
     TORCH_CHECK(s.N > 0, name, ": no outputs to take the argmax of");
     TileArgmax argmax(s.T);
+    if (keep_y) y = torch::empty({s.T, s.N}, x.options());
     tiled_rows(x, s, y, make_tile, &argmax);
+    if (!y.defined() && argmax.any_nan()) {  // its rows are read again (argmax_rows' first NaN)
+      y = torch::empty({s.T, s.N}, x.options());
+      tiled_rows(x, s, y, make_tile);
+    }
     *ids = torch::empty({s.T}, x.options().dtype(torch::kInt64));
-    if (s.T > 0) argmax.result(y.data_ptr<float>(), s.N, ids->data_ptr<int64_t>());
+    if (s.T > 0)
+      argmax.result(y.defined() ? y.data_ptr<float>() : nullptr, s.N, ids->data_ptr<int64_t>());
   } else {
+    y = torch::empty({s.T, s.N}, x.options());
     tiled_rows(x, s, y, make_tile);
   }
 #else
@@ -489,6 +512,13 @@ std::tuple<torch::Tensor, torch::Tensor> q8_f32_mm_argmax(const torch::Tensor& x
   torch::Tensor ids;
   torch::Tensor y = q8_f32_product("q8_f32_mm_argmax", x, qs, d, &ids);
   return {y, ids};
+}
+
+torch::Tensor q8_f32_argmax(const torch::Tensor& x, const torch::Tensor& qs,
+                            const torch::Tensor& d) {
+  torch::Tensor ids;
+  q8_f32_product("q8_f32_argmax", x, qs, d, &ids, /*keep_y=*/false);
+  return ids;
 }
 
 void register_tiled_f32(pybind11::module& m) {
@@ -531,6 +561,10 @@ void register_tiled_f32(pybind11::module& m) {
         py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
   m.def("q8_f32_mm_argmax", &q8_f32_mm_argmax,
         "q8_f32_mm, and each row's argmax of y (argmax_rows' answer) taken as y is written",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
+  m.def("q8_f32_argmax", &q8_f32_argmax,
+        "each row's argmax of q8_f32_mm(x) (argmax_rows' answer, int64 [T]), without "
+        "writing the products to memory",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::call_guard<py::gil_scoped_release>());
 }
 
