@@ -290,7 +290,13 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
     def spy_decodes(self, seq_ids, token_ids, starts, argmax_only=False):
         asked.append(argmax_only)
         out = real_decodes(self, seq_ids, token_ids, starts, argmax_only)
-        assert out.shape == ((len(seq_ids),) if argmax_only else (len(seq_ids), 49152))
+        # the argmax (int64 [rows]) or the logits (float32 [rows, SmolLM2's 49,152 tokens])
+        want = (
+            (torch.int64, (len(seq_ids),))
+            if argmax_only
+            else (torch.float32, (len(seq_ids), 49152))
+        )
+        assert (out.dtype, tuple(out.shape)) == want
         return out
 
     monkeypatch.setattr(engine_module, "taken_argmax", spy)
