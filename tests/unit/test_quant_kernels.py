@@ -393,6 +393,7 @@ def test_the_kernels_compile_for_cpus_other_than_this_one():
         ("cooperlake", "q4_bf16.cpp"),
         ("cooperlake", "q8_bf16.cpp"),
         ("haswell", "tiled_f32.cpp"),
+        ("haswell", "q8_screen.cpp"),  # no AVX512_VNNI: the screen's stub
     ]
     checks = [
         subprocess.Popen(
@@ -659,6 +660,71 @@ def check_head_argmax(native, exact: bool) -> None:
         with_argmax(x.to(torch.bfloat16), weight.qs, weight.d)
     with pytest.raises(RuntimeError, match=rf"{only.__name__}: x must be a float32 \[T, K\]"):
         only(x.to(torch.bfloat16), weight.qs, weight.d)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_the_int8_screen_gives_the_heads_own_argmax(native, exact):
+    """``q8_screen_argmax`` (``csrc/q8_screen.cpp``: an int8 screen with a bound on its
+    error, then the head's own sums for the tiles that can hold the maximum) gives each row
+    the index the head's argmax gives (``q8_f32_argmax`` / ``q8_bf16_argmax``, tested above
+    against torch's argmax of the logits), and ``Q8Weight.argmax`` takes it where the build
+    has it. Rows: random ones at every row count the screen groups differently (1, 8, 9,
+    64, 100); one where the screen's own numbers put the wrong column first (outputs 3 and
+    20: without the bound the screen keeps only 20's tile); ties between equal outputs,
+    across tiles and within one; rows of zeros, of tiny blocks (screened as zeros), with
+    denormals beside normal values, too large to bound (1e25), with a NaN or an infinity
+    (the head's whole argmax: its first NaN)."""
+    if not native.q8_screen_available():
+        pytest.skip("no AVX512_VNNI on this CPU: the heads take their own argmax")
+    if not (native.tiled_f32_available() if exact else native.q8_bf16_available()):
+        pytest.skip("this CPU has no kernel for this head")
+    packed, _ = random_packed(QuantType.Q8_0, (16 * 9, 32 * 3))
+    qs, scales = packed.qs.clone(), packed.scales.clone()
+    qs[[17, 40, 41, 100]] = qs[5].clone()  # outputs 5, 17, 40, 41, 100 equal (tiles 0, 1, 2, 6)
+    scales[[17, 40, 41, 100]] = scales[5].clone()
+    # outputs 3 (tile 0) and 20 (tile 1): with x = (1, 0.005, 0, ...) output 3 is 0.99983,
+    # output 20 ~0.99834; the screen rounds 0.005 to 1/127 and makes 20 the larger (1.002)
+    qs[:, :2], qs[3], qs[20] = 0, 0, 0  # (every other output 0 there)
+    qs[3, 0], qs[20, 0], qs[20, 1] = 100, 99, 127
+    scales[3], scales[20] = 0.01, 0.01002
+    scales[3:4, 1:], scales[20:21, 1:] = 0.0, 0.0
+    weight = Q8Weight.from_packed(PackedWeight(QuantType.Q8_0, qs, scales, None), exact)
+    assert weight.screen is not None and weight.screen.shape == (9, 3)
+    full = native.q8_f32_argmax if exact else native.q8_bf16_argmax
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 96, generator=generator)
+    x[0] = 0.0
+    x[0, :2] = torch.tensor([1.0, 0.005])  # output 3, not 20
+    x[1] = 0.0  # every logit 0: index 0
+    x[2] = 1e-25  # every block tiny: screened as zeros, all tiles kept
+    x[3, :32] = 1e-40  # a block of denormals (flushed by the fast head), the rest normal
+    x[4, 7] = 1e-40  # one denormal among normal values
+    x[5] = x[5] * 1e25  # too large to bound: the head's whole argmax
+    x[6, 50] = math.nan
+    x[7, 10] = math.inf
+    x[8] = -x[8].abs()  # mostly negative logits
+    x[9] = packed.dequantize()[5] * 3  # output 5's own weights: its group ties at the top
+    try:
+        if not exact:
+            native.use_amx(False)  # the screen follows the AVX512_BF16 path's sums
+        ids = full(x, weight.qs, weight.d)
+        assert ids[0] == 3
+        assert ids[9] == 5
+        for rows in (1, 8, 9, 64, 100):
+            screened = native.q8_screen_argmax(x[:rows], weight.qs, weight.d, weight.screen, exact)
+            assert torch.equal(screened, ids[:rows]), rows
+            assert torch.equal(weight.argmax(x[:rows]), ids[:rows]), rows
+        for row in range(len(x)):  # a row's answer never depends on the others
+            one = x[row : row + 1]
+            alone = native.q8_screen_argmax(one, weight.qs, weight.d, weight.screen, exact)
+            assert alone.tolist() == [ids[row].item()], row
+    finally:
+        native.use_amx(True)
+    assert native.q8_screen_argmax(x[:0], weight.qs, weight.d, weight.screen, exact).shape == (0,)
+    with pytest.raises(RuntimeError, match=r"q8_screen_argmax: l1 must be q8_screen_l1\(qs, d\)"):
+        native.q8_screen_argmax(x, weight.qs, weight.d, weight.screen[1:], exact)
+    with pytest.raises(RuntimeError, match=r"q8_screen_argmax: x must be a float32 \[T, K\]"):
+        native.q8_screen_argmax(x.double(), weight.qs, weight.d, weight.screen, exact)
 
 
 #: csrc/tiled_f32.cpp holds kRowsF32 rows at once, 8 (AVX-512) or 3 (AVX2): 2-4 rows take

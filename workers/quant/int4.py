@@ -205,6 +205,9 @@ class Q8Weight:
     out_features: int
     in_features: int
     exact: bool = False
+    #: ``q8_screen_l1(qs, d)`` where this CPU build has the int8 screen of the argmax
+    #: (``csrc/q8_screen.cpp``, AVX512_VNNI), else None
+    screen: torch.Tensor | None = None
 
     @staticmethod
     def supports(weight: PackedWeight, exact: bool = False) -> bool:
@@ -228,7 +231,9 @@ class Q8Weight:
         # [tile, c, b, p, e] -> [tile, b, p, c, e]: output 16 tile + c, input 2p + e of block b
         q = weight.qs.view(out // 16, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
         d = weight.scales.view(out // 16, 16, nb).permute(0, 2, 1).contiguous()
-        return cls(q.view(-1), d, out, in_features, exact)
+        kernels = native_kernels()
+        screen = kernels.q8_screen_l1(q.view(-1), d) if kernels.q8_screen_available() else None
+        return cls(q.view(-1), d, out, in_features, exact, screen)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, in]`` -> ``[T, out]``. Exact: float32 in and out. Else bf16 ``x`` gives
@@ -249,6 +254,8 @@ class Q8Weight:
         writing the logits: a greedy decode step's [64, 49152] are 12.6 MB, and their
         stores and the scan of them took ~1.4 ms of the fast head's ~12."""
         kernels = native_kernels()
+        if self.screen is not None and (self.exact or not kernels.amx_in_use()):
+            return kernels.q8_screen_argmax(x, self.qs, self.d, self.screen, self.exact)
         product = kernels.q8_f32_argmax if self.exact else kernels.q8_bf16_argmax
         return product(x, self.qs, self.d)
 

@@ -60,6 +60,7 @@ SOURCES = tuple(
         "q4_bf16.cpp",
         "q8_bf16.cpp",
         "tiled_f32.cpp",
+        "q8_screen.cpp",
     )
 )
 #: Included by the sources: not compiled alone, but part of the cache key.

@@ -208,6 +208,16 @@ void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const u
 
 bool q8_bf16_available() { return TESSERA_Q8_BF16 != 0; }
 
+void q8_bf16_tile_row(const uint16_t* x, int64_t K, const int8_t* qs, const uint16_t* d,
+                      int64_t tile, float* y) {
+#if TESSERA_Q8_BF16
+  const int64_t nb = K / kBlock;
+  tile_direct<1>(x, K, nb, qs + tile * nb * 512, d + tile * nb * 16, y, 16, tiled::NextTile{});
+#else
+  TORCH_CHECK(false, "q8_bf16_tile_row: this build has no AVX512_BF16 kernel");
+#endif
+}
+
 namespace {
 
 // y, and with `ids` (float32 x) each row's argmax of y into it; with `ids` and not

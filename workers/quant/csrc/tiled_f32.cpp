@@ -502,6 +502,16 @@ torch::Tensor q8_f32_product(const char* name, const torch::Tensor& x, const tor
 
 }  // namespace
 
+void q8_f32_tile_row(const float* x, int64_t K, const int8_t* qs, const uint16_t* d,
+                     int64_t tile, float* y) {
+#if TESSERA_TILED_F32
+  const int64_t nb = K / kBlock;
+  tile_f32<1>(x, K, nb, Q8Tile(qs, d, tile, nb), y, 16, nullptr, tiled::NextTile{});
+#else
+  TORCH_CHECK(false, "q8_f32_tile_row: this build has no AVX-512 or AVX2 kernel");
+#endif
+}
+
 torch::Tensor q8_f32_mm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d) {
   return q8_f32_product("q8_f32_mm", x, qs, d, nullptr);
 }
