@@ -351,11 +351,25 @@ class Engine:
                 self._count_batch(batch, prompt_tokens)
                 return outputs
         chunks = [seq.chunk(n) for seq, n in batch.items]
-        logits = self.runner.execute(chunks)
+        # every row a plain argmax (one row a sequence: no drafts, prompt logprobs or
+        # grammar; a greedy sequence is alone in its group): the forward gives those
+        argmax_only = True
+        for seq, _ in batch.items:
+            if (
+                not seq.argmax_only
+                or seq.grammar is not None
+                or seq.num_draft
+                or seq.prompt_logprobs is not None
+            ):
+                argmax_only = False
+                break
+        logits = self.runner.execute(chunks, argmax_only)
         # the rows' argmax where the LM head took it as it wrote them (a Q8_0 head on the
         # native kernels, ``Q8Weight``); nothing below writes into these logits, and where
-        # the sampler gets other rows the argmax follows them or is dropped
-        argmax = taken_argmax(logits)
+        # the sampler gets other rows the argmax follows them or is dropped. With
+        # ``argmax_only`` the forward gave the argmax alone: one row a sampled sequence, in
+        # order, which ``_sample`` appends as they are (its every target ``argmax_only``)
+        argmax = logits if argmax_only else taken_argmax(logits)
         bs = self.kv.block_size
         outputs: list[RequestOutput] = []
         sampled: list[Sequence] = []

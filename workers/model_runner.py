@@ -190,9 +190,10 @@ class ModelRunner:
         self.forward_time = 0.0
         self._host_ints = HostInts()  # the CPU's step inputs
 
-    def execute(self, chunks: Seq[Chunk]) -> torch.Tensor:
+    def execute(self, chunks: Seq[Chunk], argmax_only: bool = False) -> torch.Tensor:
         """Compute every chunk's tokens (writing their K/V); return the logits of each
-        chunk's ``logits_rows``, chunk after chunk, as float32 ``[sum of rows, vocab]``.
+        chunk's ``logits_rows``, chunk after chunk, as float32 ``[sum of rows, vocab]``, or
+        with ``argmax_only`` each of those rows' argmax (int64, ``argmax_rows``' answer).
 
         Pending copy-on-write block copies are applied first, in the order recorded.
         """
@@ -224,7 +225,8 @@ class ModelRunner:
             entries.sort(key=lambda entry: entry[2] != 1)
         graphs = self.decode_graphs
         if graphs is not None and not whole and graphs.fits(len(entries)):
-            return self._static_decode(chunks, entries)
+            logits = self._static_decode(chunks, entries)
+            return argmax_rows(logits) if argmax_only else logits
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -278,6 +280,7 @@ class ModelRunner:
             tables,
             masks,
             num_decodes,
+            argmax_only,
         )
 
     def execute_decodes(

@@ -42,7 +42,7 @@ RoPE and SwiGLU to bf16.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -256,11 +256,13 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
 
 
 def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
-    """The mode's LM head takes each row's argmax as it writes the logits (where it runs
-    on the native Q8_0 kernel); greedy steps use it (no second read of the logits) and
-    give the tokens that reading them gives. A step of greedy decodes asks the forward
-    for the argmax alone (``argmax_only``: the native head writes no logits), and gets
-    the tokens that the argmax of the logits gives."""
+    """A step whose every row is a plain argmax (greedy requests: their prompts' steps
+    and their decode steps) asks the forward for the argmax alone (``argmax_only``: the
+    native Q8_0 head writes no logits; with AVX512_VNNI it screens them in int8,
+    ``Q8Weight.argmax``), and gets the tokens that the argmax of the logits gives. A step
+    that needs the logits (a request with logprobs among them) gets them, and where the
+    head runs on the native Q8_0 kernel, each row's argmax taken as it wrote them
+    (``taken_argmax``: no second read), with the same tokens again."""
     from tessera.workers import engine as engine_module
     from tessera.workers.model_runner import ModelRunner
     from tessera.workers.quant.int4 import Q8Weight
@@ -270,11 +272,14 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
-    def run() -> dict[str, list[int]]:
+    def run(logprobs: bool = False) -> dict[str, list[int]]:
         engine = Engine(EngineConfig(dtype=contract.dtype, num_kv_blocks=64), loaded=loaded)
         for index, prompt in enumerate(prompts):
             engine.add_request(f"r{index}", prompt, greedy)
-        return {rid: tokens_of(deltas) for rid, deltas in run_engine(engine).items()}
+        if logprobs:  # its 12 tokens span every step of the others' 12
+            engine.add_request("logprobs", prompts[0], replace(greedy, logprobs=1))
+        outputs = run_engine(engine)
+        return {rid: tokens_of(outputs[rid]) for rid in ("r0", "r1", "r2")}
 
     taken: list[bool] = []
     real = engine_module.taken_argmax
@@ -284,29 +289,39 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
         taken.append(indices is not None)
         return indices
 
-    asked: list[bool] = []
-    real_decodes = ModelRunner.execute_decodes
+    asked: list[tuple[str, bool]] = []
+    real_execute, real_decodes = ModelRunner.execute, ModelRunner.execute_decodes
 
-    def spy_decodes(self, seq_ids, token_ids, starts, argmax_only=False):
-        asked.append(argmax_only)
-        out = real_decodes(self, seq_ids, token_ids, starts, argmax_only)
+    def checked(out, rows: int, argmax_only: bool):
         # the argmax (int64 [rows]) or the logits (float32 [rows, SmolLM2's 49,152 tokens])
-        want = (
-            (torch.int64, (len(seq_ids),))
-            if argmax_only
-            else (torch.float32, (len(seq_ids), 49152))
-        )
+        want = (torch.int64, (rows,)) if argmax_only else (torch.float32, (rows, 49152))
         assert (out.dtype, tuple(out.shape)) == want
         return out
 
+    def spy_execute(self, chunks, argmax_only=False):
+        asked.append(("execute", argmax_only))
+        rows = sum(len(chunk.logits_rows) for chunk in chunks)
+        return checked(real_execute(self, chunks, argmax_only), rows, argmax_only)
+
+    def spy_decodes(self, seq_ids, token_ids, starts, argmax_only=False):
+        asked.append(("decodes", argmax_only))
+        out = real_decodes(self, seq_ids, token_ids, starts, argmax_only)
+        return checked(out, len(seq_ids), argmax_only)
+
     monkeypatch.setattr(engine_module, "taken_argmax", spy)
+    monkeypatch.setattr(ModelRunner, "execute", spy_execute)
     monkeypatch.setattr(ModelRunner, "execute_decodes", spy_decodes)
     with_head = run()
+    assert asked[0] == ("execute", True)  # the prompts' step
+    assert len(asked) == 12 and all(only for _, only in asked)  # and every decode step
+    assert not taken  # no logits written, none read
+    asked.clear()
+    assert run(logprobs=True) == with_head
+    assert len(asked) == 12 and not any(only for _, only in asked)
     native_head = loaded.model.head_q8 is not None  # else the head is quant_matmul
-    assert taken and all(t == native_head for t in taken)  # every step's, or none
-    assert len(asked) >= 10 and all(asked)  # every decode step: the argmax alone
+    assert len(taken) == 12 and all(t == native_head for t in taken)  # every step's, or none
     monkeypatch.setattr(engine_module, "taken_argmax", lambda logits: None)
-    assert run() == with_head  # argmax_rows over the logits: the same tokens
+    assert run(logprobs=True) == with_head  # argmax_rows over the logits: the same tokens
     if native_head:  # its argmax as argmax_rows reads it from the logits: the same tokens
         monkeypatch.setattr(Q8Weight, "argmax", lambda self, x: argmax_rows(self.matmul(x)))
         assert run() == with_head

@@ -352,11 +352,11 @@ async def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(make_eng
     execute = inner.runner.execute
     calls = {"n": 0}
 
-    def fail_once(items):
+    def fail_once(items, argmax_only=False):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected step failure")
-        return execute(items)
+        return execute(items, argmax_only)
 
     inner.runner.execute = fail_once
     stream = await engine.add_request("doomed", "Hello", SamplingParams(max_tokens=4))
