@@ -408,6 +408,8 @@ class Engine:
                 # after a parallel set: the mean of its members' distributions
                 merged = seq_logits[0] if count == 1 else mean_distribution_logits(seq_logits)
                 next_logits.append(merged)
+        # (argmax_only: every row is a sampled sequence's, in order)
+        assert not argmax_only or (not verifying and len(sampled) == offset)
         if verifying or len(sampled) != offset:  # else every row of logits, in order
             if all(isinstance(row, int) for row in next_logits):
                 index = torch.tensor(next_logits, dtype=torch.long, device=logits.device)

@@ -256,13 +256,14 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(mode):
 
 
 def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
-    """A step whose every row is a plain argmax (greedy requests: their prompts' steps
-    and their decode steps) asks the forward for the argmax alone (``argmax_only``: the
-    native Q8_0 head writes no logits; with AVX512_VNNI it screens them in int8,
-    ``Q8Weight.argmax``), and gets the tokens that the argmax of the logits gives. A step
-    that needs the logits (a request with logprobs among them) gets them, and where the
-    head runs on the native Q8_0 kernel, each row's argmax taken as it wrote them
-    (``taken_argmax``: no second read), with the same tokens again."""
+    """A step whose every row is a plain argmax (greedy requests: a prompts' step, decode
+    steps, and steps that mix decodes with a later prompt's chunks, one chunk with no row
+    to sample) asks the forward for the argmax alone (``argmax_only``: the native Q8_0 head
+    writes no logits; with AVX512_VNNI it screens them in int8, ``q8_screen_argmax``), and
+    gets the tokens that the argmax of the logits gives. A step that needs the logits (a
+    request with logprobs among them) gets them, and where the head runs on the native
+    Q8_0 kernel, each row's argmax taken as it wrote them (``taken_argmax``: no second
+    read), with the same tokens again."""
     from tessera.workers import engine as engine_module
     from tessera.workers.model_runner import ModelRunner
     from tessera.workers.quant.int4 import Q8Weight
@@ -271,15 +272,25 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
     contract, loaded = mode
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    # 24 tokens in two chunks of a 16-token step budget, beside the others' decodes
+    late = loaded.tokenizer.encode(" ".join(["the lighthouse keeper climbed"] * 6))[:24]
 
     def run(logprobs: bool = False) -> dict[str, list[int]]:
-        engine = Engine(EngineConfig(dtype=contract.dtype, num_kv_blocks=64), loaded=loaded)
+        config = EngineConfig(dtype=contract.dtype, num_kv_blocks=64, max_num_batched_tokens=16)
+        engine = Engine(config, loaded=loaded)
         for index, prompt in enumerate(prompts):
             engine.add_request(f"r{index}", prompt, greedy)
-        if logprobs:  # its 12 tokens span every step of the others' 12
-            engine.add_request("logprobs", prompts[0], replace(greedy, logprobs=1))
-        outputs = run_engine(engine)
-        return {rid: tokens_of(outputs[rid]) for rid in ("r0", "r1", "r2")}
+        if logprobs:  # its 40 tokens outlast the others: every step has its row
+            many = replace(greedy, max_tokens=40, logprobs=1)
+            engine.add_request("logprobs", prompts[0], many)
+        outputs: dict[str, list] = {}
+        for _ in range(3):
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        engine.add_request("late", late, greedy)
+        for rid, deltas in run_engine(engine).items():
+            outputs.setdefault(rid, []).extend(deltas)
+        return {rid: tokens_of(outputs[rid]) for rid in ("r0", "r1", "r2", "late")}
 
     taken: list[bool] = []
     real = engine_module.taken_argmax
@@ -308,18 +319,35 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
         out = real_decodes(self, seq_ids, token_ids, starts, argmax_only)
         return checked(out, len(seq_ids), argmax_only)
 
+    screened: list[int] = []
+    native = native_kernels()
+    if native is not None and native.q8_screen_available():
+        real_screen = native.q8_screen_argmax
+
+        def spy_screen(x, *args):
+            screened.append(len(x))
+            return real_screen(x, *args)
+
+        monkeypatch.setattr(native, "q8_screen_argmax", spy_screen)
     monkeypatch.setattr(engine_module, "taken_argmax", spy)
     monkeypatch.setattr(ModelRunner, "execute", spy_execute)
     monkeypatch.setattr(ModelRunner, "execute_decodes", spy_decodes)
     with_head = run()
-    assert asked[0] == ("execute", True)  # the prompts' step
-    assert len(asked) == 12 and all(only for _, only in asked)  # and every decode step
+    # the prompts' step, two decode steps, the late prompt's two chunks beside decodes
+    # (the first samples nothing for it), then decode steps: every one the argmax alone
+    kinds = [kind for kind, _ in asked[:5]]
+    assert kinds == ["execute", "decodes", "decodes", "execute", "execute"]
+    steps = len(asked)
+    assert steps >= 14 and all(only for _, only in asked)
     assert not taken  # no logits written, none read
+    head = loaded.model.head_q8
+    if head is not None and head.screen is not None and not native.amx_in_use():
+        assert len(screened) == steps  # every step's argmax through the screen
     asked.clear()
     assert run(logprobs=True) == with_head
-    assert len(asked) == 12 and not any(only for _, only in asked)
-    native_head = loaded.model.head_q8 is not None  # else the head is quant_matmul
-    assert len(taken) == 12 and all(t == native_head for t in taken)  # every step's, or none
+    assert len(asked) >= steps and not any(only for _, only in asked)
+    native_head = head is not None  # else the head is quant_matmul
+    assert len(taken) == len(asked) and all(t == native_head for t in taken)  # every step's
     monkeypatch.setattr(engine_module, "taken_argmax", lambda logits: None)
     assert run(logprobs=True) == with_head  # argmax_rows over the logits: the same tokens
     if native_head:  # its argmax as argmax_rows reads it from the logits: the same tokens

@@ -682,12 +682,13 @@ def test_the_int8_screen_gives_the_heads_own_argmax(native, exact):
     qs, scales = packed.qs.clone(), packed.scales.clone()
     qs[[17, 40, 41, 100]] = qs[5].clone()  # outputs 5, 17, 40, 41, 100 equal (tiles 0, 1, 2, 6)
     scales[[17, 40, 41, 100]] = scales[5].clone()
-    # outputs 3 (tile 0) and 20 (tile 1): with x = (1, 0.005, 0, ...) output 3 is 0.99983,
-    # output 20 ~0.99834; the screen rounds 0.005 to 1/127 and makes 20 the larger (1.002)
+    # outputs 3 (tile 0) and 20 (tile 1): with x = (1, 0.005, 0, ...) output 3 is 1.00021,
+    # output 20 0.99809; the screen rounds 0.005 to 1/127 and makes 20 the larger (1.00174)
     qs[:, :2], qs[3], qs[20] = 0, 0, 0  # (every other output 0 there)
     qs[3, 0], qs[20, 0], qs[20, 1] = 100, 99, 127
     scales[3], scales[20] = 0.01, 0.01002
     scales[3:4, 1:], scales[20:21, 1:] = 0.0, 0.0
+    qs[60, 2::3] = -128  # the int8 extreme (unsigned 0 once biased by 128)
     weight = Q8Weight.from_packed(PackedWeight(QuantType.Q8_0, qs, scales, None), exact)
     assert weight.screen is not None and weight.screen.shape == (9, 3)
     full = native.q8_f32_argmax if exact else native.q8_bf16_argmax
@@ -720,6 +721,25 @@ def test_the_int8_screen_gives_the_heads_own_argmax(native, exact):
             assert alone.tolist() == [ids[row].item()], row
     finally:
         native.use_amx(True)
+    # 4,096 inputs: rounding bound past its 1e-4 floor (csrc/q8_screen.cpp, screen_eps)
+    wide_packed, _ = random_packed(QuantType.Q8_0, (16 * 5, 32 * 128), seed=1)
+    wide = Q8Weight.from_packed(wide_packed, exact)
+    wide_x = torch.randn(40, 32 * 128, generator=generator)
+    wide_x[1] = wide_packed.dequantize()[7] * 2  # output 7's own weights: near the top
+    try:
+        if not exact:
+            native.use_amx(False)
+        ids = full(wide_x, wide.qs, wide.d)
+        screened = native.q8_screen_argmax(wide_x, wide.qs, wide.d, wide.screen, exact)
+        assert torch.equal(screened, ids)
+    finally:
+        native.use_amx(True)
+    # an infinite scale: no screen (the head's own argmax, its first NaN)
+    scales[70, 1] = math.inf
+    broken = Q8Weight.from_packed(PackedWeight(QuantType.Q8_0, qs, scales, None), exact)
+    assert broken.screen is None
+    with pytest.raises(RuntimeError, match="q8_screen_l1: d holds an infinite or NaN scale"):
+        native.q8_screen_l1(broken.qs, broken.d)
     assert native.q8_screen_argmax(x[:0], weight.qs, weight.d, weight.screen, exact).shape == (0,)
     with pytest.raises(RuntimeError, match=r"q8_screen_argmax: l1 must be q8_screen_l1\(qs, d\)"):
         native.q8_screen_argmax(x, weight.qs, weight.d, weight.screen[1:], exact)

@@ -206,7 +206,7 @@ class Q8Weight:
     in_features: int
     exact: bool = False
     #: ``q8_screen_l1(qs, d)`` where this CPU build has the int8 screen of the argmax
-    #: (``csrc/q8_screen.cpp``, AVX512_VNNI), else None
+    #: (``csrc/q8_screen.cpp``, AVX512_VNNI) and every scale is finite, else None
     screen: torch.Tensor | None = None
 
     @staticmethod
@@ -232,7 +232,9 @@ class Q8Weight:
         q = weight.qs.view(out // 16, 16, nb, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
         d = weight.scales.view(out // 16, 16, nb).permute(0, 2, 1).contiguous()
         kernels = native_kernels()
-        screen = kernels.q8_screen_l1(q.view(-1), d) if kernels.q8_screen_available() else None
+        # (an infinite or NaN scale: no bound, and the head's own argmax gives its first NaN)
+        screened = kernels.q8_screen_available() and bool(torch.isfinite(d).all())
+        screen = kernels.q8_screen_l1(q.view(-1), d) if screened else None
         return cls(q.view(-1), d, out, in_features, exact, screen)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

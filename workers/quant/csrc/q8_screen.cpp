@@ -14,17 +14,20 @@
 //     |E_j - A_j| <= sum_b beta_b L1_jb,   beta_b = max |s_b qx - v| + eps amax_b,
 // L1_jb = |d_jb| sum |q_jb|. A tile's bound is that sum with each block's largest L1_jb
 // among its 16 columns (q8_screen_l1), for every row at once one small product [T, nb] x
-// [nb, tiles]. eps = 1e-4 covers every rounding: the exact heads' (float32 sums of at most
-// ~600 terms, each within 2^-23 of its product; the fast head's bf16 products are exact)
-// and the screen's own (float32 sums over 18 blocks, beta and the bound themselves), each
-// below 1e-5 of sum |v| |w|. So a tile whose largest A plus its bound falls below some
-// tile's largest A less its bound holds neither the row's maximum nor a column tying it.
+// [nb, tiles]. eps covers every rounding, relative to sum |v| |w| <= sum_b amax_b L1_jb:
+// the exact head's (two chains of K / 2 FMAs: ~(K / 2) 2^-24; the fast head's bf16
+// products are exact and its sums shorter) and the screen's own (float32 sums over nb
+// blocks, beta and the bound themselves: ~(nb + 8) 2^-24), so eps = 1e-4, or (K / 2 + nb
+// + 64) 2^-22 where K is large enough for that to be more (K > ~670): at SmolLM2's K of
+// 576, ~2e-5 of rounding against 1e-4. So a tile whose largest A plus its bound falls
+// below some tile's largest A less its bound holds neither the row's maximum nor a column
+// tying it.
 // Every other tile is computed by the exact head's own code for one row (q8_bf16_tile_row,
 // q8_f32_tile_row: the same sums in the same order as at any row count), in column order,
 // and the first maximum among them is the row's argmax.
 //
 // On SmolLM2's greedy decode steps the screen keeps ~9 tiles of 3,072 a row on average
-// (p99 ~80, at most ~110 over ~1,000 rows), and the head's argmax of 64 rows took 7.9 ms
+// (p99 ~80, at most ~110 over ~1,000 rows, the screen replayed in float64), and the head's argmax of 64 rows took 7.9 ms
 // against 10.4 (fast) and 7.9 against 40 (exact); at 16 rows 2.1 against 3.7 and 2.3
 // against 11.3; at one row 0.51 against 0.64 and 0.37 against 0.84 (2 threads, Zen 4).
 // What bounds it: per row and block, 8 VPDPBUSD and the conversion, scaling and FMA of
@@ -32,8 +35,8 @@
 //
 // A row holding a NaN, an infinity or a value above kLargest (where a product could
 // overflow) takes the exact head's whole argmax (its first NaN, as argmax_rows). A block
-// whose largest |v| is below kTiny is screened as zeros with its whole product as its
-// bound. The weights are the Q8Weight layout's (q8_bf16.cpp): per tile and block, pair p's
+// whose largest |v| is below kTiny is screened as zeros, its bound twice its largest
+// possible product (what the head computes for it lies between 0 and that product). The weights are the Q8Weight layout's (q8_bf16.cpp): per tile and block, pair p's
 // 32 bytes hold the 16 outputs' inputs 2p and 2p + 1; the 64 bytes of pairs 2s and 2s + 1
 // become one VPDPBUSD operand (lane c: inputs 4s .. 4s + 3 of output c) by one word
 // permutation, plus 128 each to make them the unsigned operand (qx is the signed one); the
@@ -83,7 +86,10 @@ using tiled::kBlock;
 #if TESSERA_Q8_SCREEN
 
 constexpr int kScreenRows = 8;      // rows a micro-kernel holds: A and B, one zmm each
-constexpr float kSlack = 1e-4f;     // eps above: B's share of each block's amax
+// eps above: beta's share of each block's amax, for K inputs in nb blocks
+inline float screen_eps(int64_t K, int64_t nb) {
+  return std::max(1e-4f, static_cast<float>(K / 2 + nb + 64) * 0x1p-22f);
+}
 constexpr float kLargest = 1e20f;   // larger |x| (or a NaN) takes the exact argmax whole
 // A block whose largest |x| is below this is screened as zeros, its bound its whole product:
 // the fast head's VDPBF16PS flushes denormal inputs to zero, so such a block's computed
@@ -100,6 +106,7 @@ struct Rows {
   std::vector<float> bound;      // [T, nb]
   std::vector<int32_t> start;    // [T, nb]
   std::vector<uint8_t> exact;    // [T]: 1 where the row takes the exact argmax whole
+  float eps = 0.0f;              // screen_eps(K, nb)
 };
 
 // v: the row's values as the exact head multiplies them (float32).
@@ -138,7 +145,7 @@ void quantise_row(const float* v, Rows& rows, int64_t r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kBlock), _mm512_cvtepi32_epi8(ilo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * kBlock + 16), _mm512_cvtepi32_epi8(ihi));
     rows.scale[r * nb + b] = scale;
-    rows.bound[r * nb + b] = _mm512_reduce_max_ps(err) + kSlack * amax;
+    rows.bound[r * nb + b] = _mm512_reduce_max_ps(err) + rows.eps * amax;
     rows.start[r * nb + b] = -128 * _mm512_reduce_add_epi32(_mm512_add_epi32(ilo, ihi));
   }
 }
@@ -230,6 +237,9 @@ bool q8_screen_available() { return TESSERA_Q8_SCREEN != 0; }
 torch::Tensor q8_screen_l1(const torch::Tensor& qs, const torch::Tensor& d) {
   const tiled::Shape s = tiled::check_d("q8_screen_l1", d, 0);
   tiled::check_q8("q8_screen_l1", s, qs);
+  // a bound from an infinite or NaN scale would bound nothing
+  TORCH_CHECK(torch::isfinite(d).all().item<bool>(),
+              "q8_screen_l1: d holds an infinite or NaN scale, which no screen can bound");
   // [tile, b, p, c, e] -> sum over p and e of |q|: [tile, b, c]; times |d|; the tile's largest
   const auto q = qs.view({s.tiles, s.nb, 16, 16, 2}).to(torch::kInt32).abs().sum({2, 4});
   return std::get<0>((q.to(torch::kFloat32) * d.to(torch::kFloat32).abs()).max(2)).contiguous();
@@ -257,7 +267,7 @@ torch::Tensor q8_screen_argmax(const torch::Tensor& x, const torch::Tensor& qs,
   const auto xb = exact ? torch::Tensor() : xc.to(torch::kBFloat16);
   const auto v = exact ? xc : xb.to(torch::kFloat32);
   Rows rows;
-  rows.T = T, rows.K = K, rows.nb = nb;
+  rows.T = T, rows.K = K, rows.nb = nb, rows.eps = screen_eps(K, nb);
   rows.qx.resize(T * K);
   rows.scale.resize(T * nb);
   rows.bound.resize(T * nb);
@@ -350,8 +360,8 @@ void register_q8_screen(pybind11::module& m) {
   m.def("q8_screen_available", &q8_screen_available,
         "whether this CPU build has the AVX512_VNNI screen of the Q8_0 heads' argmax");
   m.def("q8_screen_l1", &q8_screen_l1,
-        "the screen's bound per output and block of a Q8Weight: |d| sum |q|, float32 "
-        "[N / 16, K / 32, 16]",
+        "the screen's bound per tile and block of a Q8Weight: the largest |d| sum |q| of the "
+        "tile's 16 outputs, float32 [N / 16, K / 32]",
         py::arg("qs"), py::arg("d"));
   m.def("q8_screen_argmax", &q8_screen_argmax,
         "each row's argmax of the exact (q8_f32_mm) or fast (q8_bf16_mm) head's float32 "
