@@ -351,16 +351,11 @@ class Engine:
                 self._count_batch(batch, prompt_tokens)
                 return outputs
         chunks = [seq.chunk(n) for seq, n in batch.items]
-        # every row a plain argmax (one row a sequence: no drafts, prompt logprobs or
-        # grammar; a greedy sequence is alone in its group): the forward gives those
+        # every row a plain argmax (``Sequence.takes_argmax``; such a sequence is alone in
+        # its group): the forward gives those, not the logits
         argmax_only = True
         for seq, _ in batch.items:
-            if (
-                not seq.argmax_only
-                or seq.grammar is not None
-                or seq.num_draft
-                or seq.prompt_logprobs is not None
-            ):
+            if not seq.takes_argmax:
                 argmax_only = False
                 break
         logits = self.runner.execute(chunks, argmax_only)
@@ -480,7 +475,7 @@ class Engine:
         prompt_tokens = self._prompt_tokens
         argmax_only = True  # every token a plain argmax: the forward gives those, no logits
         for seq in seqs:
-            if not seq.argmax_only or seq.grammar is not None:
+            if not seq.takes_argmax:
                 argmax_only = False
             start = seq.num_computed_tokens
             seq_ids.append(seq.seq_id)

@@ -114,6 +114,19 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def takes_argmax(self) -> bool:
+        """This step's row of it (one at most) needs only its argmax, not its logits:
+        ``argmax_only``, and no grammar to mask them, drafts to verify or prompt logprobs
+        to record. A step whose every sequence takes the argmax asks the forward for it
+        alone (``ModelRunner.execute(..., argmax_only=True)``)."""
+        return (
+            self.argmax_only
+            and self.grammar is None
+            and not self.num_draft
+            and self.prompt_logprobs is None
+        )
+
     def wants_prompt_logprobs(self, start: int) -> bool:
         """A chunk from ``start`` is (part of) the prompt whose logprobs the request
         asked for, and not yet sent."""

@@ -34,7 +34,7 @@
 // their sums share the same two pipes (~0.73 of VPDPBUSD's peak).
 //
 // A row holding a NaN, an infinity or a value above kLargest (where a product could
-// overflow) takes the exact head's whole argmax (its first NaN, as argmax_rows). A block
+// overflow) takes the head's whole argmax (its first NaN, as argmax_rows). A block
 // whose largest |v| is below kTiny is screened as zeros, its bound twice its largest
 // possible product (what the head computes for it lies between 0 and that product). The weights are the Q8Weight layout's (q8_bf16.cpp): per tile and block, pair p's
 // 32 bytes hold the 16 outputs' inputs 2p and 2p + 1; the 64 bytes of pairs 2s and 2s + 1
@@ -90,8 +90,8 @@ constexpr int kScreenRows = 8;      // rows a micro-kernel holds: A and B, one z
 inline float screen_eps(int64_t K, int64_t nb) {
   return std::max(1e-4f, static_cast<float>(K / 2 + nb + 64) * 0x1p-22f);
 }
-constexpr float kLargest = 1e20f;   // larger |x| (or a NaN) takes the exact argmax whole
-// A block whose largest |x| is below this is screened as zeros, its bound its whole product:
+constexpr float kLargest = 1e20f;   // larger |x| (or a NaN) takes the head's whole argmax
+// A block whose largest |x| is below this is screened as zeros, its bound twice its product:
 // the fast head's VDPBF16PS flushes denormal inputs to zero, so such a block's computed
 // sum may be anything between 0 and its product (a larger block's denormals cost at most
 // 2^-126 |w| each, far below eps amax_b |w|).
@@ -105,7 +105,7 @@ struct Rows {
   std::vector<float> scale;      // [T, nb]
   std::vector<float> bound;      // [T, nb]
   std::vector<int32_t> start;    // [T, nb]
-  std::vector<uint8_t> exact;    // [T]: 1 where the row takes the exact argmax whole
+  std::vector<uint8_t> whole;    // [T]: 1 where the row takes the head's whole argmax
   float eps = 0.0f;              // screen_eps(K, nb)
 };
 
@@ -119,7 +119,7 @@ void quantise_row(const float* v, Rows& rows, int64_t r) {
     const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
     const __m512 largest = _mm512_set1_ps(kLargest);  // not <= it: too large, or a NaN
     if (_mm512_cmp_ps_mask(alo, largest, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(ahi, largest, _CMP_NLE_UQ)) {
-      rows.exact[r] = 1;
+      rows.whole[r] = 1;
       return;
     }
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
@@ -272,12 +272,12 @@ torch::Tensor q8_screen_argmax(const torch::Tensor& x, const torch::Tensor& qs,
   rows.scale.resize(T * nb);
   rows.bound.resize(T * nb);
   rows.start.resize(T * nb);
-  rows.exact.assign(T, 0);
+  rows.whole.assign(T, 0);
   const float* vp = v.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) quantise_row(vp + r * K, rows, r);
   });
-  // a row that takes the exact argmax whole is screened anyway (its numbers are harmless:
+  // a row that takes the head's whole argmax is screened anyway (its numbers are harmless:
   // its survivors are not read), so that every group of rows keeps its size
   const int8_t* qp = qs.data_ptr<int8_t>();
   const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -317,13 +317,13 @@ torch::Tensor q8_screen_argmax(const torch::Tensor& x, const torch::Tensor& qs,
   int64_t* out = ids.data_ptr<int64_t>();
   const uint16_t* xbp = exact ? nullptr : reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
   const float* xp = xc.data_ptr<float>();
-  std::vector<int64_t> whole;  // rows that take the exact argmax whole
+  std::vector<int64_t> whole;  // rows that take the head's whole argmax
   for (int64_t r = 0; r < T; ++r)
-    if (rows.exact[r]) whole.push_back(r);
+    if (rows.whole[r]) whole.push_back(r);
   at::parallel_for(0, T, 1, [&](int64_t first, int64_t last) {
     alignas(64) float y[16];
     for (int64_t r = first; r < last; ++r) {
-      if (rows.exact[r]) continue;
+      if (rows.whole[r]) continue;
       float floor = -std::numeric_limits<float>::infinity();
       for (const auto& range : ranges) floor = std::max(floor, range[r].floor);
       float best = 0.0f;
