@@ -49,8 +49,10 @@ once, each sent when one ends), the load of vLLM's ``--max-concurrency``.
 The engine itself: ``--engine`` also runs each schedule through the in-process engine
 (``AsyncEngine``, no Ray, no HTTP) with the engine settings that ``--serve-args`` give
 ``tessera serve`` and as many torch threads as its worker gets (``--engine-threads``,
-default all CPUs), before the server starts, so the two never share the cores. The
-report's ``http_vs_engine`` ratios are what the front door keeps of the engine's speed.
+default all CPUs), before the server starts and again after it stops, so the two never
+share the cores. The report's ``http_vs_engine`` ratios are what the front door keeps of
+the engine's speed, against the mean of the two in-process runs: this machine's speed
+drifts by 10-25% over the minutes between them, and the mean takes out a steady drift.
 With ``--start``, the JSON's ``server_cpu_s`` gives the CPU seconds each process of the
 server (worker, Serve replica, proxy, controller, scheduler, Ray's own) spent in each of
 our runs: on a 2-core machine, what the front door takes from the worker. ``phase_ms``
@@ -97,7 +99,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,8 +134,10 @@ class Target:
     headers: dict[str, str]
 
 
-#: The in-process engine as a target (``--engine``): no URL, no model id.
+#: The in-process engine as a target (``--engine``): no URL, no model id. It runs before
+#: the server starts and again after it stops (``ENGINE_AFTER``).
 ENGINE = Target("engine", "engine (in-process)", "", "", {})
+ENGINE_AFTER = Target("engine_after", "engine (in-process, after)", "", "", {})
 
 
 @dataclass(slots=True)
@@ -419,9 +423,9 @@ def engine_settings(serve_args: list[str]):
 
 
 def bench_engine(
-    args, schedules: dict[float, list[Request]]
+    args, schedules: dict[float, list[Request]], target: Target = ENGINE
 ) -> tuple[dict, dict[float, dict[str, float | None]]]:
-    """Every schedule through the in-process engine, with the server's engine settings:
+    """Every schedule through a new in-process engine, with the server's engine settings:
     its runs, and each run's ``step_means``."""
     import torch
 
@@ -448,7 +452,7 @@ def bench_engine(
                 before = counters(engine)
                 runs[level] = await run_schedule(
                     lambda request: send_engine(engine, request, args),
-                    ENGINE.name,
+                    target.name,
                     schedule,
                     level,
                     args,
@@ -506,6 +510,19 @@ def step_means(before: dict[str, float], after: dict[str, float]) -> dict[str, f
         "decode_steps": int(moved["decode_steps"]),
         "decode_step": mean("decode_seconds", "decode_steps"),
     }
+
+
+def mean_fields(
+    records: list[dict[str, Any]], names: Sequence[str] | None = None
+) -> dict[str, float | None]:
+    """Each field's mean over the records (all of the first's fields, or ``names``); None
+    where a record has none."""
+    names = list(records[0]) if names is None else names
+    means = {}
+    for name in names:
+        values = [record[name] for record in records]
+        means[name] = None if None in values else round(statistics.fmean(values), 3)
+    return means
 
 
 async def server_totals(
@@ -677,7 +694,10 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
                 | paired_ttft(result["runs"]["ours", level][0], result["runs"]["peer", level][0])
             )
         if ENGINE.role in by_role:
-            engine = by_role[ENGINE.role]
+            engine = mean_fields(
+                [by_role[t.role] for t in (ENGINE, ENGINE_AFTER) if t.role in by_role],
+                ("out_tok_s", "goodput", "ttft_p50_ms", "tpot_p50_ms"),
+            )
             versus_engine.append(
                 {key: level}
                 | {k: ratio(ours[k], engine[k]) for k in ("out_tok_s", "goodput")}
@@ -702,7 +722,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
     def plot(ax) -> None:
         ax.figure.set_size_inches(16, 4.5)
         panels = side_panels(ax, [1, 1, 1, 1])
-        for name, style in zip(names, ("-", "--", ":"), strict=False):
+        for name, style in zip(names, ("-", "--", ":", "-."), strict=False):
             mine = [r for r in rows if r["server"] == name]
             rates = [r[key] for r in mine]
             for panel, metric in zip(panels, ("ttft", "tpot"), strict=False):
@@ -726,7 +746,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             panel.set_yscale("log")
             panel.yaxis.set_major_formatter(plain)
             panel.yaxis.set_minor_formatter(plain)
-        words = ("solid", "dashed", "dotted")
+        words = ("solid", "dashed", "dotted", "dash-dotted")
         styles = ", ".join(f"{n} {w}" for n, w in zip(names, words, strict=False))
         ax.figure.suptitle(
             (
@@ -755,7 +775,12 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
             "http_vs_engine": versus_engine,
             "engine": None
             if ENGINE.role not in {t.role for t in targets}
-            else {"threads": args.engine_threads, "settings": args.engine_settings},
+            else {
+                "threads": args.engine_threads,
+                "settings": args.engine_settings,
+                "runs": "before the server starts and after it stops; http_vs_engine and "
+                "step_ms take their mean",
+            },
             "url": next(t.url for t in targets if t.role == "ours"),
             "models": {t.name: t.model for t in targets if t.model},
             "load": key,
@@ -789,7 +814,8 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
         )
     for r in versus_engine:
         print(
-            f"{key} {r[key]:g}: HTTP / in-process engine: output tok/s {fmt(r['out_tok_s'])}, "
+            f"{key} {r[key]:g}: HTTP / in-process engine (the mean of its runs before and "
+            f"after the server): output tok/s {fmt(r['out_tok_s'])}, "
             f"p50 TTFT {fmt(r['ttft_p50'])}, p50 TPOT {fmt(r['tpot_p50'])} (lower is better)"
         )
 
@@ -949,7 +975,9 @@ def main() -> None:
     parser.add_argument("--start", action="store_true", help="start `tessera serve` first")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
     parser.add_argument(
-        "--engine", action="store_true", help="also run the in-process engine (first)"
+        "--engine",
+        action="store_true",
+        help="also run the in-process engine, before the server and after it",
     )
     parser.add_argument(
         "--engine-threads",
@@ -990,10 +1018,10 @@ def main() -> None:
     if args.dry_run:
         print_schedule(schedules, args.load_key)
         return
-    engine_runs, engine_steps = {}, {}
+    engines = []  # (target, runs, step means) of each in-process run
     if args.engine:  # first: the server is not up yet, so it has the cores to itself
         args.engine_settings = repr(engine_settings(args.serve_args))
-        engine_runs, engine_steps = bench_engine(args, schedules)
+        engines.append((ENGINE, *bench_engine(args, schedules)))
     server = start_server(args) if args.start else None
     args.server_pid = server.pid if server is not None else None
     try:
@@ -1001,10 +1029,16 @@ def main() -> None:
     finally:
         if server is not None:
             stop_server(server)
-    if engine_runs:
-        result["targets"].append(ENGINE)
-        result["runs"] |= {(ENGINE.role, level): run for level, run in engine_runs.items()}
-    result["engine_step_ms"] = engine_steps
+    if args.engine:  # and again once the server is gone (ENGINE_AFTER)
+        engines.append((ENGINE_AFTER, *bench_engine(args, schedules, ENGINE_AFTER)))
+    for target, runs, _ in engines:
+        result["targets"].append(target)
+        result["runs"] |= {(target.role, level): run for level, run in runs.items()}
+    result["engine_step_ms"] = {
+        level: mean_fields([steps[level] for _, _, steps in engines])
+        for level in schedules
+        if engines
+    }
     write_report(args, schedules, result)
 
 
