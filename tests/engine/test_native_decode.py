@@ -240,6 +240,48 @@ def test_a_step_in_shares_of_rows_gives_the_numbers_of_one_over_every_row(
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
+@pytest.mark.parametrize("step", list(STEPS_OF_18))
+@pytest.mark.parametrize("rows", [None, [0, 5, 9, 9, 17]], ids=["every-row", "in-order"])
+def test_rows_handed_to_a_waiting_thread_give_the_numbers_of_one_run(request, which, step, rows):
+    """A thread done with its share of a step of decodes takes the last half of the other
+    thread's rows as that one starts its next layer (``run_in_shares``). With the second
+    thread held until the first has claimed both shares (``hold_second_share``), the first
+    hands it rows (``share_handovers`` counts them; a few tries, since the second may be
+    off its core for the whole share), and the logits of the rows asked for and the
+    cache are bit for bit those of the step with every product shared."""
+    native = native_kernels()
+    loaded = loaded_in_shares(request, which)
+    seq_lens, chunks = STEPS_OF_18[step]
+    picked = None if rows is None else torch.tensor(rows)
+    threads = torch.get_num_threads()
+    handed = []
+    try:
+        torch.set_num_threads(2)
+        assert native.use_row_shares(0) == 0
+        expected, expected_cache = one_step(
+            loaded, native=True, rows=picked, seq_lens=seq_lens, chunks=chunks
+        )
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
+        assert native.hold_second_share(True) is True
+        for _ in range(5):
+            before = native.share_handovers()
+            handed.append(
+                one_step(loaded, native=True, rows=picked, seq_lens=seq_lens, chunks=chunks)
+            )
+            if native.share_handovers() > before:
+                break
+        else:
+            pytest.fail("no share was handed over in 5 steps")
+    finally:
+        native.hold_second_share(False)
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
+        torch.set_num_threads(threads)
+    for logits, cache in handed:
+        assert torch.equal(logits, expected)
+        assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
 @pytest.mark.parametrize("seq_lens", [SEQ_LENS * 3, SEQ_LENS[:4] * 2], ids=["18-rows", "8-rows"])
 def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which, seq_lens):
     """A share of a step of 18 or 8 decodes on two threads queues each next layer's K/V
@@ -260,6 +302,8 @@ def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which,
     results, asked = [], []
     try:
         torch.set_num_threads(2)
+        # a share handed to the other thread leaves lines of its rows unasked
+        native.use_share_handover(False)
         for wanted in (True, False):
             assert native.use_kv_prefetch(wanted) is wanted
             before = native.kv_prefetched_lines()
@@ -267,6 +311,7 @@ def test_a_share_fetches_the_next_layers_kv_and_the_numbers_stay(request, which,
             asked.append(native.kv_prefetched_lines() - before)
     finally:
         native.use_kv_prefetch(True)
+        native.use_share_handover(True)
         torch.set_num_threads(threads)
     # the bf16 kernel's AMX path (a CPU with AMX) computes without fetching any
     amx = which != "smollm2" and native.amx_in_use()
