@@ -49,10 +49,11 @@ once, each sent when one ends), the load of vLLM's ``--max-concurrency``.
 The engine itself: ``--engine`` also runs each schedule through the in-process engine
 (``AsyncEngine``, no Ray, no HTTP) with the engine settings that ``--serve-args`` give
 ``tessera serve`` and as many torch threads as its worker gets (``--engine-threads``,
-default all CPUs), before the server starts and again after it stops, so the two never
-share the cores. The report's ``http_vs_engine`` ratios are what the front door keeps of
-the engine's speed, against the mean of the two in-process runs: this machine's speed
-drifts by 10-25% over the minutes between them, and the mean takes out a steady drift.
+default all CPUs), before the server starts and again after it stops (with ``--start``;
+a server of your own stays up for the second), so the two never share the cores. The
+report's ``http_vs_engine`` ratios are what the front door keeps of the engine's speed,
+against the mean of the two in-process runs: this machine's speed drifts by 10-25% over
+the minutes between them, and the mean takes out a steady drift.
 With ``--start``, the JSON's ``server_cpu_s`` gives the CPU seconds each process of the
 server (worker, Serve replica, proxy, controller, scheduler, Ray's own) spent in each of
 our runs: on a 2-core machine, what the front door takes from the worker. ``phase_ms``
@@ -512,12 +513,8 @@ def step_means(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     }
 
 
-def mean_fields(
-    records: list[dict[str, Any]], names: Sequence[str] | None = None
-) -> dict[str, float | None]:
-    """Each field's mean over the records (all of the first's fields, or ``names``); None
-    where a record has none."""
-    names = list(records[0]) if names is None else names
+def mean_fields(records: list[dict[str, Any]], names: Sequence[str]) -> dict[str, float | None]:
+    """Each of the fields ``names``' mean over the records; None where a record has none."""
     means = {}
     for name in names:
         values = [record[name] for record in records]
@@ -1030,14 +1027,16 @@ def main() -> None:
         if server is not None:
             stop_server(server)
     if args.engine:  # and again once the server is gone (ENGINE_AFTER)
+        time.sleep(args.cooldown_s)  # Ray's processes end after `tessera serve` itself
         engines.append((ENGINE_AFTER, *bench_engine(args, schedules, ENGINE_AFTER)))
     for target, runs, _ in engines:
         result["targets"].append(target)
         result["runs"] |= {(target.role, level): run for level, run in runs.items()}
     result["engine_step_ms"] = {
-        level: mean_fields([steps[level] for _, _, steps in engines])
+        level: mean_fields(runs, ("step", "host", "decode_step"))
+        | {count: sum(run[count] for run in runs) for count in ("steps", "decode_steps")}
         for level in schedules
-        if engines
+        if (runs := [steps[level] for _, _, steps in engines])
     }
     write_report(args, schedules, result)
 

@@ -32,19 +32,29 @@ SEQ_LENS = [1, 15, 16, 17, 40, 33]
 
 
 def decode_batch(
-    num_blocks: int, seq_lens: list[int] = SEQ_LENS, chunks: list[tuple[int, int]] = ()
+    num_blocks: int,
+    seq_lens: list[int] = SEQ_LENS,
+    chunks: list[tuple[int, int]] = (),
+    linked: int = 0,
 ) -> AttentionMetadata:
     """Rows of ``seq_lens`` tokens, then causal chunks of (rows, seq_len) (each the last
     ``rows`` tokens of its sequence), each sequence on its own scattered blocks (never
-    block 0..1)."""
+    block 0..1); the last ``linked`` rows of ``seq_lens`` (lengths one apart) are one
+    sequence's new tokens, each its own row on that sequence's blocks, as the engine
+    runs a short prompt."""
     generator = torch.Generator().manual_seed(1)
     free = (torch.randperm(num_blocks - 2, generator=generator) + 2).tolist()
     lengths = [*seq_lens, *(n for _, n in chunks)]
     new_rows = [1] * len(seq_lens) + [rows for rows, _ in chunks]
     width = max(-(-n // BLOCK_SIZE) for n in lengths)
     tables, slots = [], []
-    for n, rows in zip(lengths, new_rows, strict=True):
-        own = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+    shared: list[int] = []  # the linked rows' sequence's blocks
+    for index, (n, rows) in enumerate(zip(lengths, new_rows, strict=True)):
+        if len(seq_lens) - linked <= index < len(seq_lens):
+            shared = shared or [free.pop() for _ in range(-(-seq_lens[-1] // BLOCK_SIZE))]
+            own = shared[: -(-n // BLOCK_SIZE)]
+        else:
+            own = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
         tables.append(own + [0] * (width - len(own)))
         slots += [own[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE for i in range(n - rows, n)]
     starts = [0]
@@ -67,10 +77,11 @@ def one_step(
     rows: torch.Tensor | None = None,
     seq_lens: list[int] = SEQ_LENS,
     chunks: list[tuple[int, int]] = (),
+    linked: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (of ``rows``, default all) and the cache after one step of decode rows of
-    ``seq_lens`` tokens and prompt ``chunks`` (``decode_batch``) over a cache of random K/V
-    (NaN in the blocks no row reads)."""
+    ``seq_lens`` tokens (the last ``linked`` one sequence's) and prompt ``chunks``
+    (``decode_batch``) over a cache of random K/V (NaN in the blocks no row reads)."""
     model, config = loaded.model, loaded.config
     lengths = [*seq_lens, *(n for _, n in chunks)]
     num_blocks = 13 + sum(-(-n // BLOCK_SIZE) for n in lengths)  # 24 for SEQ_LENS
@@ -79,7 +90,7 @@ def one_step(
     generator = torch.Generator().manual_seed(0)
     # bf16-representable values: every dtype's cache holds the same numbers
     cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16).to(dtype))
-    meta = decode_batch(num_blocks, seq_lens, chunks)
+    meta = decode_batch(num_blocks, seq_lens, chunks, linked)
     used = set(meta.block_tables.flatten().tolist())
     for block in range(num_blocks):
         if block not in used:
@@ -279,6 +290,34 @@ def test_rows_handed_to_a_waiting_thread_give_the_numbers_of_one_run(request, wh
     for logits, cache in handed:
         assert torch.equal(logits, expected)
         assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])
+def test_no_share_is_cut_between_rows_that_read_each_others_kv(request, which):
+    """A short prompt's 9 tokens as decode rows (each reads the K/V the ones before it
+    write in the same layer), one share of a step of 18: that share is never handed over
+    in part, even with the second thread held (``share_handovers`` does not move), and
+    the logits and the cache are bit for bit the step's with every product shared."""
+    native = native_kernels()
+    loaded = loaded_in_shares(request, which)
+    seq_lens = SEQ_LENS + SEQ_LENS[:3] + list(range(16, 25))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert native.use_row_shares(0) == 0
+        expected, expected_cache = one_step(loaded, native=True, seq_lens=seq_lens, linked=9)
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
+        native.hold_second_share(True)
+        before = native.share_handovers()
+        logits, cache = one_step(loaded, native=True, seq_lens=seq_lens, linked=9)
+        handovers = native.share_handovers() - before
+    finally:
+        native.hold_second_share(False)
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
+        torch.set_num_threads(threads)
+    assert handovers == 0
+    assert torch.equal(logits, expected)
+    assert torch.equal(cache.nan_to_num(), expected_cache.nan_to_num())
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_fast", "smollm2_auto"])

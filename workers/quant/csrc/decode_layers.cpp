@@ -655,17 +655,18 @@ class DecodeLayers {
     // with `rows`, the last layer's rows past its attention (the o projection, the residual,
     // the MLP) are only those rows, gathered in their order: no other row's output is read
     torch::Tensor last;
-    const int64_t shares =
-        row_shares(decodes, B, slot_p, len_p, table_p, width, block_size, rows ? &picked : nullptr);
+    bool linked = false;  // some decode row reads K/V another decode row writes
+    const int64_t shares = row_shares(decodes, B, slot_p, len_p, table_p, width, block_size,
+                                      rows ? &picked : nullptr, &linked);
 #define TESSERA_RUN(T, C)                                                                      \
   last = shares == 1   ? run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width,   \
                                    chunks, kv_cache, rows ? &picked : nullptr)                 \
          : chunks.empty() ? run_in_shares<T, C>(shares, hidden, cos, sin, slot_p, len_p,       \
                                                 table_p, width, kv_cache,                      \
-                                                rows ? &picked : nullptr)                      \
+                                                rows ? &picked : nullptr, !linked)             \
                           : run_split<T, C>(shares, hidden, cos, sin, slot_p, decodes, len_p,  \
                                             table_p, width, chunks, kv_cache,                  \
-                                            rows ? &picked : nullptr)
+                                            rows ? &picked : nullptr, !linked)
     if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
     else if (dtype == at::kFloat && cache == at::kHalf) TESSERA_RUN(float, c10::Half);
     else if (dtype == at::kBFloat16 && cache == at::kBFloat16) TESSERA_RUN(c10::BFloat16, c10::BFloat16);
@@ -706,9 +707,13 @@ class DecodeLayers {
   // does again, so in shares alone it measured no gain (stop 59); with the next layer's
   // K/V fetched (twice the fast mode's bytes) 16 decodes took 32.3 ms against 37.1 in
   // shares without and 40.3 shared, 64 decodes 119.7 against 126.0 and 130.3 (stop 65).
+  //
+  // `linked`: whether some decode row reads a block another decode row writes (of its
+  // share: a short prompt's or a target's drafts' tokens, each its own row), so that no
+  // share may be cut (run_in_shares' handover).
   int64_t row_shares(int64_t D, int64_t B, const int64_t* slots, const int64_t* seq_lens,
                      const int64_t* tables, int64_t width, int64_t block_size,
-                     const torch::Tensor* rows) const {
+                     const torch::Tensor* rows, bool* linked) const {
     // Two threads, one share each: measured there only. With more threads a step's few
     // rows would leave threads idle (each share runs on one), and each share of ~8 rows
     // would read every weight again.
@@ -724,19 +729,19 @@ class DecodeLayers {
       const int64_t* r = rows->data_ptr<int64_t>();
       if (!std::is_sorted(r, r + rows->numel())) return 1;
     }
-    // (block written, share; the chunks' rows: `shares`), sorted; then every decode row's
-    // context blocks looked up in it
+    // (block written, row), sorted; then every decode row's context blocks looked up in it
     std::vector<std::pair<int64_t, int64_t>> written(B);
-    for (int64_t b = 0; b < B; ++b)
-      written[b] = {slots[b] / block_size, b < D ? b * shares / D : shares};
+    for (int64_t b = 0; b < B; ++b) written[b] = {slots[b] / block_size, b};
     std::sort(written.begin(), written.end());
+    const auto share_of = [D, shares](int64_t b) { return b < D ? b * shares / D : shares; };
     for (int64_t b = 0; b < D; ++b) {
-      const int64_t share = b * shares / D;
       for (int64_t j = 0; j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
         auto at = std::lower_bound(written.begin(), written.end(),
                                    std::pair<int64_t, int64_t>{tables[b * width + j], 0});
-        for (; at != written.end() && at->first == tables[b * width + j]; ++at)
-          if (at->second != share) return 1;
+        for (; at != written.end() && at->first == tables[b * width + j]; ++at) {
+          if (share_of(at->second) != share_of(b)) return 1;
+          if (at->second != b) *linked = true;
+        }
       }
     }
     return shares;
@@ -745,20 +750,23 @@ class DecodeLayers {
   // run() over `shares` consecutive ranges of a step's B decode rows, one per thread, each
   // range's rows through every layer on that thread alone (the kernels' own parallel
   // loops run inline there): one barrier a step instead of a dozen a layer, where a
-  // thread taken off its core by another process held the other at each. A thread done
-  // with its rows takes the last half of the other's as that one starts a layer (at
-  // least share_rows() / 2 rows each, two layers left at least), and goes on with them
-  // from there: a thread taken off its core then holds the step back by about half the
-  // time it lost. Beside a process busy 0.4 ms every 3 ms (stop 71, alternate steps),
+  // thread taken off its core by another process held the other at each. With
+  // `handover` (no decode row reads K/V another decode row writes: row_shares' `linked`,
+  // since the rows of one short prompt or of a target's drafts read each other's K/V of
+  // the same layer), a thread done with its rows takes the last half of the other's as
+  // that one starts a layer (at least share_rows() / 2 rows each, two layers left at
+  // least), and goes on with them from there: a thread taken off its core then holds the
+  // step back by about half the time it lost. Beside a process busy 0.4 ms every 3 ms (stop 71, alternate steps),
   // 64 decodes 59.2-68.6 ms against 62.2-71.6 without the handover (16 decodes 17.7-19.3
   // against 18.4-19.9); quiet, the same. Same numbers as run() over all rows (row_shares
-  // says when; a row's numbers never depend on its thread or the rows beside it); with
-  // `rows`, the rows each range kept, in order.
+  // says when; an unlinked row's numbers never depend on its thread or the rows beside
+  // it); with `rows`, the rows each range kept, in order.
   template <typename T, typename C>
   torch::Tensor run_in_shares(int64_t shares, torch::Tensor& hidden, const torch::Tensor& cos,
                               const torch::Tensor& sin, const int64_t* slots,
                               const int64_t* seq_lens, const int64_t* tables, int64_t width,
-                              const torch::Tensor& kv_cache, const torch::Tensor* rows) const {
+                              const torch::Tensor& kv_cache, const torch::Tensor* rows,
+                              bool handover) const {
     const int64_t B = hidden.size(0);
     // Rows [b0, b0 + n) from layer `layer` on; `wanted`: their rows kept at the last layer
     // (with `rows`), counted from b0.
@@ -802,7 +810,7 @@ class DecodeLayers {
     };
     at::parallel_for(0, shares, 1, [&](int64_t, int64_t) {
       if (hold_second_thread().load() && at::get_thread_num() == 1)
-        while (next.load() < shares) spin_pause();
+        while (next.load() < shares && !failed.load()) spin_pause();
       Work work;
       bool have = claim(work);
       while (true) {
@@ -821,7 +829,7 @@ class DecodeLayers {
           }
         }
         const std::function<int64_t(int64_t, int64_t)> keep = [&](int64_t l, int64_t n) {
-          if (n < 2 * least || num_layers() - l < 2 || waiting.load() == 0 ||
+          if (!handover || n < 2 * least || num_layers() - l < 2 || waiting.load() == 0 ||
               !share_handover().load())
             return n;
           active.fetch_add(1);
@@ -889,7 +897,7 @@ class DecodeLayers {
                           const torch::Tensor& sin, const int64_t* slots, int64_t D,
                           const int64_t* seq_lens, const int64_t* tables, int64_t width,
                           const std::vector<Prompt>& prompts, const torch::Tensor& kv_cache,
-                          const torch::Tensor* rows) const {
+                          const torch::Tensor* rows, bool handover) const {
     const int64_t B = hidden.size(0);
     torch::Tensor decode_rows = hidden.narrow(0, 0, D), prompt_rows = hidden.narrow(0, D, B - D);
     torch::Tensor decode_kept, prompt_kept;
@@ -903,7 +911,8 @@ class DecodeLayers {
     for (Prompt& prompt : moved) prompt.first -= D;
     torch::Tensor decoded =
         run_in_shares<T, C>(shares, decode_rows, cos.narrow(0, 0, D), sin.narrow(0, 0, D), slots,
-                            seq_lens, tables, width, kv_cache, rows ? &decode_kept : nullptr);
+                            seq_lens, tables, width, kv_cache, rows ? &decode_kept : nullptr,
+                            handover);
     torch::Tensor prompted =
         run<T, C>(prompt_rows, cos.narrow(0, D, B - D), sin.narrow(0, D, B - D), slots + D, 0,
                   seq_lens, tables, width, moved, kv_cache, rows ? &prompt_kept : nullptr);
