@@ -815,6 +815,8 @@ class DecodeLayers {
       bool have = claim(work);
       while (true) {
         if (!have) {
+          // no rows can come: wait at the region's end, as libgomp waits
+          if (!handover || !share_handover().load()) return;
           waiting.store(1);
           while (!have) {  // another share's rows, or the end
             if (posted.load(std::memory_order_acquire)) {
