@@ -139,7 +139,9 @@ async def test_a_node_lost_mid_load_fails_its_streams_over_unchanged(ray_session
                 assert text_of(deltas) == text_of(expected[request_id]), request_id
                 assert [d.finished for d in deltas].count(True) == 1, request_id
             stats = await cluster.stats()
-            assert stats.failovers >= 4
+            # the lost node's 4 streams, less any that ended while its processes went down
+            # (one did, once, on a loaded CI machine: its output was checked above all the same)
+            assert 1 <= stats.failovers <= 4
             # what the surviving workers hold is released: nothing stays placed
             for _ in range(50):
                 if not any(w.ongoing for w in (await cluster.stats()).workers):
