@@ -7,9 +7,10 @@ so a bad request, a full queue (``OverloadedError``) or an empty cluster
 (``NoWorkerError``) raise from ``submit`` itself.
 
 **Channels.** The client keeps one delta channel per worker it uses (``_Channel``,
-opened at its first request there): every engine step's deltas of all this client's
-requests on that worker arrive as one Ray item, and are routed here to their
-requests. A channel that fails (the worker died) fails over every request on it.
+opened at its first request there): the deltas of all this client's requests on that
+worker arrive together, one Ray item every ``stream_interval`` engine steps (or at once
+for a request's first or last delta), and are routed here to their requests. A
+channel that fails (the worker died) fails over every request on it.
 
 **Failover.** If the worker dies mid-stream, the stream asks the scheduler for a new
 worker and goes on there from the tokens already delivered: a request with one

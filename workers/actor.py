@@ -7,10 +7,11 @@ requests go; deltas go straight from here to the front end that started the requ
 
 **Channels.** A front end opens one channel to each worker it uses (``deltas``, a Ray
 streaming generator) and starts requests on it (``start``). Every item of the channel
-is a batch: the ``(request id, item)`` pairs that came since the last one, so each
-engine step reaches the front end as one Ray item whatever the number of requests
-(one Ray stream item costs about half a millisecond of CPU on each side; one per
-token per request was most of the front end's cost). A channel that ends (its caller
+is a batch: the ``(request id, item)`` pairs that came since the last one, sent every
+``stream_interval`` engine steps or at once for a request's first delta, last delta or
+failure (``_Channel``), whatever the number of requests (one Ray stream item costs a
+millisecond or more of CPU on each side; one per token per request was most of the
+front end's cost). A channel that ends (its caller
 cancelled it, or stopped touching it: Ray does not end a stream whose caller died)
 aborts every request it still carries: their blocks go back at once. ``abort`` ends
 one request.
@@ -63,6 +64,10 @@ logger = logging.getLogger(__name__)
 #: Unreported prefix-cache events kept before the worker sends a snapshot instead.
 MAX_PENDING_EVENTS = 100_000
 
+#: Seconds a channel holds items while no new item comes for it (its requests' engine
+#: not stepping, waiting for free blocks say) before it sends them anyway.
+HOLD_S = 0.5
+
 
 class ChannelClosedError(RuntimeError):
     """``start`` named a channel this worker does not have open (never opened, or
@@ -72,21 +77,44 @@ class ChannelClosedError(RuntimeError):
 
 
 class _Channel:
-    """One caller's open channel: the items not yet sent, and the requests on it."""
+    """One caller's open channel: the items not yet sent, and the requests on it.
 
-    def __init__(self, keepalive_s: float) -> None:
+    Items wait for a batch until one of them is urgent (a request's first delta, a
+    finished one, its end or its failure: put at once) or ``interval`` engine steps have
+    passed since the last batch (``stream_interval``; a step of a request with several
+    outputs, parallel tokens or drafts carries several of its tokens). So every
+    request's tokens of those steps travel together, in one Ray item for all of them
+    rather than one at each request's own turn: a Ray item costs each side a
+    millisecond or more of CPU."""
+
+    def __init__(self, keepalive_s: float, interval: int = 1) -> None:
         self.pending: list[tuple[str, RequestOutput | StreamFailure | None]] = []
+        self.urgent = False
         self.ready = asyncio.Event()
         self.forwards: dict[str, asyncio.Task] = {}  # request id -> its forwarding task
         self.keepalive_s = keepalive_s
+        self.interval = interval
+        self.sent_step = 0  # the engine's step count at the last batch
         self.touched = time.monotonic()
 
-    def put(self, request_id: str, *items: RequestOutput | StreamFailure | None) -> None:
+    def put(
+        self, request_id: str, *items: RequestOutput | StreamFailure | None, urgent: bool = True
+    ) -> None:
         self.pending.extend((request_id, item) for item in items)
+        self.urgent |= urgent
         self.ready.set()
 
-    def take(self) -> list[tuple[str, RequestOutput | StreamFailure | None]]:
+    def due(self, step: int) -> bool:
+        """Whether a batch goes now, the engine having run ``step`` steps so far (with
+        ``interval`` 1, whenever anything is held)."""
+        return bool(self.pending) and (
+            self.urgent or self.interval <= 1 or step - self.sent_step >= self.interval
+        )
+
+    def take(self, step: int = 0) -> list[tuple[str, RequestOutput | StreamFailure | None]]:
         batch, self.pending = self.pending, []
+        self.urgent = False
+        self.sent_step = step
         self.ready.clear()
         return batch
 
@@ -181,17 +209,22 @@ class WorkerActor:
         self, channel_id: str, keepalive_s: float = CHANNEL_KEEPALIVE_S
     ) -> AsyncIterator[list]:
         """Open channel ``channel_id``: yield an empty batch at once (it is open), then
-        every batch of ``(request id, item)`` its requests produce, until the caller
-        closes it, or stops calling ``touch`` for ``keepalive_s``; that aborts the
-        requests still on it."""
+        the batches of ``(request id, item)`` its requests produce (``_Channel``: at
+        once for an urgent item, else every ``stream_interval`` engine steps, or once
+        no new item has come for ``HOLD_S``), until the caller closes it, or stops
+        calling ``touch`` for ``keepalive_s``; that aborts the requests still on it."""
         if channel_id in self._channels:
             raise ValueError(f"channel {channel_id!r} is already open")
-        channel = self._channels[channel_id] = _Channel(keepalive_s)
+        engine = self.engine.engine
+        channel = _Channel(keepalive_s, engine.config.stream_interval)
+        channel.sent_step = engine.num_steps
+        self._channels[channel_id] = channel
         try:
             yield []
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(channel.ready.wait(), keepalive_s)
+                    wait = HOLD_S if channel.pending else keepalive_s
+                    await asyncio.wait_for(channel.ready.wait(), wait)
                 if time.monotonic() - channel.touched > keepalive_s:
                     logger.warning(
                         "channel %s was not touched for %g s: its caller is gone; aborting "
@@ -201,8 +234,12 @@ class WorkerActor:
                         len(channel.forwards),
                     )
                     return
-                if channel.pending:
-                    yield channel.take()
+                stalled = not channel.ready.is_set()  # no item came for HOLD_S
+                step = engine.num_steps
+                if channel.due(step) or (channel.pending and stalled):
+                    yield channel.take(step)
+                else:
+                    channel.ready.clear()
         finally:
             del self._channels[channel_id]
             for forward in list(channel.forwards.values()):
@@ -241,33 +278,26 @@ class WorkerActor:
         if self._channels.get(channel_id) is not channel:  # it ended meanwhile
             await stream.aclose()
             raise ChannelClosedError(f"channel {channel_id!r} closed")
-        interval = self.engine.engine.config.stream_interval
         channel.forwards[request_id] = asyncio.get_running_loop().create_task(
-            self._forward(stream, channel, request_id, interval)
+            self._forward(stream, channel, request_id)
         )
         return accepted
 
     @staticmethod
     async def _forward(
-        stream: AsyncIterator[RequestOutput], channel: _Channel, request_id: str, interval: int
+        stream: AsyncIterator[RequestOutput], channel: _Channel, request_id: str
     ) -> None:
-        """Put the request's deltas on its channel, then ``END``. With ``interval`` > 1
-        deltas are held until they carry ``interval`` tokens; the first delta, a
-        finished one and the end go at once, with whatever was held before them."""
-        held: list[RequestOutput] = []
-        tokens = 0
+        """Put the request's deltas on its channel, then ``END``: its first delta, a
+        finished one, the end and a failure as urgent (they go at once, with what the
+        channel holds), the rest to wait for the channel's next batch."""
         sent = False
         try:
             async for delta in stream:
-                held.append(delta)
-                tokens += len(delta.token_ids)
-                if not sent or delta.finished or tokens >= interval:
-                    channel.put(request_id, *held)
-                    held.clear()
-                    tokens, sent = 0, True
-            channel.put(request_id, *held, END)
+                channel.put(request_id, delta, urgent=not sent or delta.finished)
+                sent = True
+            channel.put(request_id, END)
         except Exception as error:  # an engine step failed: the caller's stream raises
-            channel.put(request_id, *held, StreamFailure(f"{type(error).__name__}: {error}"))
+            channel.put(request_id, StreamFailure(f"{type(error).__name__}: {error}"))
         finally:
             await stream.aclose()  # aborts the request if it is not over (cancelled)
             channel.forwards.pop(request_id, None)

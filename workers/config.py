@@ -132,10 +132,11 @@ class EngineConfig:
     max_model_len: int | None = _setting(None, "context length limit (default: the model's)", ge=1)
     stream_interval: int = _setting(
         1,
-        "tokens a worker gathers per request before it sends them to the front end "
-        "(a request's first delta and its last go at once; vLLM's and SGLang's "
-        "--stream-interval); 1 sends every step's token, more cuts the front end's CPU "
-        "per token, which on a small machine slows the engine, for chunkier streams",
+        "engine steps a worker gathers its requests' tokens for before it sends them "
+        "to the front end, all requests' together (a request's first token and its "
+        "last go at once; vLLM's and SGLang's --stream-interval); 1 sends every step's "
+        "tokens, more cuts the front end's CPU per token, which on a small machine "
+        "slows the engine, for chunkier streams",
         ge=1,
         cli_default=4,
     )

@@ -1,39 +1,42 @@
-"""A worker's channel with ``stream_interval``: which deltas go out together.
+"""A worker's channel with ``stream_interval``: which items go out together.
 
-``WorkerActor._forward`` alone, fed a scripted stream of deltas (the engine is not
-what is tested here; tests/cluster/test_serve.py checks the text over HTTP with the
-serve app's interval).
+``WorkerActor._forward`` (which items are urgent), ``_Channel`` (when a batch is due)
+and ``WorkerActor.deltas`` (the batches it yields) on a stand-in engine, fed scripted
+deltas and step counts (the engine is not what is tested here;
+tests/cluster/test_cluster.py checks a channel's batches from a running worker, and
+tests/cluster/test_serve.py the text over HTTP with the serve app's interval).
 """
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+from types import SimpleNamespace
 
+from tessera.workers import actor
 from tessera.workers.actor import WorkerActor, _Channel
 from tessera.workers.api import FinishReason, RequestOutput
 from tessera.workers.protocol import END, StreamFailure
 
 
-def delta(tokens: int, first: int, finished: bool = False) -> RequestOutput:
-    ids = tuple(range(first, first + tokens))
+def delta(token: int, finished: bool = False) -> RequestOutput:
     return RequestOutput(
         "r",
-        text="".join(f"<{i}>" for i in ids),
-        token_ids=ids,
+        text=f"<{token}>",
+        token_ids=(token,),
         finished=finished,
         finish_reason=FinishReason.LENGTH if finished else None,
     )
 
 
-async def forwarded(deltas: list[RequestOutput], interval: int, fail: bool = False) -> list:
-    """The channel's batches as ``_forward`` puts them, one list per ``put``."""
+async def forwarded(deltas: list[RequestOutput], fail: bool = False) -> list[tuple]:
+    """``(item, urgent)`` for each item ``_forward`` puts on a channel."""
     channel = _Channel(keepalive_s=60.0)
-    puts: list[list] = []
+    puts: list[tuple] = []
     put = channel.put
 
-    def recording_put(request_id, *items):
-        puts.append([item for item in items])
-        put(request_id, *items)
+    def recording_put(request_id, *items, urgent=True):
+        puts.extend((item, urgent) for item in items)
+        put(request_id, *items, urgent=urgent)
 
     channel.put = recording_put
 
@@ -43,54 +46,85 @@ async def forwarded(deltas: list[RequestOutput], interval: int, fail: bool = Fal
         if fail:
             raise RuntimeError("step failed")
 
-    await WorkerActor._forward(stream(), channel, "r", interval)
-    assert [item for _, item in channel.take()] == [item for p in puts for item in p]
+    await WorkerActor._forward(stream(), channel, "r")
+    assert [item for _, item in channel.take()] == [item for item, _ in puts]
     return puts
 
 
-def token_counts(puts: list[list]) -> list[object]:
-    return [
-        [
-            item if item is END else len(item.token_ids)
-            for item in p
-            if not isinstance(item, StreamFailure)
-        ]
-        for p in puts
+async def test_the_first_delta_a_finished_one_and_the_end_are_urgent():
+    deltas = [delta(i) for i in range(4)] + [delta(4, finished=True)]
+    puts = await forwarded(deltas)
+    assert puts == [
+        (deltas[0], True),
+        *[(d, False) for d in deltas[1:4]],
+        (deltas[4], True),
+        (END, True),
     ]
 
 
-async def test_interval_one_puts_every_delta_at_once():
-    deltas = [delta(1, i, finished=i == 4) for i in range(5)]
-    puts = await forwarded(deltas, 1)
-    assert puts == [[d] for d in deltas] + [[END]]
+async def test_a_failure_is_urgent_after_what_came_before_it():
+    deltas = [delta(i) for i in range(3)]
+    puts = await forwarded(deltas, fail=True)
+    assert puts[:3] == [(deltas[0], True), (deltas[1], False), (deltas[2], False)]
+    assert puts[3] == (StreamFailure("RuntimeError: step failed"), True)
 
 
-async def test_first_delta_goes_at_once_then_groups_of_interval_tokens():
-    deltas = [delta(1, i) for i in range(10)] + [delta(1, 10, finished=True)]
-    puts = await forwarded(deltas, 4)
-    assert token_counts(puts) == [[1], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1], [END]]
-    # nothing lost or reordered
-    assert [item for p in puts for item in p][:-1] == deltas
+def test_held_items_go_every_interval_steps_or_with_an_urgent_one():
+    channel = _Channel(keepalive_s=60.0, interval=4)
+    channel.sent_step = 100
+    assert not channel.due(200)  # nothing held
+    channel.put("a", delta(1), urgent=False)
+    channel.put("b", delta(7), urgent=False)
+    assert not channel.due(101) and not channel.due(103)
+    assert channel.due(104)  # 4 steps since the last batch
+    assert channel.take(104) == [("a", delta(1)), ("b", delta(7))]
+    assert not channel.ready.is_set() and not channel.due(110)
+    channel.put("a", delta(2), urgent=False)
+    assert not channel.due(105)
+    channel.put("c", delta(9), urgent=True)  # a first token: it and what is held go
+    assert channel.due(105)
+    assert channel.take(105) == [("a", delta(2)), ("c", delta(9))]
+    channel.put("a", delta(3), urgent=False)
+    assert not channel.due(108) and channel.due(109)  # counted from the urgent batch
 
 
-async def test_multi_token_deltas_count_their_tokens():
-    # speculative decoding and parallel tokens: several tokens in one delta
-    deltas = [delta(2, 0), delta(3, 2), delta(1, 5), delta(2, 6), delta(1, 8, finished=True)]
-    puts = await forwarded(deltas, 4)
-    assert token_counts(puts) == [[2], [3, 1], [2, 1], [END]]
+def test_interval_one_sends_whatever_is_held():
+    channel = _Channel(keepalive_s=60.0)
+    assert channel.interval == 1
+    channel.sent_step = 7
+    channel.put("a", delta(1), urgent=False)
+    assert channel.due(7)
+    channel.take(7)
+    channel.put("b", delta(2), urgent=False)  # a late item of the same step
+    assert channel.due(7)
 
 
-async def test_what_is_held_goes_before_a_failure():
-    deltas = [delta(1, i) for i in range(3)]
-    puts = await forwarded(deltas, 4, fail=True)
-    assert token_counts(puts) == [[1], [1, 1]]
-    assert puts[-1][-1] == StreamFailure("RuntimeError: step failed")
+async def test_a_channel_sends_held_items_every_interval_steps_and_after_a_stall(monkeypatch):
+    monkeypatch.setattr(actor, "HOLD_S", 0.3)
+    engine = SimpleNamespace(config=SimpleNamespace(stream_interval=3), num_steps=10)
+    worker = SimpleNamespace(_channels={}, engine=SimpleNamespace(engine=engine))
+    batches = WorkerActor.deltas(worker, "c", 60.0)
+    assert await anext(batches) == []  # open
+    channel = worker._channels["c"]
 
+    got = asyncio.ensure_future(anext(batches))
+    channel.put("a", delta(0))  # a first token: at once
+    assert await asyncio.wait_for(got, 5) == [("a", delta(0))]
 
-@pytest.mark.parametrize("interval", [2, 8])
-async def test_a_stream_that_ends_unfinished_flushes_what_it_held(interval):
-    # n > 1: the last delta of one output is not the request's end
-    deltas = [delta(1, 0), delta(1, 1)]
-    puts = await forwarded(deltas, interval)
-    assert [item for p in puts for item in p] == [*deltas, END]
-    assert puts[-1][-1] is END
+    got = asyncio.ensure_future(anext(batches))
+    for step in (11, 12):  # held: fewer than 3 steps since that batch (at step 10)
+        engine.num_steps = step
+        channel.put("a", delta(step), urgent=False)
+        await asyncio.sleep(0.02)
+        assert not got.done()
+    engine.num_steps = 13
+    channel.put("b", delta(13), urgent=False)
+    assert await asyncio.wait_for(got, 5) == [("a", delta(11)), ("a", delta(12)), ("b", delta(13))]
+
+    got = asyncio.ensure_future(anext(batches))
+    channel.put("a", delta(14), urgent=False)  # and then no step: it goes after HOLD_S
+    await asyncio.sleep(0.02)
+    assert not got.done()
+    assert await asyncio.wait_for(got, 5) == [("a", delta(14))]
+    await batches.aclose()
+    assert worker._channels == {}
