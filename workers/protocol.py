@@ -5,9 +5,10 @@ how loaded it is (``WorkerLoad``, pulled by the scheduler's monitor loop, with t
 prefix-cache hashes stored and evicted since the last report). A decode worker is told
 where to pull a request's prompt blocks from (``PrefillSource``). A front end opens
 one delta channel per worker (``WorkerActor.deltas``) and starts requests on it
-(``WorkerActor.start`` answers ``Accepted``); the channel carries each engine step's
-deltas of all its requests as one batch of ``(request id, item)``: a
-``RequestOutput``, a ``StreamFailure``, or ``END``.
+(``WorkerActor.start`` answers ``Accepted``); the channel carries the deltas of all
+its requests together, in batches of ``(request id, item)`` (one every
+``stream_interval`` engine steps, or at once for a request's first or last delta, its
+end or a failure): a ``RequestOutput``, a ``StreamFailure``, or ``END``.
 
 Everything here crosses a process boundary (Ray pickles it), so it is plain data, and
 this module imports nothing heavy (no torch, no Ray): the front end and the scheduler
