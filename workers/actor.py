@@ -111,7 +111,8 @@ class _Channel:
             self.urgent or self.interval <= 1 or step - self.sent_step >= self.interval
         )
 
-    def take(self, step: int = 0) -> list[tuple[str, RequestOutput | StreamFailure | None]]:
+    def take(self, step: int) -> list[tuple[str, RequestOutput | StreamFailure | None]]:
+        """What is held, as a batch sent at the engine's ``step``."""
         batch, self.pending = self.pending, []
         self.urgent = False
         self.sent_step = step

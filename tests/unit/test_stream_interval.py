@@ -47,7 +47,7 @@ async def forwarded(deltas: list[RequestOutput], fail: bool = False) -> list[tup
             raise RuntimeError("step failed")
 
     await WorkerActor._forward(stream(), channel, "r")
-    assert [item for _, item in channel.take()] == [item for item, _ in puts]
+    assert [item for _, item in channel.take(0)] == [item for item, _ in puts]
     return puts
 
 
