@@ -5,16 +5,17 @@ the engine's own thread, step after step), while the actor's event loop takes ne
 requests, aborts, load reports and health checks. The scheduler only decides where
 requests go; deltas go straight from here to the front end that started the request.
 
-**Channels.** A front end opens one channel to each worker it uses (``deltas``, a Ray
-streaming generator) and starts requests on it (``start``). Every item of the channel
-is a batch: the ``(request id, item)`` pairs that came since the last one, sent every
-``stream_interval`` engine steps or at once for a request's first delta, last delta or
-failure (``_Channel``), whatever the number of requests (one Ray stream item costs a
-millisecond or more of CPU on each side; one per token per request was most of the
-front end's cost). A channel that ends (its caller
-cancelled it, or stopped touching it: Ray does not end a stream whose caller died)
-aborts every request it still carries: their blocks go back at once. ``abort`` ends
-one request.
+**Channels.** A front end opens one channel to each worker it uses and starts requests
+on it (``start``): over the worker's Unix socket when it runs on the worker's node
+(``channel_socket``), else as a Ray streaming generator (``deltas``). Every item of the
+channel is a batch: the ``(request id, item)`` pairs that came since the last one, sent
+every ``stream_interval`` engine steps or at once for a request's first delta, last
+delta or failure (``_Channel``), whatever the number of requests (one Ray stream item
+costs a millisecond or more of CPU on each side, a socket's frame a fifth of that; one
+per token per request was most of the front end's cost). A channel that ends (its
+caller closed or cancelled it, or stopped touching it: Ray does not end a stream whose
+caller died) aborts every request it still carries: their blocks go back at once.
+``abort`` ends one request.
 
 The actor is created with ``max_restarts``: after a crash Ray starts it again with the
 same arguments, and it registers with the scheduler under a new incarnation (its
@@ -25,8 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import json
 import logging
 import os
+import secrets
+import socket
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -51,12 +57,14 @@ from tessera.workers.protocol import (
     END,
     PREFILL,
     Accepted,
+    ChannelSocket,
     EngineLoad,
     PrefillSource,
     StreamFailure,
     TransferCounters,
     WorkerInfo,
     WorkerLoad,
+    frame,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,6 +75,8 @@ MAX_PENDING_EVENTS = 100_000
 #: Seconds a channel holds items while no new item comes for it (its requests' engine
 #: not stepping, waiting for free blocks say) before it sends them anyway.
 HOLD_S = 0.5
+#: Seconds a caller of the channel socket has to send its line.
+SOCKET_HELLO_S = 10.0
 
 
 class ChannelClosedError(RuntimeError):
@@ -83,9 +93,9 @@ class _Channel:
     finished one, its end or its failure: put at once) or ``interval`` engine steps have
     passed since the last batch (``stream_interval``; a step of a request with several
     outputs, parallel tokens or drafts carries several of its tokens). So every
-    request's tokens of those steps travel together, in one Ray item for all of them
-    rather than one at each request's own turn: a Ray item costs each side a
-    millisecond or more of CPU."""
+    request's tokens of those steps travel together, in one batch for all of them
+    rather than one at each request's own turn: a batch (a Ray item, or a socket's
+    frame) costs each side a fixed amount of CPU."""
 
     def __init__(self, keepalive_s: float, interval: int = 1) -> None:
         self.pending: list[tuple[str, RequestOutput | StreamFailure | None]] = []
@@ -143,6 +153,8 @@ class WorkerActor:
         self.engine.engine.kv.pool.record_events()
         self._live: set[str] = set()  # ids of the requests streaming from here
         self._channels: dict[str, _Channel] = {}  # open channels by the caller's id
+        self._socket: asyncio.Future[ChannelSocket | None] | None = None  # channel_socket
+        self._socket_server: asyncio.AbstractServer | None = None
         self._last_active = time.monotonic()  # when a stream last ended, or a report saw work
         self.kv_config = kv_transfer or KVTransferConfig()
         self.transfers = TransferCounters()
@@ -209,6 +221,73 @@ class WorkerActor:
     async def deltas(
         self, channel_id: str, keepalive_s: float = CHANNEL_KEEPALIVE_S
     ) -> AsyncIterator[list]:
+        """Open channel ``channel_id`` as a Ray stream of its batches (``_batches``)."""
+        async with contextlib.aclosing(self._batches(channel_id, keepalive_s)) as batches:
+            async for batch in batches:
+                yield batch
+
+    async def channel_socket(self) -> ChannelSocket | None:
+        """Where a caller on this worker's node opens channels without Ray (a Unix
+        socket, started at the first call); None where there is none (not Linux)."""
+        if self._socket is None:
+            self._socket = asyncio.ensure_future(self._start_socket())
+        return await asyncio.shield(self._socket)
+
+    async def _start_socket(self) -> ChannelSocket | None:
+        if sys.platform != "linux":  # abstract Unix sockets are Linux's
+            return None
+        path = f"\0tessera-{self.incarnation}-{secrets.token_hex(4)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:  # bound here: uvloop refuses an abstract socket's path
+            sock.bind(path)
+            self._socket_server = await asyncio.start_unix_server(self._serve_socket, sock=sock)
+        except OSError as error:
+            sock.close()
+            logger.warning("worker %s: no channel socket (%s): Ray streams", self.worker_id, error)
+            return None
+        node_id = ray.get_runtime_context().get_node_id()
+        return ChannelSocket(node_id, path, secrets.token_hex(16))
+
+    async def _serve_socket(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """One channel on this worker's socket (``ChannelSocket``): the caller's line,
+        then the channel's batches as frames, until either side closes it."""
+        tasks: list[asyncio.Future] = []
+        try:
+            address = await asyncio.shield(self._socket)
+            hello = json.loads(await asyncio.wait_for(reader.readline(), SOCKET_HELLO_S))
+            if address is None or not hmac.compare_digest(str(hello["token"]), address.token):
+                logger.warning(
+                    "worker %s: a channel socket caller gave a wrong token", self.worker_id
+                )
+                return
+            batches = self._batches(str(hello["channel"]), float(hello["keepalive_s"]))
+
+            async def send() -> None:
+                async with contextlib.aclosing(batches):
+                    async for batch in batches:
+                        writer.write(frame(batch))
+                        await writer.drain()
+
+            tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(reader.read(1))]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # b"": it closed
+            if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception():
+                logger.warning(
+                    "worker %s: channel %s: %s",
+                    self.worker_id,
+                    hello["channel"],
+                    tasks[0].exception(),
+                )
+        except (OSError, ValueError, KeyError, TypeError, TimeoutError) as error:
+            logger.warning("worker %s: a channel socket caller failed: %r", self.worker_id, error)
+        finally:
+            for task in tasks:
+                task.cancel()  # ends the channel: its requests are aborted
+            await asyncio.gather(*tasks, return_exceptions=True)
+            writer.close()
+
+    async def _batches(self, channel_id: str, keepalive_s: float) -> AsyncIterator[list]:
         """Open channel ``channel_id``: yield an empty batch at once (it is open), then
         the batches of ``(request id, item)`` its requests produce (``_Channel``: at
         once for an urgent item, else every ``stream_interval`` engine steps, or once
@@ -427,6 +506,8 @@ class WorkerActor:
         self.kv_server.inject_fault(kind, count)
 
     async def shutdown(self) -> None:
+        if self._socket_server is not None:
+            self._socket_server.close()
         if self.kv_server is not None:
             await self.kv_server.stop(grace=None)
         await self.decode.client.close()

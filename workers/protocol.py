@@ -8,7 +8,9 @@ one delta channel per worker (``WorkerActor.deltas``) and starts requests on it
 (``WorkerActor.start`` answers ``Accepted``); the channel carries the deltas of all
 its requests together, in batches of ``(request id, item)`` (one every
 ``stream_interval`` engine steps, or at once for a request's first or last delta, its
-end or a failure): a ``RequestOutput``, a ``StreamFailure``, or ``END``.
+end or a failure): a ``RequestOutput``, a ``StreamFailure``, or ``END``. A front end on
+the worker's own node reads the same batches from the worker's Unix socket
+(``ChannelSocket``, ``read_frame``) instead of a Ray stream.
 
 Everything here crosses a process boundary (Ray pickles it), so it is plain data, and
 this module imports nothing heavy (no torch, no Ray): the front end and the scheduler
@@ -17,7 +19,9 @@ name a worker's types without loading the engine.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import pickle
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -139,6 +143,37 @@ END = None
 #: a stream whose caller died), which aborts the requests on it; callers touch their
 #: channels three times as often.
 CHANNEL_KEEPALIVE_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSocket:
+    """Where a front end on the worker's node opens channels without Ray
+    (``WorkerActor.channel_socket``): a Unix socket in Linux's abstract namespace (no
+    file; gone with the worker's process). The caller writes one line, the JSON of
+    ``{"channel": id, "keepalive_s": s, "token": token}``; the worker answers with the
+    channel's batches, each a frame (``write_frame``), the first one empty (the channel
+    is open). Either side closing the connection ends the channel. A Ray stream item
+    costs each side 1.3-1.6 ms of CPU, a frame here ~0.2-0.4 ms."""
+
+    node_id: str  # Ray's node id: other nodes use the Ray stream
+    path: str
+    token: str  # the worker's secret: a caller learns it through Ray
+
+
+#: A frame's header: the byte length of the pickled batch that follows.
+FRAME_HEADER = 4
+
+
+def frame(batch: list) -> bytes:
+    """One batch as a frame: its pickle's length (4 bytes, big-endian), then the pickle."""
+    data = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(FRAME_HEADER, "big") + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> list:
+    """The next batch; ``asyncio.IncompleteReadError`` once the worker has closed."""
+    size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "big")
+    return pickle.loads(await reader.readexactly(size))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import ray
 
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
-from tessera.workers.protocol import END
+from tessera.workers.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
 
@@ -216,6 +216,67 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
     with pytest.raises(StopAsyncIteration):
         while True:
             await (await anext(channel))
+    await worker.check_integrity.remote()
+
+
+async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, make_engine):
+    await settle(cluster)
+    worker_id = (await cluster.stats()).workers[0].worker_id
+    worker = await cluster.scheduler.worker_handle.remote(worker_id)
+    address = await worker.channel_socket.remote()
+    assert address.node_id == ray.get_runtime_context().get_node_id()
+    assert await worker.channel_socket.remote() == address  # one socket per worker
+    tokenize = cluster.client.tokenizer
+    requests = [
+        (f"sock-{i}", tokenize(f"Write one sentence about {topic}.").input_ids, GREEDY)
+        for i, topic in enumerate(["kites", "bread", "rivers"])
+    ]
+
+    # The cluster's client reads its channels to this node's workers from their sockets.
+    await collect(cluster, "sock-client", requests[0][1], GREEDY)
+    channels = list(cluster.client._channels.values())
+    assert channels and all(c.socket is not None and c.stream is None for c in channels)
+
+    async def open_channel(channel_id: str, token: str = address.token):
+        reader, writer = await asyncio.open_unix_connection(address.path)
+        hello = {"channel": channel_id, "keepalive_s": 30.0, "token": token}
+        writer.write(json.dumps(hello).encode() + b"\n")
+        return reader, writer
+
+    reader, writer = await open_channel("sock-channel")
+    assert await read_frame(reader) == []  # open
+    for request_id, prompt, params in requests:
+        await worker.start.remote("sock-channel", request_id, prompt, params)
+    deltas: dict[str, list] = {request_id: [] for request_id, _, _ in requests}
+    ended = set()
+    while len(ended) < len(requests):
+        for request_id, item in await read_frame(reader):
+            assert request_id not in ended
+            if item is END:
+                ended.add(request_id)
+            else:
+                deltas[request_id].append(item)
+    expected = engine_outputs(make_engine, requests)
+    for request_id, _, _ in requests:
+        assert tokens_of(deltas[request_id]) == tokens_of(expected[request_id]), request_id
+        assert text_of(deltas[request_id]) == text_of(expected[request_id]), request_id
+
+    # Closing the socket closes the channel, which aborts what it carries.
+    long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    await worker.start.remote("sock-channel", "sock-long", requests[0][1], long)
+    await read_frame(reader)
+    writer.close()
+    assert await freed_within(worker, "sock-long", 2.0) <= 2.0
+    with pytest.raises(ray.exceptions.RayTaskError, match="channel 'sock-channel' is not open"):
+        await worker.start.remote("sock-channel", *requests[0])
+
+    # A caller without the worker's token gets no channel: the worker hangs up.
+    reader, writer = await open_channel("sock-stranger", token="0" * 32)
+    with pytest.raises(asyncio.IncompleteReadError):
+        await read_frame(reader)
+    writer.close()
+    with pytest.raises(ray.exceptions.RayTaskError, match="channel 'sock-stranger' is not open"):
+        await worker.start.remote("sock-stranger", *requests[0])
     await worker.check_integrity.remote()
 
 
