@@ -1,7 +1,7 @@
 """A worker's channel with ``stream_interval``: which items go out together.
 
 ``WorkerActor._forward`` (which items are urgent), ``_Channel`` (when a batch is due)
-and ``WorkerActor.deltas`` (the batches it yields) on a stand-in engine, fed scripted
+and ``WorkerActor._batches`` (the batches a channel sends) on a stand-in engine, fed scripted
 deltas and step counts (the engine is not what is tested here;
 tests/cluster/test_cluster.py checks a channel's batches from a running worker, and
 tests/cluster/test_serve.py the text over HTTP with the serve app's interval).
@@ -103,7 +103,7 @@ async def test_a_channel_sends_held_items_every_interval_steps_and_after_a_stall
     monkeypatch.setattr(actor, "HOLD_S", 0.3)
     engine = SimpleNamespace(config=SimpleNamespace(stream_interval=3), num_steps=10)
     worker = SimpleNamespace(_channels={}, engine=SimpleNamespace(engine=engine))
-    batches = WorkerActor.deltas(worker, "c", 60.0)
+    batches = WorkerActor._batches(worker, "c", 60.0)
     assert await anext(batches) == []  # open
     channel = worker._channels["c"]
 
