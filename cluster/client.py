@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import json
 import logging
+import pickle
 import socket
 import time
 import uuid
@@ -65,6 +66,7 @@ from tessera.workers.protocol import (
     MIXED,
     Accepted,
     StreamFailure,
+    peer_credentials,
     read_frame,
 )
 
@@ -143,10 +145,17 @@ class _Channel:
     async def _open(self) -> Callable[[], Awaitable[list]]:
         """Open the channel (the worker's socket where it is on this node, else its Ray
         stream); return what reads its next batch."""
-        address = await self.worker.channel_socket.remote()
+        address = None
+        if self.client.channel_sockets:
+            try:
+                address = await self.worker.channel_socket.remote()
+            except RayActorError:
+                raise
+            except Exception as error:  # a worker's bug: its Ray stream still works
+                logger.warning("channel socket %s: %r; using a Ray stream", self.key, error)
         if address is not None and address.node_id == _node_id():
             try:
-                reader, self.socket = await _connect_unix(address.path)
+                reader, self.socket = await _connect_unix(address.path, address.pid)
             except OSError as error:  # the worker is gone: its Ray stream will say so
                 logger.warning("channel socket %s: %s; using a Ray stream", self.key, error)
             else:
@@ -169,9 +178,9 @@ class _Channel:
                     if route is not None:
                         run, part = route
                         run._incoming.put_nowait((part, item))
-        except StopAsyncIteration:  # the worker ended it (it is shutting down)
+        except StopAsyncIteration:  # the worker ended its Ray stream (it is shutting down)
             pass
-        except Exception as failure:  # RayActorError: the worker is gone
+        except Exception as failure:  # RayActorError: the worker is gone (or its socket)
             error = failure
         finally:
             if not self.opened.done():
@@ -186,8 +195,11 @@ class _Channel:
 
     async def aclose(self) -> None:
         """Stop reading (the client is closing) and wait until its tasks have ended."""
-        await _cancelled(self._task)  # its ``finally`` closes the channel
+        await _cancelled(self._task)  # its ``finally`` closes the channel, once it ran
         await _cancelled(self._keepalive)
+        if not self.opened.done():  # cancelled before it ran
+            self.opened.set_exception(RayActorError())
+            self.close(RayActorError())
 
     def close(self, error: Exception) -> None:
         """Forget the channel; its requests hear ``error`` (their worker is gone)."""
@@ -467,20 +479,25 @@ async def _next(stream) -> Any:
 
 async def _frame(reader: asyncio.StreamReader) -> list:
     """The next batch from a worker's channel socket; ``RayActorError`` once the worker
-    has closed it (it ended the channel, or its process is gone)."""
+    has closed it (it ended the channel, or its process is gone) or it broke."""
     try:
         return await read_frame(reader)
-    except (asyncio.IncompleteReadError, ConnectionError) as error:
-        raise RayActorError(error_msg=f"the worker closed the channel socket: {error}") from None
+    except (EOFError, OSError, pickle.UnpicklingError) as error:
+        raise RayActorError(error_msg=f"the worker's channel socket: {error!r}") from None
 
 
-async def _connect_unix(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _connect_unix(path: str, pid: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """``asyncio.open_unix_connection(path)`` for an abstract socket's path, which
-    uvloop (the loop of Ray Serve's replicas) refuses as a path but takes connected."""
+    uvloop (the loop of Ray Serve's replicas) refuses as a path but takes connected;
+    ``ConnectionRefusedError`` unless process ``pid`` holds the other end (a name that
+    a dead worker left is anyone's to take)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, path)
+        peer, _, _ = peer_credentials(sock)
+        if peer != pid:
+            raise ConnectionRefusedError(f"{path!r} is held by process {peer}, not {pid}")
         return await asyncio.open_unix_connection(sock=sock)
     except BaseException:
         sock.close()
@@ -530,9 +547,11 @@ class RequestStream:
 class ClusterClient:
     """Submit requests to a running cluster. Use ``Cluster.start`` or ``connect``."""
 
-    def __init__(self, scheduler, tokenizer) -> None:
+    def __init__(self, scheduler, tokenizer, channel_sockets: bool = True) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        #: read channels from the sockets of workers on this node (else Ray streams)
+        self.channel_sockets = channel_sockets
         self._runs: dict[str, _Run] = {}
         self.id = uuid.uuid4().hex[:12]  # names this client's channels on the workers
         self._channels: dict[tuple[str, str], _Channel] = {}  # by (worker id, incarnation)

@@ -65,6 +65,7 @@ from tessera.workers.protocol import (
     WorkerInfo,
     WorkerLoad,
     frame,
+    peer_credentials,
 )
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,8 @@ class WorkerActor:
 
     async def channel_socket(self) -> ChannelSocket | None:
         """Where a caller on this worker's node opens channels without Ray (a Unix
-        socket, started at the first call); None where there is none (not Linux)."""
+        socket, started at the first call); None where there is none (not Linux, or
+        the worker is shutting down)."""
         if self._socket is None:
             self._socket = asyncio.ensure_future(self._start_socket())
         return await asyncio.shield(self._socket)
@@ -241,51 +243,55 @@ class WorkerActor:
         try:  # bound here: uvloop refuses an abstract socket's path
             sock.bind(path)
             self._socket_server = await asyncio.start_unix_server(self._serve_socket, sock=sock)
-        except OSError as error:
+            node_id = ray.get_runtime_context().get_node_id()
+        except Exception as error:  # the Ray stream still works
             sock.close()
-            logger.warning("worker %s: no channel socket (%s): Ray streams", self.worker_id, error)
+            logger.warning("worker %s: no channel socket (%r): Ray streams", self.worker_id, error)
             return None
-        node_id = ray.get_runtime_context().get_node_id()
-        return ChannelSocket(node_id, path, secrets.token_hex(16))
+        return ChannelSocket(node_id, path, os.getpid(), secrets.token_hex(16))
 
     async def _serve_socket(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """One channel on this worker's socket (``ChannelSocket``): the caller's line,
-        then the channel's batches as frames, until either side closes it."""
+        then the channel's batches as frames, until either side closes it. A caller
+        of another user, or without the token, is hung up on; one that stops reading
+        for ``keepalive_s`` is gone."""
         tasks: list[asyncio.Future] = []
         try:
             address = await asyncio.shield(self._socket)
+            _, uid, _ = peer_credentials(writer.get_extra_info("socket"))
+            if address is None or uid != os.getuid():
+                return
             hello = json.loads(await asyncio.wait_for(reader.readline(), SOCKET_HELLO_S))
-            if address is None or not hmac.compare_digest(str(hello["token"]), address.token):
+            if not hmac.compare_digest(str(hello["token"]), address.token):
                 logger.warning(
                     "worker %s: a channel socket caller gave a wrong token", self.worker_id
                 )
                 return
-            batches = self._batches(str(hello["channel"]), float(hello["keepalive_s"]))
+            channel_id, keepalive_s = str(hello["channel"]), float(hello["keepalive_s"])
+            batches = self._batches(channel_id, keepalive_s)
 
             async def send() -> None:
                 async with contextlib.aclosing(batches):
                     async for batch in batches:
                         writer.write(frame(batch))
-                        await writer.drain()
+                        await asyncio.wait_for(writer.drain(), keepalive_s)
 
             tasks = [asyncio.ensure_future(send()), asyncio.ensure_future(reader.read(1))]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # b"": it closed
-            if tasks[0].done() and not tasks[0].cancelled() and tasks[0].exception():
-                logger.warning(
-                    "worker %s: channel %s: %s",
-                    self.worker_id,
-                    hello["channel"],
-                    tasks[0].exception(),
-                )
-        except (OSError, ValueError, KeyError, TypeError, TimeoutError) as error:
+            sent = tasks[0]
+            if sent.done() and not sent.cancelled() and sent.exception() is not None:
+                error = sent.exception()
+                level = logging.DEBUG if isinstance(error, ConnectionError) else logging.WARNING
+                logger.log(level, "worker %s: channel %s: %r", self.worker_id, channel_id, error)
+        except Exception as error:  # a bad or broken hello: nothing was opened
             logger.warning("worker %s: a channel socket caller failed: %r", self.worker_id, error)
         finally:
             for task in tasks:
                 task.cancel()  # ends the channel: its requests are aborted
             await asyncio.gather(*tasks, return_exceptions=True)
-            writer.close()
+            writer.transport.abort()  # at once, whatever is unsent
 
     async def _batches(self, channel_id: str, keepalive_s: float) -> AsyncIterator[list]:
         """Open channel ``channel_id``: yield an empty batch at once (it is open), then
@@ -508,6 +514,8 @@ class WorkerActor:
     async def shutdown(self) -> None:
         if self._socket_server is not None:
             self._socket_server.close()
+            self._socket = asyncio.get_running_loop().create_future()
+            self._socket.set_result(None)  # no new channels here
         if self.kv_server is not None:
             await self.kv_server.stop(grace=None)
         await self.decode.client.close()

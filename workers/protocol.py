@@ -4,17 +4,18 @@ A worker tells the scheduler who it is (``WorkerInfo``, again after every restar
 how loaded it is (``WorkerLoad``, pulled by the scheduler's monitor loop, with the
 prefix-cache hashes stored and evicted since the last report). A decode worker is told
 where to pull a request's prompt blocks from (``PrefillSource``). A front end opens
-one delta channel per worker (``WorkerActor.deltas``) and starts requests on it
-(``WorkerActor.start`` answers ``Accepted``); the channel carries the deltas of all
-its requests together, in batches of ``(request id, item)`` (one every
-``stream_interval`` engine steps, or at once for a request's first or last delta, its
-end or a failure): a ``RequestOutput``, a ``StreamFailure``, or ``END``. A front end on
-the worker's own node reads the same batches from the worker's Unix socket
-(``ChannelSocket``, ``read_frame``) instead of a Ray stream.
+one delta channel per worker and starts requests on it (``WorkerActor.start`` answers
+``Accepted``); the channel carries the deltas of all its requests together, in
+batches of ``(request id, item)`` (one every ``stream_interval`` engine steps, or at
+once for a request's first or last delta, its end or a failure): a ``RequestOutput``,
+a ``StreamFailure``, or ``END``. A front end on the worker's own node reads the
+batches from the worker's Unix socket (``ChannelSocket``, ``read_frame``), any other
+as a Ray stream (``WorkerActor.deltas``).
 
-Everything here crosses a process boundary (Ray pickles it), so it is plain data, and
-this module imports nothing heavy (no torch, no Ray): the front end and the scheduler
-name a worker's types without loading the engine.
+Everything here crosses a process boundary (Ray pickles it, and so does a channel
+socket), so it is plain data, and this module imports nothing heavy (no torch, no
+Ray): the front end and the scheduler name a worker's types without loading the
+engine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
+import socket
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -149,15 +152,18 @@ CHANNEL_KEEPALIVE_S = 30.0
 class ChannelSocket:
     """Where a front end on the worker's node opens channels without Ray
     (``WorkerActor.channel_socket``): a Unix socket in Linux's abstract namespace (no
-    file; gone with the worker's process). The caller writes one line, the JSON of
-    ``{"channel": id, "keepalive_s": s, "token": token}``; the worker answers with the
-    channel's batches, each a frame (``write_frame``), the first one empty (the channel
-    is open). Either side closing the connection ends the channel. A Ray stream item
-    costs each side 1.3-1.6 ms of CPU, a frame here ~0.2-0.4 ms."""
+    file; gone with the worker's process). The caller checks that the process it
+    reached is ``pid`` (``peer_credentials``), then writes one line, the JSON of
+    ``{"channel": id, "keepalive_s": s, "token": token}``; the worker, having checked
+    that the caller runs as its own user, answers with the channel's batches, each a
+    ``frame``, the first one empty (the channel is open). Either side closing the
+    connection ends the channel. A Ray stream item costs each side 1.3-1.6 ms of CPU,
+    a frame here ~0.2-0.4 ms."""
 
     node_id: str  # Ray's node id: other nodes use the Ray stream
     path: str
-    token: str  # the worker's secret: a caller learns it through Ray
+    pid: int  # the worker's process
+    token: str = field(repr=False)  # the worker's secret: a caller learns it through Ray
 
 
 #: A frame's header: the byte length of the pickled batch that follows.
@@ -168,6 +174,12 @@ def frame(batch: list) -> bytes:
     """One batch as a frame: its pickle's length (4 bytes, big-endian), then the pickle."""
     data = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
     return len(data).to_bytes(FRAME_HEADER, "big") + data
+
+
+def peer_credentials(sock) -> tuple[int, int, int]:
+    """The (pid, uid, gid) of the process at the other end of a Unix socket."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid, gid
 
 
 async def read_frame(reader: asyncio.StreamReader) -> list:

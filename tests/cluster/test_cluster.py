@@ -8,12 +8,14 @@ waits for them to come back, so the tests stay independent of their order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
 import ray
 
+from tessera.cluster.client import ClusterClient
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
 from tessera.workers.protocol import END, read_frame
@@ -225,6 +227,8 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     worker = await cluster.scheduler.worker_handle.remote(worker_id)
     address = await worker.channel_socket.remote()
     assert address.node_id == ray.get_runtime_context().get_node_id()
+    assert address.pid == (await worker.info.remote()).pid
+    assert address.token not in repr(address)
     assert await worker.channel_socket.remote() == address  # one socket per worker
     tokenize = cluster.client.tokenizer
     requests = [
@@ -280,6 +284,19 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     await worker.check_integrity.remote()
 
 
+@contextlib.asynccontextmanager
+async def client_reading(cluster, channel_sockets: bool):
+    """The cluster's requests go through a new client of this test's event loop, which
+    reads its channels from the workers' sockets, or from Ray streams."""
+    own = cluster.client
+    cluster.client = ClusterClient(cluster.scheduler, own.tokenizer, channel_sockets)
+    try:
+        yield
+    finally:
+        await cluster.client.close()
+        cluster.client = own
+
+
 async def _wait_for(cluster, predicate, what: str, seconds: float = 90.0):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -290,101 +307,110 @@ async def _wait_for(cluster, predicate, what: str, seconds: float = 90.0):
     raise AssertionError(f"timed out waiting for {what}: {await cluster.stats()}")
 
 
-async def test_killed_worker_fails_over_without_changing_the_text(cluster, make_engine):
-    await settle(cluster)
-    await cluster.scheduler.set_placement.remote("prefix_affinity")
-    # A prefix no worker holds yet: the first request picks a worker, the rest follow it.
-    prefix = "Failover drill. " + SYSTEM * 2
-    # Two under a grammar (6, 7): a resumed output replays its tokens into a new matcher.
-    listing = {
-        "type": "object",
-        "properties": {
-            "items": {
-                "type": "array",
-                "items": {"type": "string", "maxLength": 10},
-                "minItems": 6,
-                "maxItems": 6,
-            }
-        },
-        "required": ["items"],
-        "additionalProperties": False,
-    }
-    grammar = StructuredParams("json", json.dumps(listing))
-    requests = []
-    for i in range(8):
-        if i < 4:
-            params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-        elif i < 6:
-            # EOS ignored: fo-5's seeded sample ends in EOS after 5 tokens, and a stream
-            # that ends before the slowest has its 3rd token made the kill come too late
-            params = SamplingParams(
-                max_tokens=40, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True
-            )
-        else:
-            params = SamplingParams(
-                max_tokens=80, temperature=0.8, seed=100 + i, structured=grammar
-            )
-        requests.append((f"fo-{i}", prefix + f"Customer {i} asks about returns.", params))
-    expected = engine_outputs(make_engine, requests)
+@pytest.mark.parametrize("channel_sockets", [True, False], ids=["socket", "ray-stream"])
+async def test_killed_worker_fails_over_without_changing_the_text(
+    cluster, make_engine, channel_sockets
+):
+    async with client_reading(cluster, channel_sockets):
+        await settle(cluster)
+        await cluster.scheduler.set_placement.remote("prefix_affinity")
+        # A prefix no worker holds yet: the first request picks a worker, the rest follow it.
+        prefix = f"Failover drill {channel_sockets}. " + SYSTEM * 2
+        # Two under a grammar (6, 7): a resumed output replays its tokens into a new matcher.
+        listing = {
+            "type": "object",
+            "properties": {
+                "items": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 10},
+                    "minItems": 6,
+                    "maxItems": 6,
+                }
+            },
+            "required": ["items"],
+            "additionalProperties": False,
+        }
+        grammar = StructuredParams("json", json.dumps(listing))
+        requests = []
+        for i in range(8):
+            if i < 4:
+                params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+            elif i < 6:
+                # EOS ignored: fo-5's seeded sample ends in EOS after 5 tokens, and a stream
+                # that ends before the slowest has its 3rd token made the kill come too late
+                params = SamplingParams(
+                    max_tokens=40, temperature=0.8, top_p=0.9, seed=100 + i, ignore_eos=True
+                )
+            else:
+                params = SamplingParams(
+                    max_tokens=80, temperature=0.8, seed=100 + i, structured=grammar
+                )
+            requests.append((f"fo-{i}", prefix + f"Customer {i} asks about returns.", params))
+        expected = engine_outputs(make_engine, requests)
 
-    streams = [await cluster.submit(*r) for r in requests]
-    stats = await cluster.stats()
-    (victim,) = [w.worker_id for w in stats.workers if w.ongoing]
-    assert stats.worker(victim).ongoing == 8, "all 8 must stream from one worker"
-    handle = await cluster.scheduler.worker_handle.remote(victim)
+        streams = [await cluster.submit(*r) for r in requests]
+        stats = await cluster.stats()
+        (victim,) = [w.worker_id for w in stats.workers if w.ongoing]
+        assert stats.worker(victim).ongoing == 8, "all 8 must stream from one worker"
+        (channel,) = cluster.client._channels.values()
+        assert (channel.socket is not None, channel.stream is not None) == (
+            channel_sockets,
+            not channel_sockets,
+        )
+        handle = await cluster.scheduler.worker_handle.remote(victim)
 
-    received = [[] for _ in requests]
-    all_started = asyncio.Event()
+        received = [[] for _ in requests]
+        all_started = asyncio.Event()
 
-    async def drain(i, stream):
-        async for delta in stream:
-            received[i].append(delta)
-            if all(len(tokens_of(r)) >= 3 for r in received):
-                all_started.set()
+        async def drain(i, stream):
+            async for delta in stream:
+                received[i].append(delta)
+                if all(len(tokens_of(r)) >= 3 for r in received):
+                    all_started.set()
 
-    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
-    await asyncio.wait_for(all_started.wait(), 60)
-    assert not any(r[-1].finished for r in received), "the kill must come mid-stream"
-    ray.kill(handle, no_restart=False)  # Ray restarts it (max_restarts)
-    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+        await asyncio.wait_for(all_started.wait(), 60)
+        assert not any(r[-1].finished for r in received), "the kill must come mid-stream"
+        ray.kill(handle, no_restart=False)  # Ray restarts it (max_restarts)
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-    for (request_id, _, _), deltas in zip(requests, received, strict=True):
-        assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
-        assert text_of(deltas) == text_of(expected[request_id]), request_id
-        assert deltas[-1].finish_reason is expected[request_id][-1].finish_reason
-        assert [d.finished for d in deltas].count(True) == 1
-    stats = await _wait_for(
-        cluster,
-        lambda s: (
-            s.worker(victim).status is WorkerStatus.HEALTHY
-            and s.worker(victim).restarts
-            and s.worker(victim).load.incarnation == s.worker(victim).incarnation
-        ),  # it reported
-        "the killed worker to come back",
-    )
-    assert stats.failovers >= 8
+        for (request_id, _, _), deltas in zip(requests, received, strict=True):
+            assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
+            assert text_of(deltas) == text_of(expected[request_id]), request_id
+            assert deltas[-1].finish_reason is expected[request_id][-1].finish_reason
+            assert [d.finished for d in deltas].count(True) == 1
+        stats = await _wait_for(
+            cluster,
+            lambda s: (
+                s.worker(victim).status is WorkerStatus.HEALTHY
+                and s.worker(victim).restarts
+                and s.worker(victim).load.incarnation == s.worker(victim).incarnation
+            ),  # it reported
+            "the killed worker to come back",
+        )
+        assert stats.failovers >= 8
 
-    # It takes new work: round robin gives each worker one of two requests.
-    await settle(cluster)
-    await cluster.scheduler.set_placement.remote("round_robin")
-    before = await placed(cluster)
-    await asyncio.gather(*(collect(cluster, f"back-{i}", "Hello", GREEDY) for i in range(2)))
-    after = await placed(cluster)
-    events = (await cluster.stats()).events
-    assert after[victim] - before[victim] == 1, events
+        # It takes new work: round robin gives each worker one of two requests.
+        await settle(cluster)
+        await cluster.scheduler.set_placement.remote("round_robin")
+        before = await placed(cluster)
+        await asyncio.gather(*(collect(cluster, f"back-{i}", "Hello", GREEDY) for i in range(2)))
+        after = await placed(cluster)
+        events = (await cluster.stats()).events
+        assert after[victim] - before[victim] == 1, events
 
-    # Killed for good (no restart): the scheduler starts a replacement under the same id.
-    incarnation = stats.worker(victim).incarnation
-    ray.kill(await cluster.scheduler.worker_handle.remote(victim))
-    await _wait_for(
-        cluster,
-        lambda s: any(
-            w.worker_id == victim
-            and w.status is WorkerStatus.HEALTHY
-            and w.incarnation != incarnation
-            for w in s.workers
-        ),
-        "a replacement worker",
-    )
-    deltas = await collect(cluster, "after-replace", "Hello", GREEDY)
-    assert len(tokens_of(deltas)) == 16
+        # Killed for good (no restart): the scheduler starts a replacement under the same id.
+        incarnation = stats.worker(victim).incarnation
+        ray.kill(await cluster.scheduler.worker_handle.remote(victim))
+        await _wait_for(
+            cluster,
+            lambda s: any(
+                w.worker_id == victim
+                and w.status is WorkerStatus.HEALTHY
+                and w.incarnation != incarnation
+                for w in s.workers
+            ),
+            "a replacement worker",
+        )
+        deltas = await collect(cluster, "after-replace", "Hello", GREEDY)
+        assert len(tokens_of(deltas)) == 16
