@@ -125,8 +125,8 @@ class _Gone:
 class _Channel:
     """This client's delta channel to one worker incarnation: reads its batches and
     routes each item to its request's run. A worker on this client's node sends them
-    over its Unix socket (``ChannelSocket``: a frame costs each side ~0.2-0.4 ms of CPU
-    where a Ray stream item costs 1.3-1.6 ms); one on another node as a Ray stream
+    over its Unix socket (``ChannelSocket``: a fraction of the 1.3-1.6 ms of CPU a Ray
+    stream item costs each side); one on another node as a Ray stream
     (``WorkerActor.deltas``)."""
 
     def __init__(self, client: ClusterClient, placement: Placement) -> None:

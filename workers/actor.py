@@ -11,7 +11,7 @@ on it (``start``): over the worker's Unix socket when it runs on the worker's no
 channel is a batch: the ``(request id, item)`` pairs that came since the last one, sent
 every ``stream_interval`` engine steps or at once for a request's first delta, last
 delta or failure (``_Channel``), whatever the number of requests (one Ray stream item
-costs a millisecond or more of CPU on each side, a socket's frame a fifth of that; one
+costs a millisecond or more of CPU on each side, a socket's frame a fraction; one
 per token per request was most of the front end's cost). A channel that ends (its
 caller closed or cancelled it, or stopped touching it: Ray does not end a stream whose
 caller died) aborts every request it still carries: their blocks go back at once.
