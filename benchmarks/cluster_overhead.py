@@ -3,11 +3,12 @@
 The peer is ``AsyncEngine(Engine(...))`` in this process (the worker actor runs the very
 same ``AsyncEngine``); ours is a one-worker cluster with the same engine settings
 (float32, ``--num-kv-blocks``, ``--max-num-seqs``), reached through ``Cluster.submit``:
-tokens go prompt -> scheduler (placement) -> worker actor -> a Ray streaming generator
--> the client's background reader -> the caller. Both sides get the same torch thread
-count (``--threads``, default 2 = this machine's cores): the Ray worker gets
-``worker_num_cpus=threads`` (it sets its torch threads to that) and this process calls
-``torch.set_num_threads(threads)``. Only one side runs at a time (the other is idle).
+tokens go prompt -> scheduler (placement) -> worker actor -> its channel (a Unix socket,
+the worker being on this node) -> the client's background reader -> the caller. Both
+sides get the same torch thread count (``--threads``, default 2 = this machine's
+cores): the Ray worker gets ``worker_num_cpus=threads`` (it sets its torch threads to
+that) and this process calls ``torch.set_num_threads(threads)``. Only one side runs at
+a time (the other is idle).
 
 Two scenarios, both greedy with EOS ignored and ``--new`` tokens per request: one
 stream (a 128-token prompt), and ``--streams`` (16) concurrent streams (prompts of

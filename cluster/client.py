@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import json
 import logging
-import pickle
 import socket
 import time
 import uuid
@@ -144,7 +143,9 @@ class _Channel:
 
     async def _open(self) -> Callable[[], Awaitable[list]]:
         """Open the channel (the worker's socket where it is on this node, else its Ray
-        stream); return what reads its next batch."""
+        stream) and read its empty first batch; return what reads the next batch. A
+        socket that closes before that batch (the worker refused the caller) leaves
+        the Ray stream to open: it fails only if the worker is gone."""
         address = None
         if self.client.channel_sockets:
             try:
@@ -156,20 +157,23 @@ class _Channel:
         if address is not None and address.node_id == _node_id():
             try:
                 reader, self.socket = await _connect_unix(address.path, address.pid)
-            except OSError as error:  # the worker is gone: its Ray stream will say so
-                logger.warning("channel socket %s: %s; using a Ray stream", self.key, error)
-            else:
                 hello = {"channel": self.id, "keepalive_s": CHANNEL_KEEPALIVE_S}
                 self.socket.write(json.dumps({**hello, "token": address.token}).encode() + b"\n")
+                await _frame(reader)  # the worker's empty first batch: it is open
                 return functools.partial(_frame, reader)
+            except (OSError, RayActorError) as error:
+                logger.warning("channel socket %s: %s; using a Ray stream", self.key, error)
+                if self.socket is not None:
+                    self.socket.close()
+                    self.socket = None
         self.stream = self.worker.deltas.remote(self.id, CHANNEL_KEEPALIVE_S)
+        await _next(self.stream)  # the worker's empty first batch: it is open
         return functools.partial(_next, self.stream)
 
     async def _read(self) -> None:
         error: Exception = RayActorError()  # cancelled: as if the worker had gone
         try:
             receive = await self._open()
-            await receive()  # the worker's empty first batch: it is open
             self.opened.set_result(None)
             self._keepalive = asyncio.get_running_loop().create_task(self._touch())
             while True:
@@ -482,7 +486,7 @@ async def _frame(reader: asyncio.StreamReader) -> list:
     has closed it (it ended the channel, or its process is gone) or it broke."""
     try:
         return await read_frame(reader)
-    except (EOFError, OSError, pickle.UnpicklingError) as error:
+    except Exception as error:  # closed (EOFError), broken (OSError), or unreadable
         raise RayActorError(error_msg=f"the worker's channel socket: {error!r}") from None
 
 

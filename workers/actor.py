@@ -512,10 +512,10 @@ class WorkerActor:
         self.kv_server.inject_fault(kind, count)
 
     async def shutdown(self) -> None:
+        self._socket = asyncio.get_running_loop().create_future()
+        self._socket.set_result(None)  # no new socket channels here
         if self._socket_server is not None:
             self._socket_server.close()
-            self._socket = asyncio.get_running_loop().create_future()
-            self._socket.set_result(None)  # no new channels here
         if self.kv_server is not None:
             await self.kv_server.stop(grace=None)
         await self.decode.client.close()

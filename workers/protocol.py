@@ -178,7 +178,8 @@ def frame(batch: list) -> bytes:
 
 def peer_credentials(sock) -> tuple[int, int, int]:
     """The (pid, uid, gid) of the process at the other end of a Unix socket."""
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    pid, uid, gid = struct.unpack("iII", credentials)  # struct ucred: pid_t, uid_t, gid_t
     return pid, uid, gid
 
 

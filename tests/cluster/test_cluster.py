@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 
 import pytest
@@ -25,6 +26,8 @@ from tests.helpers import run_engine, text_of, tokens_of
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+#: channel sockets are Linux's abstract Unix sockets (elsewhere channels are Ray streams)
+LINUX = pytest.mark.skipif(sys.platform != "linux", reason="Linux's abstract sockets")
 SYSTEM = (
     "You are a careful assistant for a shipping company. Answer questions about "
     "parcels, delivery windows, customs forms and returns in two short sentences, "
@@ -235,6 +238,7 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
     await worker.check_integrity.remote()
 
 
+@LINUX
 async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, make_engine):
     await settle(cluster)
     worker_id = (await cluster.stats()).workers[0].worker_id
@@ -310,7 +314,10 @@ async def _wait_for(cluster, predicate, what: str, seconds: float = 90.0):
     raise AssertionError(f"timed out waiting for {what}: {await cluster.stats()}")
 
 
-@pytest.mark.parametrize("channel_sockets", [True, False], ids=["socket", "ray-stream"])
+@pytest.mark.parametrize(
+    "channel_sockets",
+    [pytest.param(True, id="socket", marks=LINUX), pytest.param(False, id="ray-stream")],
+)
 async def test_killed_worker_fails_over_without_changing_the_text(
     cluster, make_engine, channel_sockets
 ):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import sys
 
 import pytest
 from ray.exceptions import RayActorError
@@ -15,7 +16,7 @@ from tessera.cluster.client import _connect_unix, _frame
 from tessera.workers.api import RequestOutput
 from tessera.workers.protocol import END, frame, peer_credentials
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="Unix sockets")
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux's abstract sockets")
 
 
 async def serving(reply: bytes):
@@ -59,3 +60,54 @@ async def test_a_socket_held_by_another_process_is_refused():
             await _connect_unix(path, 1)
     with pytest.raises(ConnectionRefusedError):  # nobody holds it any more
         await _connect_unix(path, os.getpid())
+
+
+class _Call:
+    """One method of a stand-in worker handle: ``remote(...)`` as Ray's, answering
+    ``answer(*args)``."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.calls: list[tuple] = []
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return self.answer(*args)
+
+
+async def test_a_socket_that_hangs_up_before_the_channel_opens_leaves_the_ray_stream(
+    monkeypatch,
+):
+    """A worker that refuses the caller (wrong user, bad line, a bug) is not a lost
+    worker: the channel opens as a Ray stream (here a stand-in worker's)."""
+    from tessera.cluster import client as client_module
+    from tessera.cluster.client import ClusterClient, _Channel
+    from tessera.scheduler.api import Placement
+    from tessera.workers.protocol import ChannelSocket
+
+    path, server = await serving(b"")  # hangs up at once, as on a wrong token
+    monkeypatch.setattr(client_module, "_node_id", lambda: "node-1")
+    cancelled = []
+    monkeypatch.setattr(client_module.ray, "cancel", cancelled.append)  # no Ray here
+
+    async def address():
+        return ChannelSocket("node-1", path, os.getpid(), "t0ken")
+
+    async def batches(channel_id, keepalive_s):
+        yield asyncio.sleep(0, result=[])  # a Ray stream yields refs: awaitables
+
+    async def touched(channel_id):
+        return False  # the stand-in's keepalive ends at once
+
+    worker = type("Worker", (), {})()
+    worker.channel_socket = _Call(address)
+    worker.deltas = _Call(batches)
+    worker.touch = _Call(touched)
+    client = ClusterClient(scheduler=None, tokenizer=None)
+    async with server:
+        channel = _Channel(client, Placement("r1", "w1", "inc-1", worker, 0))
+        await asyncio.wait_for(asyncio.shield(channel.opened), 5)
+        assert channel.socket is None and channel.stream is not None
+        assert worker.deltas.calls == [(channel.id, client_module.CHANNEL_KEEPALIVE_S)]
+        await channel.aclose()
+        assert cancelled == [channel.stream]  # closing it cancels the stream
