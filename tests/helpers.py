@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import zlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +91,45 @@ def run_engine(
         if check:
             engine.check_integrity()
     raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def engine_outputs(engine, requests) -> dict[str, list[RequestOutput]]:
+    """The reference for a cluster's streams: ``requests`` ((id, prompt, params)) added
+    together to one in-process engine, stepped until idle."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    return run_engine(engine)
+
+
+async def read_through_a_fault(
+    streams: list[AsyncIterator[RequestOutput]],
+    fault: Callable[[], object],
+    start_timeout_s: float,
+    end_timeout_s: float,
+    tokens_before: int = 3,
+) -> list[list[RequestOutput]]:
+    """Read every stream to its end, calling ``fault()`` (a worker killed, a node
+    removed) once each has given ``tokens_before`` tokens and none has ended, so the
+    fault comes mid-stream; each stream's deltas, in order."""
+    received: list[list[RequestOutput]] = [[] for _ in streams]
+    all_started = asyncio.Event()
+
+    async def drain(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        async for delta in stream:
+            received[i].append(delta)
+            if all(len(tokens_of(r)) >= tokens_before for r in received):
+                all_started.set()
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        await asyncio.wait_for(all_started.wait(), start_timeout_s)
+        assert not any(r[-1].finished for r in received), "the fault must come mid-stream"
+        fault()
+        await asyncio.wait_for(asyncio.gather(*tasks), end_timeout_s)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return received
 
 
 def tokens_of(deltas: list[RequestOutput]) -> list[int]:

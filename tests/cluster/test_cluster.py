@@ -21,7 +21,7 @@ from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
 from tessera.workers.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
-from tests.helpers import run_engine, text_of, tokens_of
+from tests.helpers import engine_outputs, read_through_a_fault, text_of, tokens_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -45,14 +45,6 @@ async def collect(cluster, request_id, prompt, params):
     return [d async for d in await cluster.submit(request_id, prompt, params)]
 
 
-def engine_outputs(make_engine, requests):
-    """The same requests on one in-process engine: the reference."""
-    engine = make_engine()
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    return run_engine(engine)
-
-
 async def channel_deltas(receive, requests, batches=None) -> dict[str, list]:
     """Each request's deltas from a channel's batches (``await receive()``, and then
     its value awaited too where it is a Ray ref) until every request has ended."""
@@ -73,7 +65,7 @@ async def channel_deltas(receive, requests, batches=None) -> dict[str, list]:
 
 
 def assert_as_the_engine(make_engine, requests, deltas) -> None:
-    expected = engine_outputs(make_engine, requests)
+    expected = engine_outputs(make_engine(), requests)
     for request_id, _, _ in requests:
         assert tokens_of(deltas[request_id]) == tokens_of(expected[request_id]), request_id
         assert text_of(deltas[request_id]) == text_of(expected[request_id]), request_id
@@ -103,7 +95,7 @@ async def test_outputs_equal_the_single_engine(cluster, make_engine):
         (f"eq-{i}", f"Write one sentence about {topics[i % 8]} ({i}).", GREEDY) for i in range(16)
     ]
     outputs = await asyncio.gather(*(collect(cluster, *r) for r in requests))
-    expected = engine_outputs(make_engine, requests)
+    expected = engine_outputs(make_engine(), requests)
     for (request_id, _, _), deltas in zip(requests, outputs, strict=True):
         assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
         assert text_of(deltas) == text_of(expected[request_id]), request_id
@@ -356,7 +348,7 @@ async def test_killed_worker_fails_over_without_changing_the_text(
                     max_tokens=80, temperature=0.8, seed=100 + i, structured=grammar
                 )
             requests.append((f"fo-{i}", prefix + f"Customer {i} asks about returns.", params))
-        expected = engine_outputs(make_engine, requests)
+        expected = engine_outputs(make_engine(), requests)
 
         streams = [await cluster.submit(*r) for r in requests]
         stats = await cluster.stats()
@@ -369,20 +361,10 @@ async def test_killed_worker_fails_over_without_changing_the_text(
         )
         handle = await cluster.scheduler.worker_handle.remote(victim)
 
-        received = [[] for _ in requests]
-        all_started = asyncio.Event()
-
-        async def drain(i, stream):
-            async for delta in stream:
-                received[i].append(delta)
-                if all(len(tokens_of(r)) >= 3 for r in received):
-                    all_started.set()
-
-        tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
-        await asyncio.wait_for(all_started.wait(), 60)
-        assert not any(r[-1].finished for r in received), "the kill must come mid-stream"
-        ray.kill(handle, no_restart=False)  # Ray restarts it (max_restarts)
-        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        # Ray restarts it (max_restarts)
+        received = await read_through_a_fault(
+            streams, lambda: ray.kill(handle, no_restart=False), 60, 120
+        )
 
         for (request_id, _, _), deltas in zip(requests, received, strict=True):
             assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id

@@ -20,7 +20,7 @@ from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams
 from tessera.workers.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster_sync
-from tests.helpers import run_engine, tokens_of
+from tests.helpers import engine_outputs, tokens_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -40,11 +40,9 @@ def cluster(ray_session):
         yield cluster
 
 
-def engine_outputs(make_engine, requests):
-    engine = make_engine(block_size=BLOCK)
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    return {rid: tokens_of(deltas) for rid, deltas in run_engine(engine).items()}
+def engine_tokens(make_engine, requests) -> dict[str, list[int]]:
+    outputs = engine_outputs(make_engine(block_size=BLOCK), requests)
+    return {request_id: tokens_of(deltas) for request_id, deltas in outputs.items()}
 
 
 async def run(cluster, requests) -> dict[str, list[int]]:
@@ -80,7 +78,7 @@ async def test_disaggregated_equals_colocated_for_16_concurrent_requests(cluster
         requests.append((f"r{i}", text, greedy if i % 2 else dataclasses.replace(seeded, seed=i)))
     before = await decode_load(cluster)
     got = await run(cluster, requests)
-    assert got == engine_outputs(make_engine, requests)
+    assert got == engine_tokens(make_engine, requests)
     load = await fresh_load(cluster)
     assert load.transfers.fallbacks == before.transfers.fallbacks  # none failed
     served = load.transfers.pulls + load.transfers.local_hits  # pulled, or all here already
@@ -112,7 +110,7 @@ async def test_a_shared_prefix_moves_only_the_missing_blocks(cluster, make_engin
     assert 0 < missing < usable_blocks(len(ids_second), BLOCK)
     assert after.transfers.blocks_received - mid.transfers.blocks_received == missing
     assert after.transfers.bytes_received - mid.transfers.bytes_received == missing * block_bytes
-    assert got == engine_outputs(make_engine, [("p1", first, params), ("p2", second, params)])
+    assert got == engine_tokens(make_engine, [("p1", first, params), ("p2", second, params)])
 
     # /metrics shows the same numbers
     stats = await cluster.stats()
@@ -143,7 +141,7 @@ async def test_a_spoiled_transfer_falls_back_to_a_local_prefill(
     before = dict((await decode_load(cluster)).transfers.fallbacks)
     await (await prefill_worker(cluster)).inject_kv_fault.remote(fault)
     got = await run(cluster, [("f", prompt, params)])
-    assert got == engine_outputs(make_engine, [("f", prompt, params)])
+    assert got == engine_tokens(make_engine, [("f", prompt, params)])
     after = dict((await fresh_load(cluster)).transfers.fallbacks)
     assert after.get(reason, 0) == before.get(reason, 0) + 1
 
@@ -158,7 +156,7 @@ async def test_a_killed_prefill_worker_falls_back_to_a_local_prefill(cluster, ma
     await asyncio.sleep(1.0)
     ray.kill(worker, no_restart=False)  # dies during the transfer; Ray restarts it
     got = await asyncio.wait_for(task, 120)
-    assert got == engine_outputs(make_engine, [("k", prompt, params)])
+    assert got == engine_tokens(make_engine, [("k", prompt, params)])
     after = (await fresh_load(cluster)).transfers.fallbacks
     assert sum(after.values()) == sum(before.values()) + 1
 

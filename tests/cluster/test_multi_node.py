@@ -19,7 +19,7 @@ from benchmarks.ray_nodes import added_nodes, head_node_id
 from tessera.workers.api import SamplingParams
 from tessera.workers.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster
-from tests.helpers import run_engine, text_of, tokens_of
+from tests.helpers import engine_outputs, read_through_a_fault, text_of, tokens_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -35,13 +35,6 @@ def mixed_requests(count: int, max_tokens: int = 12):
         text = f"Note {i}: " + "parcels cross borders with customs forms. " * (1 + i % 5) + "So?"
         requests.append((f"n{i}", text, dataclasses.replace(base, max_tokens=max_tokens)))
     return requests
-
-
-def engine_outputs(make_engine, requests):
-    engine = make_engine(block_size=BLOCK)
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    return run_engine(engine)
 
 
 async def collect(cluster, request_id, prompt, params):
@@ -62,7 +55,7 @@ async def test_workers_spread_over_every_node_and_all_of_them_serve(ray_session,
             await cluster.scheduler.set_placement.remote("round_robin")
             requests = mixed_requests(6)
             got = dict(await asyncio.gather(*(collect(cluster, *r) for r in requests)))
-            expected = engine_outputs(make_engine, requests)
+            expected = engine_outputs(make_engine(block_size=BLOCK), requests)
             for request_id, _, _ in requests:
                 assert tokens_of(got[request_id]) == tokens_of(expected[request_id]), request_id
                 assert text_of(got[request_id]) == text_of(expected[request_id]), request_id
@@ -88,7 +81,7 @@ async def test_prefill_and_decode_on_different_nodes_equal_colocated(ray_session
 
             requests = mixed_requests(8)
             got = dict(await asyncio.gather(*(collect(cluster, *r) for r in requests)))
-            expected = engine_outputs(make_engine, requests)
+            expected = engine_outputs(make_engine(block_size=BLOCK), requests)
             for request_id, _, _ in requests:
                 assert tokens_of(got[request_id]) == tokens_of(expected[request_id]), request_id
 
@@ -112,27 +105,14 @@ async def test_a_node_lost_mid_load_fails_its_streams_over_unchanged(ray_session
         ) as cluster:
             await cluster.scheduler.set_placement.remote("round_robin")
             requests = mixed_requests(12, max_tokens=40)
-            expected = engine_outputs(make_engine, requests)
+            expected = engine_outputs(make_engine(block_size=BLOCK), requests)
             streams = [await cluster.submit(*r) for r in requests]
             stats = await cluster.stats()
             lost = nodes.ids[0]
             (victim,) = [w for w in stats.workers if w.node_id == lost]
             assert victim.ongoing == 4, "round robin puts 4 of the 12 on each node"
 
-            received = [[] for _ in requests]
-            all_started = asyncio.Event()
-
-            async def drain(i, stream):
-                async for delta in stream:
-                    received[i].append(delta)
-                    if all(len(tokens_of(r)) >= 3 for r in received):
-                        all_started.set()
-
-            tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
-            await asyncio.wait_for(all_started.wait(), 120)
-            assert not any(r[-1].finished for r in received), "the loss must come mid-stream"
-            nodes.remove(lost)
-            await asyncio.wait_for(asyncio.gather(*tasks), 180)
+            received = await read_through_a_fault(streams, lambda: nodes.remove(lost), 120, 180)
 
             for (request_id, _, _), deltas in zip(requests, received, strict=True):
                 assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
