@@ -251,9 +251,9 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     channels = list(cluster.client._channels.values())
     assert channels and all(c.socket is not None and c.stream is None for c in channels)
 
-    async def open_channel(channel_id: str, token: str = address.token):
+    async def open_channel(channel_id: str, token: str = address.token, keepalive_s=30.0):
         reader, writer = await asyncio.open_unix_connection(address.path)
-        hello = {"channel": channel_id, "keepalive_s": 30.0, "token": token}
+        hello = {"channel": channel_id, "keepalive_s": keepalive_s, "token": token}
         writer.write(json.dumps(hello).encode() + b"\n")
         return reader, writer
 
@@ -280,6 +280,20 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     writer.close()
     with pytest.raises(ray.exceptions.RayTaskError, match="channel 'sock-stranger' is not open"):
         await worker.start.remote("sock-stranger", *requests[0])
+
+    # A caller that neither reads its socket nor touches its channel is gone after its
+    # keepalive: the worker aborts its requests (long before this one would end) and
+    # hangs up.
+    reader, writer = await open_channel("sock-silent", keepalive_s=1.0)
+    assert await read_frame(reader) == []
+    longer = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+    await worker.start.remote("sock-silent", "sock-silent-long", requests[0][1], longer)
+    assert 0.5 <= await freed_within(worker, "sock-silent-long", 5.0)
+    assert not await worker.touch.remote("sock-silent")
+    with pytest.raises(asyncio.IncompleteReadError):
+        while True:  # what was sent before the hang-up, then its end
+            await read_frame(reader)
+    writer.close()
     await worker.check_integrity.remote()
 
 
