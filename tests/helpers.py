@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -108,9 +109,11 @@ async def read_through_a_fault(
     end_timeout_s: float,
     tokens_before: int = 3,
 ) -> list[list[RequestOutput]]:
-    """Read every stream to its end, calling ``fault()`` (a worker killed, a node
-    removed) once each has given ``tokens_before`` tokens and none has ended, so the
-    fault comes mid-stream; each stream's deltas, in order."""
+    """Read every stream to its end; call ``fault()`` (a worker killed, a node removed:
+    not a coroutine function) as soon as each stream has given ``tokens_before`` tokens,
+    and fail if one had ended or failed by then (the fault must come mid-stream) or if
+    that took over ``start_timeout_s``. Each stream's deltas, in order; the readers are
+    cancelled if anything fails."""
     received: list[list[RequestOutput]] = [[] for _ in streams]
     all_started = asyncio.Event()
 
@@ -121,13 +124,19 @@ async def read_through_a_fault(
                 all_started.set()
 
     tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    started = asyncio.ensure_future(all_started.wait())
     try:
-        await asyncio.wait_for(all_started.wait(), start_timeout_s)
+        done, _ = await asyncio.wait(
+            [started, *tasks], timeout=start_timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in done - {started}:
+            task.result()  # a stream's own error, if it failed
+        assert started in done, f"not every stream gave {tokens_before} tokens in time"
         assert not any(r[-1].finished for r in received), "the fault must come mid-stream"
-        fault()
+        assert not inspect.isawaitable(fault()), "fault must act when called"
         await asyncio.wait_for(asyncio.gather(*tasks), end_timeout_s)
     finally:
-        for task in tasks:
+        for task in (started, *tasks):
             task.cancel()
     return received
 

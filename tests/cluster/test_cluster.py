@@ -18,7 +18,7 @@ import ray
 
 from tessera.cluster.client import ClusterClient
 from tessera.scheduler.api import WorkerStatus
-from tessera.workers.api import FinishReason, SamplingParams, StructuredParams
+from tessera.workers.api import FinishReason, RequestOutput, SamplingParams, StructuredParams
 from tessera.workers.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import engine_outputs, read_through_a_fault, text_of, tokens_of
@@ -251,7 +251,7 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     channels = list(cluster.client._channels.values())
     assert channels and all(c.socket is not None and c.stream is None for c in channels)
 
-    async def open_channel(channel_id: str, token: str = address.token, keepalive_s=30.0):
+    async def open_channel(channel_id: str, token: str = address.token, keepalive_s: float = 30.0):
         reader, writer = await asyncio.open_unix_connection(address.path)
         hello = {"channel": channel_id, "keepalive_s": keepalive_s, "token": token}
         writer.write(json.dumps(hello).encode() + b"\n")
@@ -284,15 +284,23 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     # A caller that neither reads its socket nor touches its channel is gone after its
     # keepalive: the worker aborts its requests (long before this one would end) and
     # hangs up.
-    reader, writer = await open_channel("sock-silent", keepalive_s=1.0)
+    opened = time.monotonic()
+    reader, writer = await open_channel("sock-silent", keepalive_s=2.0)
     assert await read_frame(reader) == []
-    longer = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=2500, temperature=0, ignore_eos=True)
     await worker.start.remote("sock-silent", "sock-silent-long", requests[0][1], longer)
-    assert await freed_within(worker, "sock-silent-long", 5.0) >= 0.5
+    await freed_within(worker, "sock-silent-long", 8.0)
+    assert time.monotonic() - opened >= 2.0
     assert not await worker.touch.remote("sock-silent")
-    with pytest.raises(asyncio.IncompleteReadError):
+    sent = []
+
+    async def read_to_the_end():
         while True:  # what was sent before the hang-up, then its end
-            await read_frame(reader)
+            sent.extend(await read_frame(reader))
+
+    with pytest.raises(asyncio.IncompleteReadError):
+        await asyncio.wait_for(read_to_the_end(), 10)
+    assert sent and all(isinstance(item, RequestOutput) and not item.finished for _, item in sent)
     writer.close()
     await worker.check_integrity.remote()
 
