@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import sys
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from tessera.workers.api import (
@@ -27,6 +29,8 @@ from tessera.workers.sequence import Sequence
 #: The exactness contract (docs/architecture.md): a greedy divergence from transformers
 #: is acceptable only at a step where the reference's top-2 logit gap is below this.
 NEAR_TIE_GAP = 1e-4
+#: Channel sockets are Linux's abstract Unix sockets (elsewhere channels are Ray streams).
+LINUX_ONLY = pytest.mark.skipif(sys.platform != "linux", reason="Linux's abstract sockets")
 #: The Ray namespace of the tests' named actors (``ray_session`` in conftest.py).
 RAY_NAMESPACE = "tessera-tests"
 

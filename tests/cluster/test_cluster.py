@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 import time
 
 import pytest
@@ -21,13 +20,17 @@ from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, RequestOutput, SamplingParams, StructuredParams
 from tessera.workers.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
-from tests.helpers import engine_outputs, read_through_a_fault, text_of, tokens_of
+from tests.helpers import (
+    LINUX_ONLY,
+    engine_outputs,
+    read_through_a_fault,
+    text_of,
+    tokens_of,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-#: channel sockets are Linux's abstract Unix sockets (elsewhere channels are Ray streams)
-LINUX = pytest.mark.skipif(sys.platform != "linux", reason="Linux's abstract sockets")
 SYSTEM = (
     "You are a careful assistant for a shipping company. Answer questions about "
     "parcels, delivery windows, customs forms and returns in two short sentences, "
@@ -230,7 +233,7 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
     await worker.check_integrity.remote()
 
 
-@LINUX
+@LINUX_ONLY
 async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, make_engine):
     await settle(cluster)
     worker_id = (await cluster.stats()).workers[0].worker_id
@@ -330,7 +333,7 @@ async def _wait_for(cluster, predicate, what: str, seconds: float = 90.0):
 
 @pytest.mark.parametrize(
     "channel_sockets",
-    [pytest.param(True, id="socket", marks=LINUX), pytest.param(False, id="ray-stream")],
+    [pytest.param(True, id="socket", marks=LINUX_ONLY), pytest.param(False, id="ray-stream")],
 )
 async def test_killed_worker_fails_over_without_changing_the_text(
     cluster, make_engine, channel_sockets

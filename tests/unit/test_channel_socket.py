@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import sys
 
 import pytest
 from ray.exceptions import RayActorError
@@ -15,8 +14,9 @@ from ray.exceptions import RayActorError
 from tessera.cluster.client import _connect_unix, _frame
 from tessera.workers.api import RequestOutput
 from tessera.workers.protocol import END, frame, peer_credentials
+from tests.helpers import LINUX_ONLY
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux's abstract sockets")
+pytestmark = LINUX_ONLY
 
 
 async def serving(reply: bytes):
