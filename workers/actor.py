@@ -260,8 +260,16 @@ class WorkerActor:
         tasks: list[asyncio.Future] = []
         try:
             address = await asyncio.shield(self._socket)
-            _, uid, _ = peer_credentials(writer.get_extra_info("socket"))
-            if address is None or uid != os.getuid():
+            if address is None:  # shutting down
+                return
+            pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
+            if uid != os.getuid():
+                logger.warning(
+                    "worker %s: a channel socket caller of another user (uid %d, process %d)",
+                    self.worker_id,
+                    uid,
+                    pid,
+                )
                 return
             hello = json.loads(await asyncio.wait_for(reader.readline(), SOCKET_HELLO_S))
             if not hmac.compare_digest(str(hello["token"]), address.token):
@@ -512,8 +520,10 @@ class WorkerActor:
         self.kv_server.inject_fault(kind, count)
 
     async def shutdown(self) -> None:
-        self._socket = asyncio.get_running_loop().create_future()
+        starting, self._socket = self._socket, asyncio.get_running_loop().create_future()
         self._socket.set_result(None)  # no new socket channels here
+        if starting is not None:  # a socket still starting is closed below, once it is up
+            await asyncio.gather(starting, return_exceptions=True)
         if self._socket_server is not None:
             self._socket_server.close()
         if self.kv_server is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
 
 import pytest
@@ -416,9 +417,18 @@ async def test_killed_worker_fails_over_without_changing_the_text(
         events = (await cluster.stats()).events
         assert after[victim] - before[victim] == 1, events
 
+        # Shut down, it takes no socket channel: its socket is closed, and no new one opens.
+        handle = await cluster.scheduler.worker_handle.remote(victim)
+        address = await handle.channel_socket.remote()
+        await handle.shutdown.remote()
+        assert await handle.channel_socket.remote() is None
+        if sys.platform == "linux":  # abstract sockets (LINUX_ONLY)
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_unix_connection(address.path)
+
         # Killed for good (no restart): the scheduler starts a replacement under the same id.
         incarnation = stats.worker(victim).incarnation
-        ray.kill(await cluster.scheduler.worker_handle.remote(victim))
+        ray.kill(handle)
         await _wait_for(
             cluster,
             lambda s: any(
