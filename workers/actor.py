@@ -240,10 +240,10 @@ class WorkerActor:
             return None
         path = f"\0tessera-{self.incarnation}-{secrets.token_hex(4)}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:  # bound here: uvloop refuses an abstract socket's path
-            sock.bind(path)
-            self._socket_server = await asyncio.start_unix_server(self._serve_socket, sock=sock)
+        try:
             node_id = ray.get_runtime_context().get_node_id()
+            sock.bind(path)  # bound here: uvloop refuses an abstract socket's path
+            self._socket_server = await asyncio.start_unix_server(self._serve_socket, sock=sock)
         except Exception as error:  # the Ray stream still works
             sock.close()
             logger.warning("worker %s: no channel socket (%r): Ray streams", self.worker_id, error)
@@ -255,8 +255,8 @@ class WorkerActor:
     ) -> None:
         """One channel on this worker's socket (``ChannelSocket``): the caller's line,
         then the channel's batches as frames, until either side closes it. A caller
-        of another user, or without the token, is hung up on; one that stops reading
-        for ``keepalive_s`` is gone."""
+        of another user, or without the token, is hung up on (and logged); one that
+        stops reading for ``keepalive_s`` is gone."""
         tasks: list[asyncio.Future] = []
         try:
             address = await asyncio.shield(self._socket)
@@ -523,7 +523,7 @@ class WorkerActor:
         starting, self._socket = self._socket, asyncio.get_running_loop().create_future()
         self._socket.set_result(None)  # no new socket channels here
         if starting is not None:  # a socket still starting is closed below, once it is up
-            await asyncio.gather(starting, return_exceptions=True)
+            await asyncio.wait([starting])  # (never cancels it: channel_socket awaits it too)
         if self._socket_server is not None:
             self._socket_server.close()
         if self.kv_server is not None:

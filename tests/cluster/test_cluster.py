@@ -423,6 +423,7 @@ async def test_killed_worker_fails_over_without_changing_the_text(
         await handle.shutdown.remote()
         assert await handle.channel_socket.remote() is None
         if sys.platform == "linux":  # abstract sockets (LINUX_ONLY)
+            assert address is not None
             with pytest.raises(ConnectionRefusedError):
                 await asyncio.open_unix_connection(address.path)
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+from types import SimpleNamespace
 
 import pytest
 from ray.exceptions import RayActorError
 
 from tessera.cluster.client import _connect_unix, _frame
+from tessera.workers import actor
+from tessera.workers.actor import WorkerActor
 from tessera.workers.api import RequestOutput
 from tessera.workers.protocol import END, frame, peer_credentials
 from tests.helpers import LINUX_ONLY
@@ -111,3 +114,46 @@ async def test_a_socket_that_hangs_up_before_the_channel_opens_leaves_the_ray_st
         assert worker.deltas.calls == [(channel.id, client_module.CHANNEL_KEEPALIVE_S)]
         await channel.aclose()
         assert cancelled == [channel.stream]  # closing it cancels the stream
+
+
+async def test_a_worker_shutting_down_closes_a_socket_still_starting(monkeypatch):
+    """``WorkerActor.shutdown`` while its socket is starting (``_start_socket``, on a
+    stand-in worker: no engine, no Ray): callers from then on get no socket, and the one
+    that asked before gets an address that refuses, since shutdown closes the server once
+    it is up."""
+    up = asyncio.Event()
+    start_unix_server = asyncio.start_unix_server
+
+    async def slow_start(*args, **kwargs):
+        await up.wait()
+        return await start_unix_server(*args, **kwargs)
+
+    async def closed() -> None:
+        pass
+
+    monkeypatch.setattr(asyncio, "start_unix_server", slow_start)
+    monkeypatch.setattr(
+        actor.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1")
+    )
+    worker = SimpleNamespace(
+        incarnation=1,
+        worker_id="w1",
+        _socket=None,
+        _socket_server=None,
+        kv_server=None,
+        decode=SimpleNamespace(client=SimpleNamespace(close=closed)),
+        engine=SimpleNamespace(close=closed),
+    )
+    worker._start_socket = lambda: WorkerActor._start_socket(worker)
+    worker._serve_socket = lambda reader, writer: WorkerActor._serve_socket(worker, reader, writer)
+    asked = asyncio.ensure_future(WorkerActor.channel_socket(worker))
+    await asyncio.sleep(0.05)  # its server is starting
+    stopping = asyncio.ensure_future(WorkerActor.shutdown(worker))
+    await asyncio.sleep(0.05)
+    assert await WorkerActor.channel_socket(worker) is None
+    up.set()
+    await asyncio.wait_for(stopping, 5)
+    address = await asked
+    assert address.node_id == "n1"
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_unix_connection(address.path)
