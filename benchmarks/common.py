@@ -245,3 +245,17 @@ def chat_prompts(tokenizer, texts: list[str], count: int) -> list[list[int]]:
         )
         prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
     return prompts
+
+
+def start_decodes(engine, count: int, rng: random.Random, prompt_tokens: int = 150) -> None:
+    """Add ``count`` greedy sequences (random ``prompt_tokens``-token prompts from ``rng``,
+    no end) to an in-process ``Engine`` and step it until each is decoding, one row a
+    step: the running batch the probes in ``benchmarks/probes`` time."""
+    from tessera.workers.api import SamplingParams
+
+    running = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+    for i in range(count):
+        prompt = [rng.randrange(1000, 40000) for _ in range(prompt_tokens)]
+        engine.add_request(f"d{i}", prompt, running)
+    while engine.stats().running < count or engine.stats().last_num_tokens != count:
+        engine.step()

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import start_decodes  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine import Engine  # noqa: E402
@@ -51,11 +52,7 @@ def main() -> None:
     def prompt(length: int) -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(length)]
 
-    running = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
-    for i in range(args.decodes):
-        engine.add_request(f"d{i}", prompt(150), running)
-    while engine.stats().running < args.decodes or engine.stats().last_num_tokens != args.decodes:
-        engine.step()
+    start_decodes(engine, args.decodes, rng)
     for _ in range(args.warm_steps):
         engine.step()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in shapes}

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tessera.workers.api import SamplingParams  # noqa: E402
+from benchmarks.common import start_decodes  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine import Engine  # noqa: E402
 
@@ -69,12 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine(EngineConfig(dtype=args.dtype, num_kv_blocks=args.decodes * 40 + 400))
-    rng = random.Random(1)
-    running = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
-    for i in range(args.decodes):
-        engine.add_request(f"d{i}", [rng.randrange(1000, 40000) for _ in range(150)], running)
-    while engine.stats().running < args.decodes or engine.stats().last_num_tokens != args.decodes:
-        engine.step()
+    start_decodes(engine, args.decodes, random.Random(1))
     neighbours = [
         subprocess.Popen([sys.executable, "-c", SPINNER, *spec.split(":")])
         for spec in args.neighbour or ["3000:250", "700:60"]
