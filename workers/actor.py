@@ -78,6 +78,8 @@ MAX_PENDING_EVENTS = 100_000
 HOLD_S = 0.5
 #: Seconds a caller of the channel socket has to send its line.
 SOCKET_HELLO_S = 10.0
+#: Seconds between two warnings of refused channel-socket callers (the rest are counted).
+REFUSAL_WARNING_S = 60.0
 
 
 class ChannelClosedError(RuntimeError):
@@ -85,6 +87,31 @@ class ChannelClosedError(RuntimeError):
     ended: cancelled, or not touched for its keepalive). The request fails at once,
     with this message, and nothing of it runs; the caller's reader sees the channel
     end, and its next request opens a new one."""
+
+
+class _Refusals:
+    """The log of a worker's refused channel-socket callers: a warning at most once every
+    ``REFUSAL_WARNING_S``, which counts those refused since the last one; the others at
+    debug level. So a local caller that connects over and over cannot flood the log."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.warned = -REFUSAL_WARNING_S  # when the last warning was logged (monotonic)
+        self.unwarned = 0  # refusals since then
+
+    def __call__(self, reason: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self.warned < REFUSAL_WARNING_S:
+            self.unwarned += 1
+            logger.debug(
+                "worker %s refused a channel socket caller " + reason, self.worker_id, *args
+            )
+            return
+        since = f" ({self.unwarned} more refused since the last warning)" if self.unwarned else ""
+        logger.warning(
+            "worker %s refused a channel socket caller " + reason + since, self.worker_id, *args
+        )
+        self.warned, self.unwarned = now, 0
 
 
 class _Channel:
@@ -156,6 +183,7 @@ class WorkerActor:
         self._channels: dict[str, _Channel] = {}  # open channels by the caller's id
         self._socket: asyncio.Future[ChannelSocket | None] | None = None  # channel_socket
         self._socket_server: asyncio.AbstractServer | None = None
+        self._refused = _Refusals(worker_id)  # logs the socket's refused callers
         self._last_active = time.monotonic()  # when a stream last ended, or a report saw work
         self.kv_config = kv_transfer or KVTransferConfig()
         self.transfers = TransferCounters()
@@ -255,8 +283,8 @@ class WorkerActor:
     ) -> None:
         """One channel on this worker's socket (``ChannelSocket``): the caller's line,
         then the channel's batches as frames, until either side closes it. A caller
-        of another user, or without the token, is hung up on (and logged); one that
-        stops reading for ``keepalive_s`` is gone."""
+        of another user, without the token, or with a bad line, is hung up on (and
+        logged, ``_Refusals``); one that stops reading for ``keepalive_s`` is gone."""
         tasks: list[asyncio.Future] = []
         try:
             address = await asyncio.shield(self._socket)
@@ -264,18 +292,11 @@ class WorkerActor:
                 return
             pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
             if uid != os.getuid():
-                logger.warning(
-                    "worker %s: a channel socket caller of another user (uid %d, process %d)",
-                    self.worker_id,
-                    uid,
-                    pid,
-                )
+                self._refused("of another user (uid %d, process %d)", uid, pid)
                 return
             hello = json.loads(await asyncio.wait_for(reader.readline(), SOCKET_HELLO_S))
             if not hmac.compare_digest(str(hello["token"]), address.token):
-                logger.warning(
-                    "worker %s: a channel socket caller gave a wrong token", self.worker_id
-                )
+                self._refused("with a wrong token (process %d)", pid)
                 return
             channel_id, keepalive_s = str(hello["channel"]), float(hello["keepalive_s"])
             batches = self._batches(channel_id, keepalive_s)
@@ -294,7 +315,7 @@ class WorkerActor:
                 level = logging.DEBUG if isinstance(error, ConnectionError) else logging.WARNING
                 logger.log(level, "worker %s: channel %s: %r", self.worker_id, channel_id, error)
         except Exception as error:  # a bad or broken hello: nothing was opened
-            logger.warning("worker %s: a channel socket caller failed: %r", self.worker_id, error)
+            self._refused("whose line failed: %r", error)
         finally:
             for task in tasks:
                 task.cancel()  # ends the channel: its requests are aborted

@@ -1,10 +1,15 @@
-"""The client's side of a worker's channel socket, on a socket of the test's own:
-which peer it accepts, and how a broken or closed socket reads (a lost worker, so
-that its requests fail over). tests/cluster/test_cluster.py runs a real worker's."""
+"""A worker's channel socket. The client's side, on a socket of the test's own: which
+peer it accepts, and how a broken or closed socket reads (a lost worker, so that its
+requests fail over). The worker's side, on a stand-in worker (``WorkerActor``'s socket
+methods, no engine or Ray): shutdown, refused callers, a caller that stops reading.
+tests/cluster/test_cluster.py runs a real worker's."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import logging
 import os
 import secrets
 from types import SimpleNamespace
@@ -116,22 +121,13 @@ async def test_a_socket_that_hangs_up_before_the_channel_opens_leaves_the_ray_st
         assert cancelled == [channel.stream]  # closing it cancels the stream
 
 
-async def test_a_worker_shutting_down_closes_a_socket_still_starting(monkeypatch):
-    """``WorkerActor.shutdown`` while its socket is starting (``_start_socket``, on a
-    stand-in worker: no engine, no Ray): callers from then on get no socket, and the one
-    that asked before gets an address that refuses, since shutdown closes the server once
-    it is up."""
-    up = asyncio.Event()
-    start_unix_server = asyncio.start_unix_server
-
-    async def slow_start(*args, **kwargs):
-        await up.wait()
-        return await start_unix_server(*args, **kwargs)
+def stand_in_worker(monkeypatch, **fields) -> SimpleNamespace:
+    """A worker with ``WorkerActor``'s socket methods and none of its engine or Ray (its
+    node id is "n1"); ``fields`` add to or replace its attributes."""
 
     async def closed() -> None:
         pass
 
-    monkeypatch.setattr(asyncio, "start_unix_server", slow_start)
     monkeypatch.setattr(
         actor.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1")
     )
@@ -140,12 +136,30 @@ async def test_a_worker_shutting_down_closes_a_socket_still_starting(monkeypatch
         worker_id="w1",
         _socket=None,
         _socket_server=None,
+        _refused=actor._Refusals("w1"),
         kv_server=None,
         decode=SimpleNamespace(client=SimpleNamespace(close=closed)),
         engine=SimpleNamespace(close=closed),
+        **fields,
     )
     worker._start_socket = lambda: WorkerActor._start_socket(worker)
     worker._serve_socket = lambda reader, writer: WorkerActor._serve_socket(worker, reader, writer)
+    return worker
+
+
+async def test_a_worker_shutting_down_closes_a_socket_still_starting(monkeypatch):
+    """``WorkerActor.shutdown`` while its socket is starting (``_start_socket``): callers
+    from then on get no socket, and the one that asked before gets an address that
+    refuses, since shutdown closes the server once it is up."""
+    up = asyncio.Event()
+    start_unix_server = asyncio.start_unix_server
+
+    async def slow_start(*args, **kwargs):
+        await up.wait()
+        return await start_unix_server(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "start_unix_server", slow_start)
+    worker = stand_in_worker(monkeypatch)
     asked = asyncio.ensure_future(WorkerActor.channel_socket(worker))
     await asyncio.sleep(0.05)  # its server is starting
     stopping = asyncio.ensure_future(WorkerActor.shutdown(worker))
@@ -157,3 +171,65 @@ async def test_a_worker_shutting_down_closes_a_socket_still_starting(monkeypatch
     assert address.node_id == "n1"
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_unix_connection(address.path)
+
+
+async def hello(address, token: str, keepalive_s: float = 5.0):
+    """A caller of the worker's socket that has sent its line."""
+    reader, writer = await _connect_unix(address.path, address.pid)
+    line = {"channel": "c1", "keepalive_s": keepalive_s, "token": token}
+    writer.write(json.dumps(line).encode() + b"\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def test_refused_callers_are_warned_of_once_a_minute_and_counted(monkeypatch, caplog):
+    worker = stand_in_worker(monkeypatch)
+    address = await WorkerActor.channel_socket(worker)
+    caplog.set_level(logging.DEBUG, logger=actor.__name__)
+
+    async def refused() -> None:
+        reader, writer = await hello(address, "wrong")
+        assert await reader.read() == b""  # hung up on
+        writer.close()
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    for _ in range(3):
+        await refused()
+    message = (
+        f"worker w1 refused a channel socket caller with a wrong token (process {os.getpid()})"
+    )
+    assert warnings() == [message]
+    assert [r.getMessage() for r in caplog.records].count(message) == 3  # two at debug level
+    worker._refused.warned -= actor.REFUSAL_WARNING_S  # a minute later
+    await refused()
+    assert warnings() == [message, message + " (2 more refused since the last warning)"]
+    await WorkerActor.shutdown(worker)
+
+
+async def test_a_caller_that_stops_reading_is_hung_up_on_after_its_keepalive(monkeypatch, caplog):
+    """The worker's writes wait ``keepalive_s`` at most for a caller that reads nothing
+    (its socket's buffer full); then the channel ends (which aborts its requests) and
+    the caller is hung up on."""
+    sent, ended = [], asyncio.Event()
+
+    async def batches(channel_id, keepalive_s):
+        try:
+            while True:
+                sent.append(channel_id)
+                yield [("r1", b"x" * 1_000_000)]
+        finally:
+            ended.set()
+
+    worker = stand_in_worker(monkeypatch, _batches=batches)
+    address = await WorkerActor.channel_socket(worker)
+    reader, writer = await hello(address, address.token, keepalive_s=0.3)
+    await asyncio.wait_for(ended.wait(), 5)
+    assert 1 <= len(sent) < 10  # it waited for the caller, and stopped
+    assert any("channel c1: TimeoutError()" in r.getMessage() for r in caplog.records)
+    with contextlib.suppress(ConnectionResetError):
+        while await reader.read(1 << 20):  # what was in the buffers, then the hang-up
+            pass
+    writer.close()
+    await WorkerActor.shutdown(worker)
