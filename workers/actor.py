@@ -92,7 +92,8 @@ class ChannelClosedError(RuntimeError):
 class _Refusals:
     """The log of a worker's refused channel-socket callers: a warning at most once every
     ``REFUSAL_WARNING_S``, which counts those refused since the last one; the others at
-    debug level. So a local caller that connects over and over cannot flood the log."""
+    debug level. So a local caller that connects over and over cannot flood the log.
+    ``reason`` is a %-format literal (never a caller's text); its values go in ``args``."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
@@ -286,6 +287,7 @@ class WorkerActor:
         of another user, without the token, or with a bad line, is hung up on (and
         logged, ``_Refusals``); one that stops reading for ``keepalive_s`` is gone."""
         tasks: list[asyncio.Future] = []
+        pid = None  # the caller's process, once known
         try:
             address = await asyncio.shield(self._socket)
             if address is None:  # shutting down
@@ -315,7 +317,7 @@ class WorkerActor:
                 level = logging.DEBUG if isinstance(error, ConnectionError) else logging.WARNING
                 logger.log(level, "worker %s: channel %s: %r", self.worker_id, channel_id, error)
         except Exception as error:  # a bad or broken hello: nothing was opened
-            self._refused("whose line failed: %r", error)
+            self._refused("whose line failed or never came (process %s): %r", pid, error)
         finally:
             for task in tasks:
                 task.cancel()  # ends the channel: its requests are aborted

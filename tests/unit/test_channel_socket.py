@@ -173,39 +173,48 @@ async def test_a_worker_shutting_down_closes_a_socket_still_starting(monkeypatch
         await asyncio.open_unix_connection(address.path)
 
 
-async def hello(address, token: str, keepalive_s: float = 5.0):
-    """A caller of the worker's socket that has sent its line."""
-    reader, writer = await _connect_unix(address.path, address.pid)
-    line = {"channel": "c1", "keepalive_s": keepalive_s, "token": token}
-    writer.write(json.dumps(line).encode() + b"\n")
-    await writer.drain()
-    return reader, writer
-
-
 async def test_refused_callers_are_warned_of_once_a_minute_and_counted(monkeypatch, caplog):
+    """A caller with a wrong token, or with a line that is not one, is hung up on; the
+    worker warns of the first refusal, then at most once a minute, counting those
+    refused meanwhile (logged at debug level)."""
     worker = stand_in_worker(monkeypatch)
     address = await WorkerActor.channel_socket(worker)
     caplog.set_level(logging.DEBUG, logger=actor.__name__)
 
-    async def refused() -> None:
-        reader, writer = await hello(address, "wrong")
-        assert await reader.read() == b""  # hung up on
+    async def refused(line: bytes) -> None:
+        reader, writer = await _connect_unix(address.path, address.pid)
+        writer.write(line)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # hung up on
         writer.close()
 
     def warnings() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
-    for _ in range(3):
-        await refused()
-    message = (
-        f"worker w1 refused a channel socket caller with a wrong token (process {os.getpid()})"
-    )
-    assert warnings() == [message]
-    assert [r.getMessage() for r in caplog.records].count(message) == 3  # two at debug level
-    worker._refused.warned -= actor.REFUSAL_WARNING_S  # a minute later
-    await refused()
-    assert warnings() == [message, message + " (2 more refused since the last warning)"]
-    await WorkerActor.shutdown(worker)
+    def a_minute_later() -> None:
+        worker._refused.warned -= actor.REFUSAL_WARNING_S
+
+    wrong = json.dumps({"channel": "c1", "keepalive_s": 5, "token": "wrong"}).encode() + b"\n"
+    caller = "worker w1 refused a channel socket caller"
+    token = f"{caller} with a wrong token (process {os.getpid()})"
+    line = f"{caller} whose line failed or never came (process {os.getpid()}): "
+    try:
+        for _ in range(3):
+            await refused(wrong)
+        assert warnings() == [token]
+        assert [r.getMessage() for r in caplog.records].count(token) == 3  # two at debug level
+        a_minute_later()
+        await refused(b"not json\n")
+        await refused(wrong)
+        a_minute_later()
+        await refused(wrong)
+        assert warnings() == [
+            token,
+            line + "JSONDecodeError('Expecting value: line 1 column 1 (char 0)')"
+            " (2 more refused since the last warning)",
+            token + " (1 more refused since the last warning)",
+        ]
+    finally:
+        await WorkerActor.shutdown(worker)
 
 
 async def test_a_caller_that_stops_reading_is_hung_up_on_after_its_keepalive(monkeypatch, caplog):
@@ -222,14 +231,22 @@ async def test_a_caller_that_stops_reading_is_hung_up_on_after_its_keepalive(mon
         finally:
             ended.set()
 
+    async def read_to_the_end(reader) -> None:
+        with contextlib.suppress(ConnectionResetError):
+            while await reader.read(1 << 20):  # what was in the buffers, then the hang-up
+                pass
+
     worker = stand_in_worker(monkeypatch, _batches=batches)
     address = await WorkerActor.channel_socket(worker)
-    reader, writer = await hello(address, address.token, keepalive_s=0.3)
-    await asyncio.wait_for(ended.wait(), 5)
-    assert 1 <= len(sent) < 10  # it waited for the caller, and stopped
-    assert any("channel c1: TimeoutError()" in r.getMessage() for r in caplog.records)
-    with contextlib.suppress(ConnectionResetError):
-        while await reader.read(1 << 20):  # what was in the buffers, then the hang-up
-            pass
-    writer.close()
-    await WorkerActor.shutdown(worker)
+    try:
+        line = {"channel": "c1", "keepalive_s": 0.3, "token": address.token}
+        reader, writer = await _connect_unix(address.path, address.pid)
+        writer.write(json.dumps(line).encode() + b"\n")
+        await asyncio.wait_for(ended.wait(), 5)
+        assert 1 <= len(sent) < 10  # it waited for the caller, and stopped
+        await asyncio.wait_for(read_to_the_end(reader), 5)
+        writer.close()
+        # logged before the worker hung up
+        assert any("channel c1: TimeoutError()" in r.getMessage() for r in caplog.records)
+    finally:
+        await WorkerActor.shutdown(worker)
