@@ -30,7 +30,8 @@ from tessera.workers.sequence import Sequence
 #: is acceptable only at a step where the reference's top-2 logit gap is below this.
 NEAR_TIE_GAP = 1e-4
 #: Channel sockets are Linux's abstract Unix sockets (elsewhere channels are Ray streams).
-LINUX_ONLY = pytest.mark.skipif(sys.platform != "linux", reason="Linux's abstract sockets")
+ABSTRACT_SOCKETS = sys.platform == "linux"  # a worker's channel socket is one of Linux's
+LINUX_ONLY = pytest.mark.skipif(not ABSTRACT_SOCKETS, reason="Linux's abstract sockets")
 #: The Ray namespace of the tests' named actors (``ray_session`` in conftest.py).
 RAY_NAMESPACE = "tessera-tests"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from tessera.workers.api import FinishReason, RequestOutput, SamplingParams, Str
 from tessera.workers.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import (
+    ABSTRACT_SOCKETS,
     LINUX_ONLY,
     engine_outputs,
     read_through_a_fault,
@@ -422,7 +422,7 @@ async def test_killed_worker_fails_over_without_changing_the_text(
         address = await handle.channel_socket.remote()
         await handle.shutdown.remote()
         assert await handle.channel_socket.remote() is None
-        if sys.platform == "linux":  # abstract sockets (LINUX_ONLY)
+        if ABSTRACT_SOCKETS:
             assert address is not None
             with pytest.raises(ConnectionRefusedError):
                 await asyncio.open_unix_connection(address.path)
