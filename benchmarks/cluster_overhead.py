@@ -44,9 +44,9 @@ from benchmarks.common import mixed_workload, paired_panel, report, run_on_local
 from tessera.cluster.config import ClusterConfig  # noqa: E402
 from tessera.cluster.launch import Cluster  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
-from tessera.workers.async_engine import AsyncEngine  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.async_engine import AsyncEngine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import load_model  # noqa: E402
 
 NAMESPACE = "tessera-bench-overhead"
@@ -219,7 +219,7 @@ async def bench(args) -> None:
         "cluster_overhead" + ("_quick" if args.quick else ""),
         rows,
         {
-            "peer": "the same engine in-process (tessera.workers.async_engine.AsyncEngine), "
+            "peer": "the same engine in-process (tessera.workers.engine.async_engine.AsyncEngine), "
             "same torch threads, same engine settings",
             "threads": args.threads,
             "worker_num_cpus": float(args.threads),

@@ -47,7 +47,7 @@ from tessera.cluster.config import ClusterConfig  # noqa: E402
 from tessera.cluster.launch import Cluster  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.model.loader import load_tokenizer  # noqa: E402
-from tessera.workers.protocol import WorkerLoad  # noqa: E402
+from tessera.workers.process.protocol import WorkerLoad  # noqa: E402
 
 NAMESPACE = "tessera-bench-placement"
 POLICIES = ("prefix_affinity", "round_robin")  # ours, the peer

@@ -9,7 +9,7 @@ once (a clock that drops with more busy cores is in the figure).
 
 A kernel's GMAC/s over these is how far it is from the machine's limit. /proc/cpuinfo's
 MHz is not the clock: on a Zen 4 EPYC it said 2.6 GHz while both cores issued one zmm
-VDPBF16PS a cycle at ~3.6 GHz (stop 67, ``docs/architecture.md``).
+VDPBF16PS a cycle at ~3.6 GHz (``docs/performance.md``).
 
 A small C file is compiled with the system's ``cc -O3 -march=native`` (under a second)
 and called through ctypes, one Python thread per torch thread (ctypes releases the GIL),

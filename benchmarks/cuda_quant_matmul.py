@@ -15,11 +15,11 @@ decoding stream, 16 / 64 = a batch), one step's matmuls are captured in a CUDA g
 * ``triton``: ``triton_mm.gguf_mm`` as the engine calls it, one kernel per matmul
   (the tiling ``triton_mm.tiling`` picks for the row count; ``tiling`` in the table, its
   split the most programs per output: a product of 18 blocks splits 9 ways, the head,
-  past ``SPLIT_PROGRAMS``, none), and ``triton, stop 42's tiling`` (tl.dot tiles at every
-  row count, 2 blocks of 32 per loop step, 16 outputs per program, split-K 4, 4 warps, 3
-  stages; through today's ``gguf_mm``, which leaves the head unsplit where stop 42 split
-  it: on an H200 this measured 1.60 / 1.64 / 3.22 ms at 1 / 16 / 64 rows, stop 42's own
-  code 1.61 / 1.64 / 3.27).
+  past ``SPLIT_PROGRAMS``, none), and the earlier fixed tiling (``BEFORE``: tl.dot tiles
+  at every row count, 2 blocks of 32 per loop step, 16 outputs per program, split-K 4, 4
+  warps, 3 stages; through today's ``gguf_mm``, which leaves the head unsplit where that
+  tiling's own code split it: on an H200 this measured 1.60 / 1.64 / 3.22 ms at 1 / 16 /
+  64 rows, its own code 1.61 / 1.64 / 3.27).
 
 Every variant's products are checked against the dense ones (float32 rounding).
 

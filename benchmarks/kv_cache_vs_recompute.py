@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import mixed_workload, report, timed  # noqa: E402
 from tessera.workers.api import Request, SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
+from tessera.workers.engine.model_runner import ModelRunner  # noqa: E402
+from tessera.workers.engine.sequence import Sequence  # noqa: E402
 from tessera.workers.kv.kv_cache import allocate_kv_cache  # noqa: E402
 from tessera.workers.kv.manager import KVCacheManager  # noqa: E402
 from tessera.workers.model.loader import DTYPES, load_model  # noqa: E402
-from tessera.workers.model_runner import ModelRunner  # noqa: E402
-from tessera.workers.sequence import Sequence  # noqa: E402
 
 
 def with_cache(engine: Engine, prompt: list[int], new: int) -> list[int]:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import report  # noqa: E402
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb  # noqa: E402
-from tessera.workers.kv_transfer import (  # noqa: E402
+from tessera.workers.process.kv_transfer import (  # noqa: E402
     API_VERSION,
     KVTransferClient,
     KVTransferServer,

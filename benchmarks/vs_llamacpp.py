@@ -25,8 +25,9 @@ timed per run:
   with the end-of-generation tokens biased to -inf, timed by llama.cpp's own perf
   counters (``llama_perf_context``: decode calls only, no Python around them).
 
-Building the peer (llama-cpp-python 0.3.36 from source, ~4-6 min on 2 cores; see
-../shared/PEERS.md; on a CPU with AMX build with -DGGML_NATIVE=OFF and the AMX flags OFF):
+Building the peer (llama-cpp-python 0.3.36 from source, ~4-6 min on 2 cores; on a CPU
+with AMX build with -DGGML_NATIVE=OFF and the AMX flags OFF, where older ggml's native
+build crashed in its AMX tile set-up):
 
     python3 -m venv /work/peers/llama
     /work/peers/llama/bin/pip install numpy typing-extensions diskcache jinja2
@@ -259,7 +260,7 @@ def tessera_engine(mode: Mode, model: Path) -> tuple[Any, float]:
     """The mode's engine (prefix caching off: every run computes its whole prompt) and
     its load time in seconds."""
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     start = time.perf_counter()
     config = EngineConfig(

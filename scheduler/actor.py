@@ -55,8 +55,8 @@ from tessera.scheduler.autoscaler import Autoscaler, PoolMember
 from tessera.scheduler.config import SchedulerConfig
 from tessera.scheduler.placement import Candidate, make_policy
 from tessera.scheduler.registry import Registry, WorkerRecord
-from tessera.workers.actor import worker_actor_class
-from tessera.workers.protocol import DECODE, MIXED, PREFILL, PrefillSource, WorkerInfo
+from tessera.workers.process.actor import worker_actor_class
+from tessera.workers.process.protocol import DECODE, MIXED, PREFILL, PrefillSource, WorkerInfo
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ directly: the scheduler is not on the per-token path. Refusals travel back as va
 not exceptions, so a front end can raise the right typed error without unwrapping
 Ray's. ``ClusterStats`` shows each worker as the scheduler sees it, with its last load
 report. What the workers themselves tell the scheduler (``WorkerInfo``, ``WorkerLoad``,
-the roles) is the worker's seam, ``tessera.workers.protocol``.
+the roles) is the worker's seam, ``tessera.workers.process.protocol``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.workers.protocol import PrefillSource, WorkerLoad
+from tessera.workers.process.protocol import PrefillSource, WorkerLoad
 
 
 class WorkerStatus(str, enum.Enum):

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.workers.protocol import DECODE, MIXED, PREFILL, ROLES
+from tessera.workers.process.protocol import DECODE, MIXED, PREFILL, ROLES
 
 #: A target that is never exceeded: the signal is not watched.
 UNWATCHED = math.inf

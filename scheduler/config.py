@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.placement import POLICIES
 from tessera.workers.config import EngineConfig
-from tessera.workers.disaggregation import KVTransferConfig
-from tessera.workers.protocol import DECODE, ROLES
+from tessera.workers.process.disaggregation import KVTransferConfig
+from tessera.workers.process.protocol import DECODE, ROLES
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from tessera.scheduler.api import WorkerState, WorkerStatus
 from tessera.scheduler.prefix_index import PrefixIndex
-from tessera.workers.protocol import WorkerInfo, WorkerLoad
+from tessera.workers.process.protocol import WorkerInfo, WorkerLoad
 
 
 @dataclass(eq=False)

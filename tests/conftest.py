@@ -91,7 +91,7 @@ def hf_reference(smollm2_path) -> TransformersReference:
 def make_engine(smollm2):
     """Build an engine over the session's model; pass EngineConfig fields as keywords."""
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     def make(**kwargs):
         kwargs.setdefault("num_kv_blocks", 256)

@@ -21,10 +21,10 @@ from tessera.workers.api import (
     SamplingParams,
     SpeculativeParams,
 )
+from tessera.workers.engine.model_runner import ModelRunner
+from tessera.workers.engine.sequence import Sequence
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
-from tessera.workers.model_runner import ModelRunner
-from tessera.workers.sequence import Sequence
 
 #: The exactness contract (docs/architecture.md): a greedy divergence from transformers
 #: is acceptable only at a step where the reference's top-2 logit gap is below this.

@@ -7,7 +7,7 @@
 // Each line is the TSC ticks per iteration of a loop body (best of 5 runs). The kernel's
 // work per block of 32 inputs and 16 rows x 16 outputs is one line below: load the A and B
 // tiles, one TDPBF16PS into a zeroed C, store C, then scale the 16 rows' sums into their
-// accumulators (32 FMAs, half with a broadcast operand). On the Xeon of stops 32-33
+// accumulators (32 FMAs, half with a broadcast operand). On a Xeon with AMX
 // (2 vCPUs, AMX-BF16, TSC 2.6 GHz) the parts did not overlap: the FMAs cost as much beside
 // a TDPBF16PS as alone, and a tile store waits for the product before it, so a block
 // costs about the sum of its parts (~39 ticks; the kernel, with x in L2 and the

@@ -4,7 +4,7 @@ Keeps ``--decodes`` greedy sequences decoding (150-token prompts of random ids),
 in rounds, adds prompts of the given shapes to one step each and times that step
 (``engine.step()``, and the forward alone) against a step of the decodes alone; each
 prompt asks for one token, so it is gone before the next shape. Medians over
-``--rounds``. No peer and no JSON: docs/architecture.md quotes its output (stop 74).
+``--rounds``. No peer and no JSON: docs/performance.md draws on its output.
 
     python benchmarks/probes/mixed_step.py --dtype auto
     python benchmarks/probes/mixed_step.py --shapes 300 150,150 75,75,75,75
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import start_decodes  # noqa: E402
 from tessera.workers.api import SamplingParams  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 
 
 def main() -> None:

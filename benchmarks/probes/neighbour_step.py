@@ -6,7 +6,7 @@ that spins ``busy`` microseconds every ``period``; default one 250 us in 3 ms an
 decode steps alternately quiet and beside them (SIGSTOP / SIGCONT), and prints the
 medians, the neighbours' measured share of a core and what losing half of it would
 cost a step (1 / (1 - share / 2): two independent threads). No peer and no JSON:
-docs/architecture.md quotes its output (stop 74). Linux only (``/proc``).
+docs/performance.md draws on its output. Linux only (``/proc``).
 
     python benchmarks/probes/neighbour_step.py --decodes 60
     python benchmarks/probes/neighbour_step.py --neighbour 3000:250 --neighbour 700:60
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import start_decodes  # noqa: E402
 from tessera.workers.config import EngineConfig  # noqa: E402
-from tessera.workers.engine import Engine  # noqa: E402
+from tessera.workers.engine.engine import Engine  # noqa: E402
 
 #: a neighbour: spin ``busy`` us every ``period`` us (argv), sleeping between
 SPINNER = """

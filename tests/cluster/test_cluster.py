@@ -18,7 +18,7 @@ import ray
 from tessera.cluster.client import ClusterClient
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, RequestOutput, SamplingParams, StructuredParams
-from tessera.workers.protocol import END, read_frame
+from tessera.workers.process.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import (
     ABSTRACT_SOCKETS,

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tessera.cluster.metrics import Metrics
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, SamplingParams
-from tessera.workers.kv_transfer import usable_blocks
+from tessera.workers.process.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import engine_outputs, tokens_of
 

@@ -17,7 +17,7 @@ import ray
 
 from benchmarks.ray_nodes import added_nodes, head_node_id
 from tessera.workers.api import SamplingParams
-from tessera.workers.kv_transfer import usable_blocks
+from tessera.workers.process.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster
 from tests.helpers import engine_outputs, read_through_a_fault, text_of, tokens_of
 

@@ -14,7 +14,7 @@ import ray
 
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import SamplingParams
-from tessera.workers.kv_transfer import usable_blocks
+from tessera.workers.process.kv_transfer import usable_blocks
 from tests.cluster.conftest import running_cluster_sync
 from tests.helpers import run_engine, text_of, tokens_of
 

@@ -110,7 +110,7 @@ def test_smollm2_beams_match_transformers(
 @pytest.mark.parametrize("width", [2, 4, 8])
 def test_tiny_llama_beams_match_transformers(tiny_llama, width):
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     path, hf_model = tiny_llama
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=128, block_size=4))

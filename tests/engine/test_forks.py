@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tessera.workers.api import FinishReason, SamplingParams
-from tessera.workers.async_engine import AsyncEngine
+from tessera.workers.engine.async_engine import AsyncEngine
 from tessera.workers.kv.manager import blocks_needed
 from tests.helpers import run_engine, text_of, tokens_of
 

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from tessera.workers.api import SamplingParams
-from tessera.workers.async_engine import AsyncEngine
-from tessera.workers.disaggregation import DecodeOrchestrator, PhaseManager
-from tessera.workers.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
-from tessera.workers.protocol import PrefillSource, TransferCounters
+from tessera.workers.engine.async_engine import AsyncEngine
+from tessera.workers.process.disaggregation import DecodeOrchestrator, PhaseManager
+from tessera.workers.process.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
+from tessera.workers.process.protocol import PrefillSource, TransferCounters
 from tests.helpers import run_engine, tokens_of
 
 PROMPT = (

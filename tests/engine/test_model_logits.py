@@ -13,11 +13,11 @@ import torch
 import transformers
 
 from tessera.workers.api import Request
+from tessera.workers.engine.model_runner import ModelRunner
+from tessera.workers.engine.sequence import Sequence
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.loader import load_model
-from tessera.workers.model_runner import ModelRunner
-from tessera.workers.sequence import Sequence
 from tests.helpers import prefill_logits
 
 VOCAB = 512

@@ -509,7 +509,7 @@ def _prompt_logprobs(loaded, native: bool, calls: list[tuple[bool, int]]) -> tor
     ``calls`` gets each forward's ``native`` and its number of whole (causal) chunks."""
     from tessera.workers.api import SamplingParams
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tests.helpers import run_engine
 
     dtype = "float32" if loaded.model.norm.weight.dtype == torch.float32 else "bfloat16"

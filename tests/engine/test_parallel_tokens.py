@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tessera.workers.api import InvalidRequestError, ParallelTokensParams, Resume, SamplingParams
+from tessera.workers.decoding.parallel_tokens import parallel_mask
+from tessera.workers.engine.model_runner import Chunk, ModelRunner
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
-from tessera.workers.model_runner import Chunk, ModelRunner
-from tessera.workers.parallel_tokens import parallel_mask
 from tests.helpers import run_engine, tokens_of
 
 PROMPT = "The cat sat on the mat. Then the dog"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tessera.workers.api import FinishReason, Phase, SamplingParams
-from tessera.workers.async_engine import AsyncEngine, EngineClosedError
+from tessera.workers.engine.async_engine import AsyncEngine, EngineClosedError
 from tests.helpers import run_engine, text_of, tokens_of
 
 pytestmark = pytest.mark.slow

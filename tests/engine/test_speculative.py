@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tessera.workers.api import InvalidRequestError, SamplingParams, SpeculativeParams
+from tessera.workers.decoding.speculative import ngram_proposal
 from tessera.workers.kv.manager import blocks_needed
-from tessera.workers.speculative import ngram_proposal
 from tests.helpers import assert_greedy_matches, run_engine, tokens_of
 
 PASSAGE = (
@@ -60,7 +60,7 @@ def no_blocks_past_computed(engine) -> None:
 @pytest.fixture(scope="module")
 def plain(smollm2) -> dict[str, list[int]]:
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     engine = Engine(EngineConfig(num_kv_blocks=256), loaded=smollm2)
     return {k: tokens_of(v) for k, v in run_batch(engine, greedy()).items()}

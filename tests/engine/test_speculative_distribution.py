@@ -99,7 +99,7 @@ def chi_square_p_value(counts: Counter, expected_probs: torch.Tensor, total: int
 @pytest.mark.parametrize("method", ["draft", "ngram"])
 def test_speculative_sampling_has_the_targets_distribution(tiny_pair, method):
     from tessera.workers.config import EngineConfig
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     target_path, target, draft_path, draft = tiny_pair
     engine = Engine(

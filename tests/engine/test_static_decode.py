@@ -17,7 +17,7 @@ import torch
 from tessera.workers.api import SamplingParams
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, reference_attention
-from tessera.workers.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, static_decode_tile
+from tessera.workers.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs, static_decode_tile
 from tests.helpers import (
     assert_greedy_matches,
     multi_row_requests,

@@ -20,7 +20,7 @@ from tessera.workers.api import (
     SpeculativeParams,
     StructuredParams,
 )
-from tessera.workers.structured import grammar_text
+from tessera.workers.decoding.structured import grammar_text
 from tests.helpers import NEAR_TIE_GAP, run_engine, text_of, tokens_of
 
 pytestmark = pytest.mark.slow

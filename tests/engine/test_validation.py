@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     return Engine(EngineConfig(num_kv_blocks=64, max_model_len=512), loaded=smollm2)
 
@@ -55,7 +55,7 @@ def test_invalid_prompt(engine, prompt, params, field, message):
 
 
 def test_request_larger_than_the_pool(smollm2):
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     engine = Engine(EngineConfig(num_kv_blocks=4, block_size=16), loaded=smollm2)
     with pytest.raises(
@@ -103,7 +103,7 @@ def test_invalid_engine_config():
 
 
 def test_kv_memory_larger_than_the_machine(smollm2):
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
 
     with pytest.raises(ValueError, match="kv_cache_memory: .* bytes asked, only .* available"):
         Engine(EngineConfig(kv_cache_memory=2**50), loaded=smollm2)

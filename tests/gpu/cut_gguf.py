@@ -1,7 +1,7 @@
 """Write a copy of a Llama GGUF that keeps only its first N transformer blocks.
 
-For running ``tests/gpu`` where the whole built-in model cannot travel (a lent GPU
-machine takes at most 64 MiB of files; SmolLM2's GGUF is 98 MB, 30 MB of it the
+For running ``tests/gpu`` where the whole built-in model cannot travel (a GPU machine
+that takes at most 64 MiB of files a call; SmolLM2's GGUF is 98 MB, 30 MB of it the
 embedding). The copy is a valid model of its own (``llama.block_count`` is N), so the
 tests compare our engine with transformers on the same cut weights::
 

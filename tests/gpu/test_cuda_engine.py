@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def test_greedy_on_cuda_matches_transformers(smollm2_path, hf_reference):
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
@@ -45,7 +45,7 @@ def test_packed_weights_on_cuda_give_the_dense_weights_outputs(smollm2_path, hf_
     weights; float32 sums in another order)."""
     import gc
 
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tessera.workers.model.loader import load_model
 
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=1)
@@ -75,7 +75,7 @@ def test_packed_weights_on_cuda_give_the_dense_weights_outputs(smollm2_path, hf_
 def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine):
     """n > 1 (copy-on-write on the GPU pool), prefix hits and beam search on CUDA give
     what the CPU engine gives."""
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
@@ -103,7 +103,7 @@ def test_block_sharing_on_cuda_matches_the_cpu_engine(smollm2_path, make_engine)
 def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make_engine):
     """Speculative decoding (prompt lookup, a self-speculative draft) and parallel tokens
     on CUDA give the CPU engine's greedy tokens and sets."""
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
@@ -120,7 +120,7 @@ def test_several_tokens_per_step_on_cuda_match_the_cpu_engine(smollm2_path, make
 def test_cuda_graphs_replay_what_eager_steps_compute(smollm2_path):
     """Decode steps replayed from CUDA graphs (the default) give the eager steps'
     tokens, for a batch that changes size as requests finish (several buckets)."""
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")
@@ -151,7 +151,7 @@ def test_structured_outputs_and_prompt_logprobs_on_cuda_match_the_cpu_engine(
     import json
 
     from tessera.workers.api import StructuredParams
-    from tessera.workers.engine import Engine
+    from tessera.workers.engine.engine import Engine
     from tessera.workers.model.loader import load_model
 
     loaded = load_model(smollm2_path, "float32", "cuda")

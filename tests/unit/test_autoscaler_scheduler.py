@@ -15,7 +15,7 @@ from tessera.scheduler.api import WorkerStatus
 from tessera.scheduler.registry import WorkerRecord
 from tessera.workers.api import SpeculativeStats
 from tessera.workers.kv.prefix_cache import PrefixCacheStats, extend_block_hashes
-from tessera.workers.protocol import EngineLoad, WorkerInfo, WorkerLoad
+from tessera.workers.process.protocol import EngineLoad, WorkerInfo, WorkerLoad
 
 
 class _Scheduler(Scheduler):

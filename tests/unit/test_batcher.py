@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tessera.workers.api import Phase, Request
-from tessera.workers.batcher import Batcher
+from tessera.workers.engine.batcher import Batcher
+from tessera.workers.engine.sequence import Sequence, SequenceGroup
 from tessera.workers.kv.manager import KVCacheManager
-from tessera.workers.sequence import Sequence, SequenceGroup
 
 
 def _seq(name: str, num_tokens: int, priority: int = 0, order: int = 0) -> SequenceGroup:

@@ -18,10 +18,10 @@ import pytest
 from ray.exceptions import RayActorError
 
 from tessera.cluster.client import _connect_unix, _frame
-from tessera.workers import actor
-from tessera.workers.actor import WorkerActor
 from tessera.workers.api import RequestOutput
-from tessera.workers.protocol import END, frame, peer_credentials
+from tessera.workers.process import actor
+from tessera.workers.process.actor import WorkerActor
+from tessera.workers.process.protocol import END, frame, peer_credentials
 from tests.helpers import LINUX_ONLY
 
 pytestmark = LINUX_ONLY
@@ -91,7 +91,7 @@ async def test_a_socket_that_hangs_up_before_the_channel_opens_leaves_the_ray_st
     from tessera.cluster import client as client_module
     from tessera.cluster.client import ClusterClient, _Channel
     from tessera.scheduler.api import Placement
-    from tessera.workers.protocol import ChannelSocket
+    from tessera.workers.process.protocol import ChannelSocket
 
     path, server = await serving(b"")  # hangs up at once, as on a wrong token
     monkeypatch.setattr(client_module, "_node_id", lambda: "node-1")

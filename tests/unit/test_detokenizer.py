@@ -8,13 +8,13 @@ import random
 import pytest
 import transformers
 
-from tessera.workers.detokenizer import (
+from tessera.workers.decoding.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     token_bytes,
     token_texts,
 )
-from tessera.workers.stop import StopStringMatcher
+from tessera.workers.decoding.stop import StopStringMatcher
 
 TEXTS = [
     "Hello, world! This is plain ASCII text.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.workers.model_runner import HostInts
+from tessera.workers.engine.model_runner import HostInts
 
 
 def test_values_are_cut_into_the_shapes_in_order():

@@ -19,7 +19,7 @@ from cryptography.x509.oid import NameOID
 
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb
 from tessera.protos.tessera.v1.kv_transfer_pb2_grpc import KVTransferStub
-from tessera.workers.kv_transfer import (
+from tessera.workers.process.kv_transfer import (
     API_VERSION,
     BlockAssembler,
     KVTransferClient,

@@ -16,8 +16,8 @@ from tessera.workers.api import (
     SamplingParams,
     TokenLogprob,
 )
-from tessera.workers.outputs import sequence_output
-from tessera.workers.sequence import Sequence
+from tessera.workers.decoding.outputs import sequence_output
+from tessera.workers.engine.sequence import Sequence
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.workers.api import SamplingParams
-from tessera.workers.sampling import (
+from tessera.workers.decoding.sampling import (
     Sampler,
     SamplingRow,
     TokenSpan,

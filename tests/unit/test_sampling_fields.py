@@ -1,4 +1,4 @@
-"""The one table of sampling fields (``tessera.workers.sampling_fields``): it covers
+"""The one table of sampling fields (``tessera.workers.decoding.sampling_fields``): it covers
 every ``SamplingParams`` field, matches the gRPC message and the HTTP bodies, and
 maps both ways without loss; and a fork's seed."""
 
@@ -29,7 +29,7 @@ from tessera.workers.api import (
     StructuredParams,
     fork_seed,
 )
-from tessera.workers.sampling_fields import (
+from tessera.workers.decoding.sampling_fields import (
     BY_NAME,
     FIELDS,
     NOT_ON_THE_WIRE,

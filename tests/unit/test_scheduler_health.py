@@ -10,7 +10,7 @@ from tessera.cluster.launch import scheduler_config
 from tessera.scheduler.actor import Scheduler
 from tessera.scheduler.api import WorkerStatus
 from tessera.scheduler.registry import WorkerRecord
-from tessera.workers.protocol import WorkerInfo
+from tessera.workers.process.protocol import WorkerInfo
 
 
 class _Silent:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from tessera.workers import actor
-from tessera.workers.actor import WorkerActor, _Channel
 from tessera.workers.api import FinishReason, RequestOutput
-from tessera.workers.protocol import END, StreamFailure
+from tessera.workers.process import actor
+from tessera.workers.process.actor import WorkerActor, _Channel
+from tessera.workers.process.protocol import END, StreamFailure
 
 
 def delta(token: int, finished: bool = False) -> RequestOutput:
