@@ -24,10 +24,11 @@ import ray
 
 from tessera.cluster.client import ClusterClient, RequestStream
 from tessera.cluster.config import ClusterConfig, check_environment
-from tessera.scheduler.actor import STARTUP_TIMEOUT_S, scheduler_actor_class, worker_actors
+from tessera.scheduler.actor import scheduler_actor_class
 from tessera.scheduler.api import ClusterStats
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.config import SchedulerConfig, WorkerPool
+from tessera.scheduler.worker_actors import STARTUP_TIMEOUT_S, worker_actors
 from tessera.workers.api import Request, SamplingParams
 
 logger = logging.getLogger(__name__)

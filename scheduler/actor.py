@@ -17,6 +17,11 @@ What it holds:
 A monitor loop pulls a report from each worker every ``report_interval_s`` (that is
 the health check), restarts or replaces dead workers, and runs the autoscaler.
 
+The actor is one class written in parts: this module holds its lifecycle, its workers'
+registration and its operators' calls; ``placer`` places requests (``Placer``),
+``monitor`` checks the workers and sizes their pools (``WorkerMonitor``), and
+``worker_actors`` names and starts the worker actors.
+
 **Restarts.** Workers are detached named actors (``worker_actor_name``), so they do
 not share the scheduler's fate, and the cluster layer creates the scheduler with
 ``max_restarts``. A restarted scheduler (Ray runs ``__init__`` again) finds its live
@@ -39,37 +44,27 @@ import os
 import time
 
 import ray
-from ray.exceptions import ActorDiedError, RayActorError
 
 from tessera.scheduler.admission import AdmissionQueue
-from tessera.scheduler.api import (
-    ClusterStats,
-    DeadlineError,
-    NoWorkerError,
-    OverloadedError,
-    Placement,
-    Refusal,
-    WorkerStatus,
-)
-from tessera.scheduler.autoscaler import Autoscaler, PoolMember
+from tessera.scheduler.api import ClusterStats, NoWorkerError, Refusal, WorkerStatus
+from tessera.scheduler.autoscaler import Autoscaler
 from tessera.scheduler.config import SchedulerConfig
-from tessera.scheduler.placement import Candidate, make_policy
+from tessera.scheduler.monitor import WorkerMonitor
+from tessera.scheduler.placement import make_policy
+from tessera.scheduler.placer import Placer
 from tessera.scheduler.registry import Registry, WorkerRecord
-from tessera.workers.process.actor import worker_actor_class
-from tessera.workers.process.protocol import DECODE, MIXED, PREFILL, PrefillSource, WorkerInfo
+from tessera.scheduler.worker_actors import (
+    MAX_START_FAILURES,
+    STARTUP_TIMEOUT_S,
+    start_worker,
+    worker_actors,
+)
+from tessera.workers.process.protocol import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
-#: A starting worker (loading its model) may take this long to answer its first report.
-STARTUP_TIMEOUT_S = 600.0
-#: Workers that die before registering, in a row, before the scheduler stops replacing them.
-MAX_START_FAILURES = 3
-#: A request placed this long ago and not running on its worker (by the worker's
-#: report) is released: the front end that streamed it is gone.
-ORPHAN_GRACE_S = 10.0
 
-
-class Scheduler:
+class Scheduler(WorkerMonitor, Placer):
     """Use ``scheduler_actor_class()`` for the Ray actor. The cluster layer starts it,
     with a ``SchedulerConfig`` it builds from the cluster's configuration."""
 
@@ -164,30 +159,7 @@ class Scheduler:
     # ------------------------------------------------------------------ workers
     def _add_worker(self, role: str, worker_id: str | None = None) -> None:
         worker_id = worker_id or f"{role}-{next(self._ids)}"
-        handle = (
-            worker_actor_class()
-            .options(
-                # detached and named: a restarted scheduler finds it (see the module doc)
-                name=worker_actor_name(self.config.scheduler_name, worker_id),
-                namespace=self.config.namespace,
-                lifetime="detached",
-                scheduling_strategy="SPREAD",  # over the Ray nodes: a lost node costs least
-                num_cpus=self.config.worker_num_cpus,
-                num_gpus=self.config.worker_num_gpus,
-                resources={f"tessera-{role}": 1} if self.config.role_resources else None,
-                max_restarts=self.config.worker_max_restarts,
-                max_task_retries=0,  # a broken stream fails over from the front end
-            )
-            .remote(
-                worker_id,
-                role,
-                self.config.engine,
-                self.config.scheduler_name,
-                self.config.namespace,
-                max(1, int(self.config.worker_num_cpus)),
-                self.config.kv_transfer,
-            )
-        )
+        handle = start_worker(self.config, role, worker_id)
         self.registry.add(WorkerRecord(worker_id, role, handle))
         self._event(f"started worker {worker_id} ({role})")
 
@@ -240,132 +212,6 @@ class Scheduler:
         if kill:
             ray.kill(worker.handle, no_restart=True)
 
-    def _on_dead(self, worker: WorkerRecord, error: BaseException) -> None:
-        """Ray gave up on the actor (killed, or out of restarts): replace it."""
-        if self.registry.get(worker.worker_id) is not worker:
-            return
-        self._remove(worker, kill=False)
-        if worker.status is WorkerStatus.DRAINING:
-            return
-        if worker.info is None:
-            self.start_errors.append(str(error).strip().splitlines()[-1] if str(error) else "")
-            if len(self.start_errors) >= MAX_START_FAILURES:
-                self._event(f"worker {worker.worker_id} failed to start; not replacing it")
-                return
-        self._event(f"worker {worker.worker_id} died; starting a replacement")
-        self._add_worker(worker.role, worker.worker_id)
-
-    async def _poll(self, worker: WorkerRecord) -> None:
-        timeout = (
-            STARTUP_TIMEOUT_S
-            if worker.status is WorkerStatus.STARTING
-            else self.config.health_timeout_s
-        )
-        asked, asked_at = worker.incarnation, time.monotonic()
-        try:
-            info, load = await asyncio.wait_for(worker.handle.report.remote(worker.resync), timeout)
-        except ActorDiedError as error:
-            self._on_dead(worker, error)
-            return
-        except (TimeoutError, RayActorError) as error:
-            if worker.incarnation != asked:
-                # Asked of an earlier incarnation: the restarted worker registered
-                # meanwhile (it does at start), and answers the next poll.
-                return
-            if worker.status is WorkerStatus.HEALTHY:
-                self._event(f"worker {worker.worker_id} unhealthy: {type(error).__name__}")
-                worker.status = WorkerStatus.UNHEALTHY
-            worker.resync = True
-            return
-        if self.registry.get(worker.worker_id) is not worker:
-            return
-        self.register(info)
-        if worker.recovered is not None and not worker.recovered and worker.load is None:
-            worker.recovered.update(load.request_ids)  # its first report since the restart
-        worker.recount(load.request_ids)
-        orphans = self.registry.orphans(worker, load.request_ids, asked_at - ORPHAN_GRACE_S)
-        for request_id in orphans:
-            self.registry.release(request_id)
-        if orphans:
-            self._event(f"released {len(orphans)} request(s) gone from {worker.worker_id}")
-            self._dispatch()
-        if load.snapshot is not None:
-            self.registry.index.reset(worker.worker_id, load.snapshot)
-        else:
-            self.registry.index.apply(worker.worker_id, load.events)
-        worker.load = load
-        worker.resync = False
-        if worker.status is WorkerStatus.UNHEALTHY:
-            worker.status = WorkerStatus.HEALTHY
-            self._event(f"worker {worker.worker_id} healthy again")
-            self._dispatch()
-
-    async def _monitor_loop(self) -> None:
-        while True:
-            try:
-                for worker in self.registry:
-                    if worker.poll is None or worker.poll.done():
-                        worker.poll = asyncio.get_running_loop().create_task(self._poll(worker))
-                self._autoscale()
-            except Exception:  # the monitor must outlive any one bad tick
-                logger.exception("scheduler monitor tick failed")
-            await asyncio.sleep(self.config.report_interval_s)
-
-    def _autoscale(self) -> None:
-        now = time.monotonic()
-        self._up = self._up or self._pools_ready()
-        paired = self._paired_counts()
-        for role, autoscaler in self.autoscalers.items():
-            pool = [w for w in self.registry if w.role == role]
-            members = [self._member(w, now, paired) for w in pool]
-            for member in members:  # drained: nothing needs it any more
-                if member.stoppable:
-                    self._remove(self.registry.workers[member.worker_id], kill=True)
-                    self._event(f"stopped drained worker {member.worker_id}")
-            if len(self.start_errors) >= MAX_START_FAILURES:
-                continue  # do not spin up workers that cannot start
-            decision = autoscaler.decide(now, members, self.queue.waiting(role))
-            for _ in range(decision.add):
-                self._add_worker(role)
-                self._event(f"scaled {role} up to {len(pool) + 1} workers")
-            for worker_id in decision.drain if self._up else ():
-                self.registry.workers[worker_id].status = WorkerStatus.DRAINING
-                self._event(f"draining idle worker {worker_id}")
-
-    def _member(self, worker: WorkerRecord, now: float, paired: dict[str, int]) -> PoolMember:
-        """The autoscaler's view of a worker. A prefill worker is never placed on: its
-        ongoing requests are those placed with it as their prefill source, and its
-        idleness is what it reports (``WorkerLoad.idle_s``)."""
-        load = worker.load
-        engine = load.engine if load is not None else None
-        if worker.role == PREFILL:
-            ongoing = paired.get(worker.worker_id, 0)
-            idle = load is not None and load.idle_s is not None
-            idle_since = now - load.idle_s if idle else None
-        else:
-            ongoing = worker.in_flight
-            idle_since = worker.idle_since if not worker.in_flight else None
-        return PoolMember(
-            worker_id=worker.worker_id,
-            starting=worker.status is WorkerStatus.STARTING,
-            draining=worker.status is WorkerStatus.DRAINING,
-            ongoing=ongoing,
-            waiting=engine.waiting if engine else 0,
-            kv_usage=engine.kv_usage if engine else 0.0,
-            idle_since=idle_since,
-            running=engine.running if engine else 0,
-            queued_prompt_tokens=engine.queued_prompt_tokens if engine else 0,
-        )
-
-    def _paired_counts(self) -> dict[str, int]:
-        """Per prefill worker, the placed requests it is the prefill source of (their
-        decode workers may still pull from it); pairs of requests no longer placed (their
-        decode worker died, or they were released) are forgotten here."""
-        placements = self.registry.placements
-        for request_id in [r for r in self._paired if r not in placements]:
-            del self._paired[request_id]
-        return collections.Counter(self._paired.values())
-
     def set_placement(self, name: str) -> None:
         """Switch the placement policy of a running cluster (to compare policies)."""
         self.policy = make_policy(name)
@@ -398,148 +244,6 @@ class Scheduler:
         self.registry.workers[worker_id].status = WorkerStatus.DRAINING
         self._event(f"draining worker {worker_id} (asked)")
 
-    # ------------------------------------------------------------------ placement
-    async def place(
-        self,
-        request_id: str,
-        block_hashes: list[bytes],
-        role: str = "mixed",
-        timeout_s: float | None = None,
-        failover: bool = False,
-        worker_request_ids: tuple[str, ...] = (),
-    ) -> Placement | Refusal:
-        """A worker for the request, now or once one frees up; a ``Refusal`` when the
-        queue is full, the deadline passes or no worker of ``role`` is left.
-        ``block_hashes``: its prompt's full blocks, hashed by the front end as
-        ``block_hashing`` says (empty: placement ignores the prefix caches).
-        ``worker_request_ids``: the ids the front end will run it under on the worker
-        (for ``abort``). Placing a request that is already placed (``failover``) moves it."""
-        self.release(request_id)
-        if failover:
-            self._failovers += 1
-        hashes = list(block_hashes)
-        ids = worker_request_ids or (request_id,)
-        if self.config.disaggregated and role == MIXED:  # the front end asks for "a worker"
-            role = DECODE
-        placement = self._try_place(request_id, role, hashes, ids)
-        if placement is not None:
-            return placement
-        if not any(w.role == role for w in self.registry):
-            self._refused += 1
-            return Refusal(NoWorkerError, f"no {role} worker is left in the cluster")
-        if self.queue.full:
-            self._refused += 1
-            return Refusal(
-                OverloadedError,
-                f"overloaded: every worker is at capacity and the global queue is full "
-                f"({len(self.queue)} waiting, max_queued_requests={self.queue.limit}); "
-                "retry later",
-            )
-        timeout_s = timeout_s if timeout_s is not None else self.config.queue_timeout_s
-        outcome = await self.queue.wait(request_id, role, hashes, ids, timeout_s)
-        if outcome is None:
-            self._refused += 1
-            return Refusal(
-                DeadlineError,
-                f"overloaded: no worker could take the request within its deadline "
-                f"({timeout_s} s in the global queue)",
-            )
-        return outcome
-
-    def release(self, request_id: str) -> None:
-        """The request's stream ended (or moved), or its caller left while it waited:
-        free its place on its worker, or in the queue."""
-        self.queue.cancel(request_id, Refusal(OverloadedError, "withdrawn from the queue"))
-        self._paired.pop(request_id, None)
-        if self.registry.release(request_id) is not None:
-            self._dispatch()
-
-    def abort(self, request_id: str) -> bool:
-        """Abort a placed request on its worker (from any front end); False if unknown."""
-        placed = self.registry.placed_on(request_id)
-        if placed is None:  # placed before a restart: by the ids its parts run under
-            placed = self.registry.recovered_on(request_id)
-        if placed is None:
-            return False
-        worker, ids = placed
-        for worker_request_id in ids:
-            worker.handle.abort.remote(worker_request_id)
-        return True
-
-    def block_hashing(self) -> tuple[int, tuple[str, ...] | None] | None:
-        """How a front end hashes a prompt's blocks as the workers' prefix caches do,
-        once per request (the scheduler never rehashes): the block size and the
-        model's extra hash keys (None until a worker has registered), followed by the
-        request's cache salt. None when prefix caching is off."""
-        engine = self.config.engine
-        if not engine.enable_prefix_caching:
-            return None
-        return engine.block_size, self.hash_keys
-
-    def _try_place(
-        self, request_id: str, role: str, hashes: list[bytes], worker_request_ids: tuple[str, ...]
-    ) -> Placement | None:
-        capacity = self.config.max_ongoing_requests
-        candidates = [
-            Candidate(
-                worker_id=w.worker_id,
-                ongoing=w.in_flight,
-                capacity=capacity,
-                kv_usage=w.load.engine.kv_usage if w.load else 0.0,
-                matched_blocks=self.registry.index.matched(w.worker_id, hashes),
-            )
-            for w in self.registry
-            if w.role == role and w.status is WorkerStatus.HEALTHY and w.in_flight < capacity
-        ]
-        if not candidates:
-            return None
-        chosen = self.policy.choose(candidates, len(hashes))
-        worker = self.registry.workers[chosen.worker_id]
-        self.registry.place(worker, request_id, worker_request_ids, hashes)
-        self._placed += 1
-        prefill = self._prefill_source(hashes) if role == DECODE else None
-        if prefill is not None:  # a draining prefill worker stops only once it is unpaired
-            self._paired[request_id] = prefill.worker_id
-        return Placement(
-            request_id=request_id,
-            worker_id=worker.worker_id,
-            incarnation=worker.incarnation,
-            worker=worker.handle,
-            matched_blocks=chosen.matched_blocks,
-            prefill=prefill,
-        )
-
-    def _prefill_source(self, hashes: list[bytes]) -> PrefillSource | None:
-        """The prefill worker a decode worker pulls from: the one holding most of the
-        prompt's leading blocks (it computes less; after a failover, the one that
-        prefilled it), then the least busy. Only a ``HEALTHY`` one: never a draining
-        one (it is to stop) or one that is not answering. None when none is up: the
-        decode worker then prefills itself."""
-        ready = [
-            w
-            for w in self.registry
-            if w.role == PREFILL
-            and w.status is WorkerStatus.HEALTHY
-            and w.info is not None
-            and w.info.kv_address is not None
-        ]
-        if not ready:
-            return None
-        best = max(
-            ready,
-            key=lambda w: (
-                self.registry.index.matched(w.worker_id, hashes),
-                -(w.load.requests + w.load.engine.running if w.load else 0),
-            ),
-        )
-        return PrefillSource(best.worker_id, best.info.kv_address)
-
-    def _dispatch(self) -> None:
-        """Place queued requests, oldest first, while workers have room."""
-        self.queue.dispatch(
-            lambda w: self._try_place(w.request_id, w.role, w.hashes, w.worker_request_ids)
-        )
-
     # ------------------------------------------------------------------ stats
     def get_config(self) -> SchedulerConfig:
         return self.config
@@ -564,25 +268,6 @@ class Scheduler:
             policy=self.policy.name,
             events=tuple(self.events),
         )
-
-
-def worker_actor_name(scheduler_name: str, worker_id: str) -> str:
-    """The Ray name of a worker actor: ``<scheduler name>/<worker id>``."""
-    return f"{scheduler_name}/{worker_id}"
-
-
-def worker_actors(scheduler_name: str, namespace: str) -> list[tuple[str, object]]:
-    """(worker id, handle) of each live worker actor of that scheduler."""
-    prefix = worker_actor_name(scheduler_name, "")
-    found = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == namespace and actor["name"].startswith(prefix):
-            try:
-                handle = ray.get_actor(actor["name"], namespace=namespace)
-            except ValueError:  # gone since it was listed
-                continue
-            found.append((actor["name"].removeprefix(prefix), handle))
-    return found
 
 
 def _reconstructed() -> bool:

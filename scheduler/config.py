@@ -10,13 +10,16 @@ the whole object.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.placement import POLICIES
 from tessera.workers.config import EngineConfig
-from tessera.workers.process.disaggregation import KVTransferConfig
 from tessera.workers.process.protocol import DECODE, ROLES
+
+if typing.TYPE_CHECKING:  # its module loads the engine (torch): the front ends never do
+    from tessera.workers.process.disaggregation import KVTransferConfig
 
 
 @dataclass(frozen=True, slots=True)
