@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import ray
 
 from tessera.cluster.client import ClusterClient, RequestStream
-from tessera.cluster.config import ClusterConfig, check_environment
+from tessera.cluster.cluster_config import ClusterConfig
+from tessera.cluster.environment import check_environment
 from tessera.scheduler.actor import scheduler_actor_class
 from tessera.scheduler.api import ClusterStats
 from tessera.scheduler.autoscaler import PoolPolicy

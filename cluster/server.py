@@ -27,9 +27,11 @@ import time
 import ray
 from ray import serve
 
-from tessera.cluster.config import ConfigError, ServeConfig, check_environment
+from tessera.cluster.cluster_config import ConfigError
+from tessera.cluster.environment import check_environment
 from tessera.cluster.grpc_api import SERVICER_FUNCTIONS
 from tessera.cluster.launch import Cluster
+from tessera.cluster.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 

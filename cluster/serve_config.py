@@ -1,0 +1,142 @@
+"""Everything ``tessera serve`` runs, as one flat schema: ``ServeConfig``, the cluster's
+settings plus its HTTP front end's, and its file form (``--config FILE``, YAML).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+
+from pydantic import Field, field_validator, model_validator
+
+from tessera.cluster.cluster_config import ClusterConfig, ConfigError
+from tessera.cluster.memory_size import memory_value
+
+
+class ServeConfig(ClusterConfig):
+    """Everything ``tessera serve`` runs: the cluster plus the HTTP front end (the Ray
+    Serve app). One flat schema for the command line, ``--config FILE`` and Helm."""
+
+    host: str = Field("127.0.0.1", description="address the HTTP server listens on")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    grpc_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="serve the gRPC API (tessera.v1.Generation, grpc.health.v1) on this "
+        "port (behind HAProxy on host; Ray Serve's gRPC proxy, and the replica's own gRPC "
+        "server behind HAProxy, listen on every interface); off when unset",
+    )
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="require 'Authorization: Bearer KEY' on every route but /health and "
+        "/metrics (default: $TESSERA_API_KEY, else no key)",
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="the model id clients pass as 'model' (default: the model file's or "
+        "directory's name)",
+    )
+    min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
+    max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")
+    replica_target_ongoing_requests: float = Field(
+        32.0,
+        gt=0,
+        description="ongoing requests per front-end replica that Serve's autoscaler aims at",
+    )
+    replica_max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description="requests one front-end replica takes at once; the scheduler's "
+        "admission (--max-queued-requests) refuses overload before this",
+    )
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1, description="largest request body, e.g. 4MiB; larger ones get 413"
+    )
+    body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a client has to send a request's whole body after its "
+        "headers; slower ones get 408 and their connection is closed",
+    )
+    max_pending_bodies: int = Field(
+        64,
+        ge=1,
+        description="requests whose bodies are slow (incomplete 0.5 s after their headers) "
+        "one front-end replica reads at once; the next slow one gets 503, so stalled "
+        "uploads cannot starve the others",
+    )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="deadline of one request from arrival to its last token; past it, "
+        "a request gets 408 (or an error event when streaming) and is aborted",
+    )
+    graceful_shutdown_s: float = Field(
+        30.0,
+        ge=0,
+        description="on Ctrl-C, how long ongoing requests may take to finish before they are cut",
+    )
+
+    @field_validator("max_request_bytes", mode="before")
+    @classmethod
+    def _request_bytes(cls, value):
+        return memory_value(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _api_key_from_environment(cls, data):
+        """Every way to start (the CLI, ``serve run``, KubeRay) reads the key alike."""
+        if isinstance(data, dict) and data.get("api_key") is None:
+            key = os.environ.get("TESSERA_API_KEY")
+            if key:
+                data = {**data, "api_key": key}
+        return data
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> ServeConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas: {self.min_replicas} is above max_replicas ({self.max_replicas})"
+            )
+        return self
+
+    def cluster_config(self) -> ClusterConfig:
+        """The cluster part (what the scheduler gets)."""
+        return ClusterConfig(**{name: getattr(self, name) for name in ClusterConfig.model_fields})
+
+    @property
+    def model_name(self) -> str:
+
+        from tessera.workers.model.loader import resolve_model_path
+
+        if self.served_model_name:
+            return self.served_model_name
+        path = resolve_model_path(self.model)
+        name = path.name.removesuffix(".gguf")
+        return name.split(".")[0] if self.model is None else name  # built-in: drop ".Q4_1"
+
+
+def load_config_file(path: str) -> dict[str, typing.Any]:
+    """The settings of a YAML config file (``ServeConfig``'s fields, snake_case)."""
+    import yaml
+
+    try:
+        with open(path) as file:
+            data = yaml.safe_load(file)
+    except OSError as error:
+        raise ConfigError(f"config: cannot read {path!r}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config: {path!r} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config: {path!r} must hold a mapping of settings, got {type(data).__name__}"
+        )
+    unknown = sorted(str(key) for key in data if key not in ServeConfig.model_fields)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a setting (in config file {path!r})")
+    return data
