@@ -5,7 +5,7 @@ Each point runs ``N`` greedy requests (128-token prompts) until all decode, then
 ``--steps`` decode steps; ``engine.stats()`` gives the moving averages
 (``recent_step_time``, ``recent_host_time``) and the per-step figures are measured here
 as well. Host time is scheduling, building the flattened batch, sampling, detokenizing
-and the outputs; the engine-speed issue's target is <= 1 ms at 64 sequences.
+and the outputs; the target is <= 1 ms at 64 sequences.
 
 On the CPU each point then times as many steps again whose forward only hands back the
 last real step's output (``host_warm_ms``): the same host work, without a forward

@@ -73,7 +73,7 @@ class Mode:
 
     name: str
     settings: dict[str, Any] = field(default_factory=dict)
-    target: str | None = None  # "exact" or "fast": the issue's decode target for it
+    target: str | None = None  # "exact" or "fast": the decode target it is held to
 
 
 #: Tessera's configurations, one line each; ``--modes`` picks (default: all).
@@ -87,7 +87,7 @@ MODES = (
 MODES_BY_NAME = {m.name: m for m in MODES}
 DEFAULT_MODES = tuple(MODES_BY_NAME)
 
-#: The issue's targets: Tessera / llama.cpp (``eval loop``), best runs.
+#: Tessera's targets: Tessera / llama.cpp (``eval loop``), best runs.
 DECODE_TARGETS = {"fast": 1.0, "exact": 0.5}
 PROMPT_EVAL_TARGET = 1.0
 
@@ -309,7 +309,7 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
 
 
 def targets(rows: list[dict[str, Any]], modes: list[Mode]) -> list[dict[str, Any]]:
-    """The issue's targets, each met, missed or not measured (no such mode was run)."""
+    """The targets, each met, missed or not measured (no such mode was run)."""
     by_target = {m.target: m.name for m in modes if m.target}
     ratio = {r["mode"]: r for r in rows if r["peer"] == "tessera"}
     out = []

