@@ -33,7 +33,9 @@ from grpc_health.v1 import health_pb2
 
 from tessera.cluster.auth import key_matches
 from tessera.cluster.grpc_client import API_VERSION
-from tessera.cluster.openai_protocol import TokenizeChatRequest, api_error, invalid, validate_body
+from tessera.cluster.openai_chat import TokenizeChatRequest
+from tessera.cluster.openai_errors import api_error, invalid
+from tessera.cluster.openai_parsing import validate_body
 from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import WorkerStatus
@@ -339,7 +341,7 @@ class GenerationService:
             return health_pb2.HealthCheckResponse.SERVING
         return health_pb2.HealthCheckResponse.NOT_SERVING
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ checks and prompts
     def _grpc_authorize(self, grpc_context) -> None:
         if self._api_key is None:
             return

@@ -1,0 +1,233 @@
+"""How the HTTP door writes a job's answer: whole, or as server-sent events.
+
+Completions and chat share the shapes (``openai_responses.choice_entry`` and ``envelope``);
+what differs is what a choice holds. A completion's text follows its echoed prompt,
+whose tokens carry logprobs too (computed in the prefill). A chat choice is a message;
+streamed, its first chunk names its role, and with tools offered its calls are parsed
+once its output is whole, then streamed as OpenAI does: each call's id and name, then
+its arguments in pieces. A stream that fails after it began ends with an error event,
+then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi.responses import StreamingResponse
+
+from tessera.cluster import tools as tool_calls
+from tessera.cluster.front_end import Choice, FrontEnd, Job
+from tessera.cluster.openai_chat import ChatCompletionRequest
+from tessera.cluster.openai_errors import api_error
+from tessera.cluster.openai_logprobs import LogprobFormatter
+from tessera.cluster.openai_requests import CompletionRequest
+from tessera.cluster.openai_responses import choice_entry, choice_extras, envelope
+
+#: Characters of a tool call's arguments per streamed delta.
+TOOL_ARGUMENT_PIECE = 16
+
+
+class AnswerWriter:
+    """One replica's writer of answers, over its ``FrontEnd`` (the job's events and
+    choices) and the model's tokenizer (token strings of logprobs)."""
+
+    def __init__(self, front: FrontEnd) -> None:
+        self.front = front
+        self.logprobs = LogprobFormatter(front.tokenizer)
+
+    # ------------------------------------------------------------------ whole
+    def completion(self, job: Job, body: CompletionRequest, echo: list[str]) -> dict:
+        """The whole completions response of a collected job; ``echo``: per prompt, the
+        text its choices start with (empty without ``echo``)."""
+        choices = []
+        for index in sorted(job.choices):
+            choice = job.choices[index]
+            k = index // body.n
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = self._completion_logprobs(job, k, choice.logprobs, len(echo[k]), body)
+            text = echo[k] + "".join(choice.text)
+            extras = choice_extras(choice)
+            prompt_logprobs = self._prompt_logprobs(job, k, body)
+            choices.append(
+                choice_entry(
+                    job.kind,
+                    index,
+                    text,
+                    logprobs,
+                    choice.finish_reason,
+                    extras=extras,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return envelope(job, choices)
+
+    def chat(self, job: Job, body: ChatCompletionRequest) -> dict:
+        """The whole chat response of a collected job: a tool call's message, when the
+        model made calls to the tools offered."""
+        choices = []
+        for index in sorted(job.choices):
+            choice = job.choices[index]
+            logprobs = None
+            if body.logprobs:
+                logprobs = {"content": self.logprobs.chat(choice.logprobs)}
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+            finish = choice.finish_reason
+            if job.tool_names:
+                content, calls = tool_calls.parse(
+                    message["content"], self.front.tool_format, job.tool_names
+                )
+                if calls:
+                    message = {
+                        "role": "assistant",
+                        "content": content,
+                        "tool_calls": [call.message() for call in calls],
+                    }
+                    finish = "tool_calls"
+            extras = choice_extras(choice)
+            prompt_logprobs = self._prompt_logprobs(job, 0, body)
+            choices.append(
+                choice_entry(
+                    job.kind,
+                    index,
+                    message,
+                    logprobs,
+                    finish,
+                    extras=extras,
+                    prompt_logprobs=prompt_logprobs,
+                )
+            )
+        return envelope(job, choices)
+
+    # ------------------------------------------------------------------ streamed
+    def sse(self, job: Job, chunks: AsyncIterator[dict], endpoint: str) -> StreamingResponse:
+        """``chunks`` as server-sent events; the job's metrics when the stream ends."""
+
+        async def events() -> AsyncIterator[bytes]:
+            status = 499
+            self.front.metrics.in_flight.inc()
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                status = 200
+            except Exception as error:  # after the first byte: an error event, then [DONE]
+                failure = api_error(error)
+                status = failure.status
+                yield b"data: " + orjson.dumps(failure.body()) + b"\n\n"
+            finally:  # also when the client left (cancelled): its requests are aborted
+                self.front.metrics.in_flight.dec()
+                self.front.finished(job, endpoint, status)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def completion_chunks(
+        self, job: Job, body: CompletionRequest, echo: list[str]
+    ) -> AsyncIterator[dict]:
+        async with contextlib.aclosing(self.front.events(job)) as events:
+            async for k, delta in events:
+                index = job.choice_index(k, delta)
+                fresh = index not in job.choices
+                choice = self.front.record(job, k, delta)
+                text = delta.text
+                if fresh and echo[k]:
+                    text = echo[k] + text
+                    choice.offset = len(echo[k])
+                logprobs = None
+                if body.logprobs is not None:
+                    prompt_part = None
+                    if fresh and body.echo and k in job.prompt_logprobs:
+                        prompt_part, _ = self.logprobs.prompt(
+                            job.prompts[k], job.prompt_logprobs[k]
+                        )
+                    logprobs, choice.offset = self.logprobs.completion(
+                        delta.logprobs or (), choice.offset, prompt_part
+                    )
+                finish = choice.finish_reason if delta.finished else None
+                prompt_logprobs = self._prompt_logprobs(job, k, body) if fresh else None
+                extras = choice_extras(choice, delta)
+                entry = choice_entry(
+                    job.kind,
+                    index,
+                    text,
+                    logprobs,
+                    finish,
+                    streamed=True,
+                    extras=extras,
+                    prompt_logprobs=prompt_logprobs,
+                )
+                yield envelope(job, [entry], streamed=True)
+        if job.include_usage:
+            yield envelope(job, [], streamed=True, final=True)
+
+    async def chat_chunks(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+        async with contextlib.aclosing(self.front.events(job)) as events:
+            async for k, delta in events:
+                choice = self.front.record(job, k, delta)
+                index = job.choice_index(k, delta)
+                if not choice.started:  # the first chunk of a choice names its role
+                    choice.started = True
+                    role = {"role": "assistant", "content": ""}
+                    entry = choice_entry(job.kind, index, role, None, None, streamed=True)
+                    yield envelope(job, [entry], streamed=True)
+                if job.tool_names:  # calls are known once the output is whole
+                    if delta.finished:
+                        for entry in self._tool_call_entries(job, index, choice):
+                            yield envelope(job, [entry], streamed=True)
+                    continue
+                logprobs = None
+                if body.logprobs:
+                    logprobs = {"content": self.logprobs.chat(delta.logprobs or ())}
+                content = {"content": delta.text} if delta.text else {}
+                finish = choice.finish_reason if delta.finished else None
+                extras = choice_extras(choice, delta)
+                entry = choice_entry(
+                    job.kind, index, content, logprobs, finish, streamed=True, extras=extras
+                )
+                yield envelope(job, [entry], streamed=True)
+        if job.include_usage:
+            yield envelope(job, [], streamed=True, final=True)
+
+    # ------------------------------------------------------------------ parts
+    def _completion_logprobs(
+        self, job: Job, k: int, logprobs: list, offset: int, body: CompletionRequest
+    ) -> dict[str, list]:
+        """A whole choice's ``logprobs``: the echoed prompt's (computed in the prefill)
+        first, then the completion's."""
+        if body.echo and k in job.prompt_logprobs:
+            prompt_part, _ = self.logprobs.prompt(job.prompts[k], job.prompt_logprobs[k])
+            return self.logprobs.completion(logprobs, offset, prompt_part)[0]
+        return self.logprobs.completion(logprobs, offset)[0]
+
+    def _prompt_logprobs(self, job: Job, k: int, body: Any) -> list | None:
+        """``prompt_logprobs`` (vLLM's extra) for a choice of prompt ``k``; None unless
+        asked for."""
+        if body.prompt_logprobs is None or k not in job.prompt_logprobs:
+            return None
+        return self.logprobs.prompt_logprobs(job.prompt_logprobs[k])
+
+    def _tool_call_entries(self, job: Job, index: int, choice: Choice) -> list[dict]:
+        """A finished choice of a chat with tools, as OpenAI streams it: each call's
+        id and name, then its arguments in pieces; or the text, if it made no call."""
+        text = "".join(choice.text)
+        content, calls = tool_calls.parse(text, self.front.tool_format, job.tool_names)
+        if not calls:
+            deltas = [{"content": text}] if text else []
+            finish = choice.finish_reason
+        else:
+            deltas = [{"content": content}] if content else []
+            for i, call in enumerate(calls):
+                first = call.message(i)
+                first["function"] = {"name": call.name, "arguments": ""}
+                deltas.append({"tool_calls": [first]})
+                for start in range(0, len(call.arguments), TOOL_ARGUMENT_PIECE):
+                    piece = call.arguments[start : start + TOOL_ARGUMENT_PIECE]
+                    deltas.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+            finish = "tool_calls"
+        out = [choice_entry(job.kind, index, delta, None, None, streamed=True) for delta in deltas]
+        out.append(choice_entry(job.kind, index, {}, None, finish, streamed=True))
+        return out

@@ -1,0 +1,213 @@
+"""The chat endpoint's bodies: messages, tools, and the conversation a chat template
+renders (``POST /v1/chat/completions``, and ``POST /tokenize`` with messages).
+
+Tools offered with ``tool_choice`` ``required`` or a named function make decoding follow
+the calls' grammar (``tessera.cluster.tools``); earlier calls and their results reach
+the template as it takes them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr
+
+from tessera.cluster import tools as tool_calls
+from tessera.cluster.openai_errors import invalid
+from tessera.cluster.openai_requests import Body, SamplingBody
+from tessera.workers.api import (
+    MAX_TOP_LOGPROBS,
+    InvalidRequestError,
+    SamplingParams,
+    StructuredParams,
+)
+from tessera.workers.decoding import structured
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class AssistantToolCall(Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class FunctionDef(Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class Conversation(Body):
+    """A conversation as a chat template renders it."""
+
+    messages: list[Message] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def conversation(self, template_takes_tools: bool = True) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (developer is system). Earlier
+        tool calls and results go to a template that takes tools as its messages
+        (arguments parsed); to others as plain turns in the Hermes format."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            role = "system" if m.role == "developer" else m.role
+            message: dict[str, Any] = {"role": role, "content": m.text()}
+            if m.tool_calls:
+                calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+                if template_takes_tools:
+                    message["tool_calls"] = [
+                        {"type": "function", "function": {"name": n, "arguments": a}}
+                        for n, a in calls
+                    ]
+                else:
+                    message["content"] = "\n".join(
+                        filter(None, [m.text(), *(tool_calls.call_text(n, a) for n, a in calls)])
+                    )
+            if role == "tool":
+                if template_takes_tools:
+                    message["tool_call_id"] = m.tool_call_id
+                else:
+                    message = {
+                        "role": "user",
+                        "content": f"<tool_response>\n{m.text()}\n</tool_response>",
+                    }
+            out.append(message)
+        return out
+
+
+class ChatCompletionRequest(SamplingBody, Conversation):
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's bookkeeping, which changes no token: taken and not used (like ``user``)
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    store: Literal[False] = False
+    #: The model family's call format (``tools.tool_format``); the server sets it.
+    _tool_format: str = PrivateAttr("hermes")
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The functions the model may call (none with ``tool_choice`` none)."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise invalid("tool_choice", "needs tools")
+            return []
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise invalid("tools", "function names must be unique")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid(
+                "tool_choice.function.name",
+                f"{choice.function.name!r} is not among the tools ({', '.join(names)})",
+            )
+        for i, tool in enumerate(self.tools):
+            if tool.function.parameters is not None:
+                spec = json.dumps(tool.function.parameters)
+                try:
+                    structured.check(StructuredParams("json", spec))
+                except InvalidRequestError as error:
+                    message = error.message.replace("is not a valid json", "is not a valid schema")
+                    raise invalid(f"tools.{i}.function.parameters", message) from None
+        if choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def calls_forced(self) -> bool:
+        """``required`` or a named function: decoding follows the calls' grammar."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def structured(self) -> tuple[dict[str, str], str] | None:
+        given = super().structured()
+        if not (self.offered_tools() and self.calls_forced):
+            return given
+        if given is not None:
+            raise invalid("tool_choice", f"is not allowed together with {given[1]}")
+        choice = self.tool_choice
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        grammar = tool_calls.call_grammar(
+            self.offered_tools(), name, self.parallel_tool_calls, self._tool_format
+        )
+        return {"kind": "grammar", "spec": grammar}, "tool_choice"
+
+    def sampling_for(self, max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise invalid("top_logprobs", "requires logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise invalid(
+                    "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+                )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling(max_tokens, logprobs)
+
+    def wire_name(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().wire_name(field)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class TokenizeChatRequest(Conversation):
+    """``POST /tokenize`` with messages: the chat template's prompt (vLLM's shape)."""
+
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+def _arguments(text: str) -> Any:
+    """An earlier call's arguments for a chat template: parsed when they are JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
