@@ -5,12 +5,14 @@ The forward pass takes a flattened batch: every new token of every sequence in o
 which cache slots it writes and which blocks each sequence reads. Numerics follow
 Hugging Face's implementation op for op (RMSNorm in float32, the same RoPE tables),
 so float32 outputs match transformers to rounding.
+
+Checkpoint tensors reach the layers through ``hf_weights``; ``native_stack`` hands the
+same layers to the native decode stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -20,6 +22,8 @@ from torch import nn
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.hf_weights import Weight, copy_checked, dequantized, load_hf_state_dict
+from tessera.workers.model.native_stack import build_native_layers
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
 from tessera.workers.quant.int4 import (
@@ -31,15 +35,7 @@ from tessera.workers.quant.int4 import (
     exact_row_limit,
     int4_row_limit,
 )
-from tessera.workers.quant.kernels import argmax_rows, embedding, native_kernels
-
-#: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
-Weight = torch.Tensor | PackedWeight
-
-#: ``Linear`` kinds of the native decode stack (``csrc/decode_layers.cpp``).
-NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT = 0, 1, 2, 3, 4
-#: Model dtypes the native decode stack has kernels for.
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from tessera.workers.quant.kernels import argmax_rows, embedding
 
 
 class RMSNorm(nn.Module):
@@ -150,31 +146,8 @@ class Linear(nn.Module):
                         self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), False)
                         return
             parts = [packed]
-        dense = torch.cat([_dense(part) for part in parts]).t()
-        _put(self.weight, dense, name)
-
-    def native(self, kernels: ModuleType) -> Any:
-        """This projection as the native extension's ``Linear`` (sharing its tensors)."""
-        weight, packed, int4 = self.weight, self.packed, self.int4
-        if packed is not None:
-            return kernels.make_linear(
-                NATIVE_GGUF, None, packed.qs, packed.scales, packed.mins, int(packed.qtype),
-                None, None, 0, self.bias,
-            )  # fmt: skip
-        if isinstance(int4, Q4Weight):
-            kind = NATIVE_Q4_EXACT if int4.exact else NATIVE_Q4
-            return kernels.make_linear(
-                kind, weight, None, None, int4.m, int(int4.qtype), int4.nibbles, int4.d,
-                self.int4_rows, self.bias,
-            )  # fmt: skip
-        if isinstance(int4, Int4Weight):
-            return kernels.make_linear(
-                NATIVE_INT4, weight, None, None, None, 0, int4.packed, int4.scales_and_zeros,
-                self.int4_rows, self.bias,
-            )  # fmt: skip
-        return kernels.make_linear(
-            NATIVE_DENSE, weight, None, None, None, 0, None, None, 0, self.bias
-        )
+        dense = torch.cat([dequantized(part) for part in parts]).t()
+        copy_checked(self.weight, dense, name)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
@@ -286,29 +259,8 @@ class LlamaModel(nn.Module):
         layers' weights; built on first use (after the weights are loaded). None where it
         cannot run: not on the CPU, no native extension, or a dtype it has no kernels for."""
         if self._native_layers is _UNBUILT:
-            self._native_layers = None
-            weight = self.norm.weight
-            kernels = native_kernels() if weight.device.type == "cpu" else None
-            if kernels is not None and weight.dtype in NATIVE_DTYPES:
-                config = self.config
-                stack = kernels.DecodeLayers(
-                    config.num_heads,
-                    config.num_kv_heads,
-                    config.head_dim,
-                    config.intermediate_size,
-                    config.rms_norm_eps,
-                    config.head_dim**-0.5,
-                )
-                for layer in self.layers:
-                    stack.add_layer(
-                        layer.input_layernorm.weight,
-                        layer.qkv_proj.native(kernels),
-                        layer.o_proj.native(kernels),
-                        layer.post_attention_layernorm.weight,
-                        layer.gate_up_proj.native(kernels),
-                        layer.down_proj.native(kernels),
-                    )
-                self._native_layers = stack
+            self._native_layers = None  # a failed build is not retried
+            self._native_layers = build_native_layers(self)
         return self._native_layers
 
     @torch.inference_mode()
@@ -409,91 +361,7 @@ class LlamaModel(nn.Module):
         (``PackedWeight``) stay packed: the linear layers and the embedding take them as
         they are (the loader decides). ``bf16_matmuls``: a float32 model's fast mode
         (see ``Linear``)."""
-
-        def take(name: str) -> Weight:
-            try:
-                return state.pop(name)
-            except KeyError:
-                raise ValueError(f"checkpoint is missing tensor {name!r}") from None
-
-        with torch.no_grad():
-            embedding = take("model.embed_tokens.weight")
-            if isinstance(embedding, PackedWeight):
-                if embedding.shape != tuple(self.embed_tokens.weight.shape):
-                    raise ValueError(
-                        f"tensor 'embed_tokens': shape {embedding.shape}, expected "
-                        f"{tuple(self.embed_tokens.weight.shape)}"
-                    )
-                self.packed_embedding = embedding
-                self.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-                reduced = bf16_matmuls or self.norm.weight.dtype == torch.bfloat16
-                exact = not reduced
-                if self.lm_head is None and Q8Weight.supports(embedding, exact):
-                    self.head_q8 = Q8Weight.from_packed(embedding, exact)
-            else:
-                _put(self.embed_tokens.weight, embedding, "embed_tokens")
-            _put(self.norm.weight, _dense(take("model.norm.weight")), "model.norm.weight")
-            if self.lm_head is not None:
-                self.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight", bf16_matmuls)
-            else:
-                state.pop("lm_head.weight", None)
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                for norm in ("input_layernorm", "post_attention_layernorm"):
-                    _put(getattr(layer, norm).weight, _dense(take(p + norm + ".weight")), p)
-                attn = p + "self_attn."
-                layer.qkv_proj.load_weight(
-                    [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv", bf16_matmuls
-                )
-                if layer.qkv_proj.bias is not None:
-                    _put(
-                        layer.qkv_proj.bias,
-                        torch.cat([_dense(take(attn + f"{n}_proj.bias")) for n in "qkv"]),
-                        attn + "qkv.bias",
-                    )
-                layer.o_proj.load_weight(
-                    [take(attn + "o_proj.weight")], attn + "o_proj", bf16_matmuls
-                )
-                if layer.o_proj.bias is not None:
-                    _put(
-                        layer.o_proj.bias, _dense(take(attn + "o_proj.bias")), attn + "o_proj.bias"
-                    )
-                mlp = p + "mlp."
-                layer.gate_up_proj.load_weight(
-                    [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")],
-                    mlp,
-                    bf16_matmuls,
-                )
-                layer.down_proj.load_weight(
-                    [take(mlp + "down_proj.weight")], mlp + "down_proj", bf16_matmuls
-                )
-                if layer.gate_up_proj.bias is not None:
-                    _put(
-                        layer.gate_up_proj.bias,
-                        torch.cat(
-                            [
-                                _dense(take(mlp + "gate_proj.bias")),
-                                _dense(take(mlp + "up_proj.bias")),
-                            ]
-                        ),
-                        mlp,
-                    )
-                    _put(layer.down_proj.bias, _dense(take(mlp + "down_proj.bias")), mlp)
-        leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
-        if leftover:
-            raise ValueError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
+        load_hf_state_dict(self, state, bf16_matmuls)
 
 
 _UNBUILT = object()
-
-
-def _dense(value: Weight) -> torch.Tensor:
-    return value.dequantize() if isinstance(value, PackedWeight) else value
-
-
-def _put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-    if param.shape != value.shape:
-        raise ValueError(
-            f"tensor {name!r}: shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-        )
-    param.copy_(value)

@@ -1,0 +1,76 @@
+"""The model's layers as the native decode stack (``csrc/decode_layers.cpp``).
+
+``DecodeLayers`` runs every layer of a step without masked chunks in one native call
+(decode rows, then whole causal chunks), reading the same tensors as the torch layers:
+each ``Linear`` is handed over as it stores its weight (dense, packed GGUF, torch's int4,
+or the tiled Q4 layout), nothing is copied. The model's classes are typed here as
+modules: ``llama`` imports this file.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.workers.quant.int4 import Int4Weight, Q4Weight
+from tessera.workers.quant.kernels import native_kernels
+
+#: ``Linear`` kinds of the native decode stack (``csrc/decode_layers.cpp``).
+NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT = 0, 1, 2, 3, 4
+#: Model dtypes the native decode stack has kernels for.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
+    """``linear``, a ``llama.Linear``, as the native extension's ``Linear`` (sharing its
+    tensors)."""
+    weight, packed, int4, bias = linear.weight, linear.packed, linear.int4, linear.bias
+    if packed is not None:
+        return kernels.make_linear(
+            NATIVE_GGUF, None, packed.qs, packed.scales, packed.mins, int(packed.qtype),
+            None, None, 0, bias,
+        )  # fmt: skip
+    if isinstance(int4, Q4Weight):
+        kind = NATIVE_Q4_EXACT if int4.exact else NATIVE_Q4
+        return kernels.make_linear(
+            kind, weight, None, None, int4.m, int(int4.qtype), int4.nibbles, int4.d,
+            linear.int4_rows, bias,
+        )  # fmt: skip
+    if isinstance(int4, Int4Weight):
+        return kernels.make_linear(
+            NATIVE_INT4, weight, None, None, None, 0, int4.packed, int4.scales_and_zeros,
+            linear.int4_rows, bias,
+        )  # fmt: skip
+    return kernels.make_linear(NATIVE_DENSE, weight, None, None, None, 0, None, None, 0, bias)
+
+
+def build_native_layers(model: nn.Module) -> Any | None:
+    """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
+    ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, or
+    a dtype it has no kernels for."""
+    weight = model.norm.weight
+    kernels = native_kernels() if weight.device.type == "cpu" else None
+    if kernels is None or weight.dtype not in NATIVE_DTYPES:
+        return None
+    config = model.config
+    stack = kernels.DecodeLayers(
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.rms_norm_eps,
+        config.head_dim**-0.5,
+    )
+    for layer in model.layers:
+        stack.add_layer(
+            layer.input_layernorm.weight,
+            native_linear(layer.qkv_proj, kernels),
+            native_linear(layer.o_proj, kernels),
+            layer.post_attention_layernorm.weight,
+            native_linear(layer.gate_up_proj, kernels),
+            native_linear(layer.down_proj, kernels),
+        )
+    return stack
