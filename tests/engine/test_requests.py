@@ -221,13 +221,13 @@ def test_stats_read_while_a_step_runs_count_whole_steps(make_engine):
     engine.step()  # the prompt's step
     before = engine.stats()
     seen = []
-    append = engine._append_token
+    append = engine.post.append_token
 
     def append_and_read(*args):
         append(*args)
         seen.append(engine.stats())  # the step's token is appended, the step not ended
 
-    engine._append_token = append_and_read
+    engine.post.append_token = append_and_read
     engine.step()
     after = engine.stats()
 

@@ -1,4 +1,5 @@
-"""Forking a group's sequences: n > 1 / best_of children, and beam search steps.
+"""Forking a group's sequences: n > 1 / best_of children (with their grammar and prompt
+logprobs), and beam search steps.
 
 Both fork by block tables, not by copying K/V: a child (or a beam that continues
 another) takes a reference to each of its parent's blocks, and the first write into a
@@ -12,14 +13,20 @@ pool is short, no blocks at all and recomputes its tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from tessera.workers.api import Phase, SamplingParams, fork_seed
+from tessera.workers.api import Phase, RequestOutput, SamplingParams, fork_seed
 from tessera.workers.decoding.beam import BeamSearch
 from tessera.workers.decoding.detokenizer import IncrementalDetokenizer
+from tessera.workers.decoding.outputs import beam_outputs
 from tessera.workers.decoding.stop import StopStringMatcher
 from tessera.workers.engine.sequence import Sequence, SequenceGroup
 from tessera.workers.kv.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from tessera.workers.engine.postprocess import Postprocessor
 
 
 class Forks:
@@ -50,6 +57,10 @@ class Forks:
             )
             if not self.kv.fork(parent.seq_id, child.seq_id, share=self.share):
                 child.num_computed_tokens = 0  # no room for a private copy: recompute
+            if parent.grammar is not None:  # each fork follows the grammar alone
+                child.grammar = parent.grammar.deep_copy()
+            if parent.prompt_logprobs is not None:  # best_of may not send the parent
+                child.prompt_logprobs = list(parent.prompt_logprobs)
             children.append(child)
         group.seqs += children
         group.forked = True
@@ -63,6 +74,21 @@ class Forks:
             params.max_tokens,
             end_token_ids,
         )
+
+    def step_beams(
+        self, post: Postprocessor, group: SequenceGroup, logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """A step's hook for a beam search: score every beam's next token from its
+        row of ``logits``; re-point the beams, or end the search with its best outputs."""
+        params = group.request.sampling
+        end_ids = post.rows.end_token_ids(params)
+        post.counters.generated_tokens += len(group.seqs)
+        if not self.beam_step(group, logits, end_ids):
+            for seq in group.seqs:
+                post.hasher.update(seq)
+            return []
+        post.end_search(group)
+        return beam_outputs(group.request, group.beam.best(params.n), end_ids, self.tokenizer)
 
     def beam_step(
         self, group: SequenceGroup, logits: torch.Tensor, end_token_ids: tuple[int, ...]

@@ -32,20 +32,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import torch
 
 from tessera.workers.api import (
     InvalidRequestError,
+    RequestOutput,
     SamplingParams,
     SpeculativeParams,
 )
 from tessera.workers.decoding.sampling import Sampler, SampleResult, SamplingRow, keyed_uniform
 from tessera.workers.engine.model_runner import Chunk, ModelRunner
-from tessera.workers.engine.sequence import Sequence, SpecState
+from tessera.workers.engine.sequence import Sequence, SequenceGroup, SpecState
 from tessera.workers.kv.kv_cache import allocate_kv_cache
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.loader import LoadedModel, load_model
+
+if TYPE_CHECKING:
+    from tessera.workers.engine.batcher import ScheduledBatch
+    from tessera.workers.engine.postprocess import Postprocessor
 
 #: Prompt lookup tries the last this many tokens first, then fewer, down to one.
 NGRAM_MAX = 3
@@ -160,6 +166,55 @@ class Speculator:
         if seq.spec is not None and self.draft is not None:
             self.draft.kv.free(seq.seq_id)
             seq.spec.draft_computed = 0
+
+    # ------------------------------------------------------- per-step hooks
+    def before_schedule(self, running: list[SequenceGroup], max_model_len: int) -> None:
+        """Propose drafts for the running sequences that speculate and are decoding
+        (their last token is the only one to compute)."""
+        seqs = [
+            seq
+            for group in running
+            for seq in group.seqs
+            if seq.spec is not None
+            and seq.num_output_tokens > 0
+            and seq.num_computed_tokens == seq.num_tokens - 1
+        ]
+        self.propose(seqs, max_model_len)
+
+    def after_schedule(
+        self, batch: ScheduledBatch, running: list[SequenceGroup], speculating: bool
+    ) -> None:
+        """Forget what preempted sequences drafted with; drop the drafts of sequences
+        the step does not run (not verified this step: proposed afresh next time)."""
+        for group in batch.preempted:
+            for seq in group.seqs:
+                self.free(seq)
+        if speculating:
+            scheduled = {id(seq) for seq, _ in batch.items}
+            for group in running:
+                for seq in group.seqs:
+                    if seq.num_draft and id(seq) not in scheduled:
+                        seq.drop_drafts()
+
+    def verify_step(
+        self, post: Postprocessor, group: SequenceGroup, seq: Sequence, logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Accept what the target agrees with, roll the rest back, append the tokens."""
+        results = self.verify(seq, logits)
+        real = seq.num_real_tokens
+        seq.drop_drafts()
+        computed = real + len(results) - 1  # the last real token and the accepted drafts
+        seq.num_computed_tokens = computed
+        post.kv.truncate(seq.seq_id, computed)
+        self.rollback(seq, computed)
+        for result in results:
+            post.append_token(group, seq, result.token_id, result.logprob)
+            if seq.finished:
+                break
+        else:
+            post.hasher.update(seq)  # the accepted drafts' blocks (no drafts left)
+            post.hasher.cache_computed(seq, real // post.kv.block_size)
+        return post.emit(group, seq)
 
     # ---------------------------------------------------------------- propose
     def propose(self, seqs: list[Sequence], max_model_len: int) -> None:

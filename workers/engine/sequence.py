@@ -102,7 +102,7 @@ class Sequence:
     argmax_only: bool = False
     # The request is one sequence that streams, without forks, beams or parallel tokens
     # (``num_samples == 1``, no ``parallel_tokens``): its decodes take the engine's lean
-    # path (``Engine._decode_step``) when it has no drafts or prompt logprobs pending.
+    # path (``BatchRunner.run_decodes``) when it has no drafts or prompt logprobs pending.
     plain: bool = False
 
     def __post_init__(self) -> None:
