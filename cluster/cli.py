@@ -1,25 +1,29 @@
-"""The ``tessera`` command line."""
+"""The ``tessera`` command line: ``generate``, ``cluster`` and ``serve``.
+
+This module builds the parser and turns each command's flags into its settings (a bad
+one exits with its message, naming the flag or field); each command runs from its own
+module (``cli_generate``, ``cli_cluster``, ``server``), imported when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
 import typing
-from pathlib import Path
 
 # Only what the parser needs is imported here: `tessera --help` must not load torch.
-from tessera.cluster.config import ServeConfig, add_config_arguments, add_engine_arguments
+from tessera.cluster import exit_status
+from tessera.cluster.cli_sampling import early_stopping, sampling_from_args
+from tessera.cluster.flags import add_config_arguments, add_engine_arguments
+from tessera.cluster.serve_config import ServeConfig
 from tessera.workers.api import PARALLEL_MODES, SPECULATIVE_METHODS
 
 if typing.TYPE_CHECKING:
-    from tessera.workers.api import SamplingParams
     from tessera.workers.config import EngineConfig
 
-#: Settings that ``tessera generate`` gives its one request rather than the engine (as
-#: before the flags were derived): a bad combination gets the request's error message.
+#: Settings that ``tessera generate`` gives its one request rather than the engine: a
+#: bad combination gets the request's error message.
 REQUEST_SETTINGS = ("speculative_method", "speculative_num_tokens")
 
 
@@ -43,7 +47,7 @@ class DeprecatedAlias(argparse.Action):
 
 
 def _add_deprecated_aliases(parser: argparse.ArgumentParser) -> None:
-    """``tessera generate``'s spellings before its engine flags were derived."""
+    """``tessera generate``'s old spellings of three of its flags."""
     group = parser.add_argument_group("deprecated spellings (removed in the next release)")
     group.add_argument(
         "--no-prefix-caching",
@@ -70,7 +74,7 @@ def _add_deprecated_aliases(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    from tessera.cluster.config import engine_config_from_args
+    from tessera.cluster.flags import engine_config_from_args
     from tessera.workers.config import EngineConfig
 
     defaults = EngineConfig()  # REQUEST_SETTINGS keep these: the request carries them
@@ -79,163 +83,17 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _early_stopping(text: str) -> bool | str:
-    value = {"true": True, "false": False, "never": "never"}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"must be true, false or never, got {text!r}")
-    return value
-
-
-def _sampling(args: argparse.Namespace, nested: bool = True) -> SamplingParams:
-    """The request's sampling settings from the flags, through the one wire table: a
-    flag named as a sampling field is that field; with ``nested`` (``generate``), the
-    speculative and parallel-token flags make its two nested settings (``tessera
-    cluster``'s speculative flags are the workers' defaults instead)."""
-    from tessera.workers.decoding.sampling_fields import FIELDS, sampling_params
-
-    values = {
-        field.name: getattr(args, field.name)
-        for field in FIELDS
-        if field.nested is None and hasattr(args, field.name)
-    }
-    if not nested:
-        return sampling_params(values)
-    if args.speculative_method is not None:
-        values["speculative"] = {
-            "method": args.speculative_method,
-            "num_tokens": args.speculative_num_tokens,
-        }
-    if args.parallel_tokens is not None:
-        values["parallel_tokens"] = {
-            "threshold": args.parallel_tokens,
-            "max_width": args.parallel_max_width,
-            "mode": args.parallel_mode,
-        }
-    structured = _structured(args)
-    if structured is not None:
-        values["structured"] = structured
-    return sampling_params(values)
-
-
-def _structured(args: argparse.Namespace) -> dict[str, str] | None:
-    """``--json-schema FILE`` / ``--regex`` / ``--choice`` / ``--grammar FILE``: at most one."""
-    given = {
-        "json": args.json_schema,
-        "regex": args.regex,
-        "choice": None if args.choice is None else json.dumps(args.choice),
-        "grammar": args.grammar,
-    }
-    chosen = {kind: value for kind, value in given.items() if value is not None}
-    if len(chosen) > 1:
-        raise ValueError(
-            "structured outputs: give one of --json-schema, --regex, --choice, --grammar"
-        )
-    if not chosen:
-        return None
-    ((kind, value),) = chosen.items()
-    if kind in ("json", "grammar"):
-        flag = "--json-schema" if kind == "json" else "--grammar"
-        try:
-            value = Path(value).read_text()
-        except OSError as error:
-            raise ValueError(f"{flag}: cannot read {value!r}: {error.strerror}") from None
-    return {"kind": kind, "spec": value}
-
-
 def _generate(args: argparse.Namespace) -> int:
+    from tessera.cluster.cli_generate import generate  # the engine (torch)
     from tessera.workers.api import InvalidRequestError
-    from tessera.workers.config import PRECISION_TEXT
-    from tessera.workers.engine.engine import Engine
 
     try:
-        sampling = _sampling(args)
+        sampling = sampling_from_args(args)
         config = _engine_config(args)
     except (InvalidRequestError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
-    print("loading model ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    try:
-        engine = Engine(config)
-    except (FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(
-        f"loaded in {time.perf_counter() - start:.1f} s: {PRECISION_TEXT[engine.loaded.precision]}",
-        file=sys.stderr,
-        flush=True,
-    )
-    prompt = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    try:
-        engine.add_request("cli", prompt, sampling)
-    except InvalidRequestError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if sampling.num_samples > 1:
-        return _print_whole(engine)
-    start = time.perf_counter()
-    first_token_at = None
-    while engine.has_work():
-        for output in engine.step():
-            if first_token_at is None and output.token_ids:
-                first_token_at = time.perf_counter()
-            sys.stdout.write(output.text if output.parallel_sets is None else _sets(output))
-            sys.stdout.flush()
-            if output.finished:
-                elapsed = time.perf_counter() - start
-                sys.stdout.write("\n")
-                spec = output.speculative
-                speculation = ""
-                if spec is not None:
-                    speculation = (
-                        f", drafts accepted {spec.accepted}/{spec.proposed} "
-                        f"({spec.acceptance_rate:.0%}), {spec.mean_tokens_per_step:.2f} "
-                        "tokens per verification step"
-                    )
-                print(
-                    f"[{output.completion_tokens} tokens in {elapsed:.2f} s, "
-                    f"{output.completion_tokens / elapsed:.1f} tok/s, "
-                    f"time to first token {(first_token_at or time.perf_counter()) - start:.3f} s"
-                    f"{speculation}, finish reason: {output.finish_reason.value}]",
-                    file=sys.stderr,
-                )
-    return 0
-
-
-def _sets(output) -> str:
-    """A parallel-tokens delta as text, each set of two or more tokens as [a|b|c]."""
-    return "".join(
-        s.tokens[0] if len(s.tokens) == 1 else "[" + "|".join(s.tokens) + "]"
-        for s in output.parallel_sets
-    )
-
-
-def _print_whole(engine) -> int:
-    """n > 1 and beam search: print each output whole, in index order."""
-    start = time.perf_counter()
-    texts: dict[int, list[str]] = {}
-    finals = {}
-    while engine.has_work():
-        for output in engine.step():
-            texts.setdefault(output.index, []).append(output.text)
-            if output.finished:
-                finals[output.index] = output
-    for index in sorted(finals):
-        final = finals[index]
-        score = f", score {final.score:.4f}" if final.score is not None else ""
-        logprob = final.cumulative_logprob
-        print(
-            f"--- output {index}: {final.completion_tokens} tokens, "
-            f"cumulative logprob {logprob:.4f}{score}, finish reason: "
-            f"{final.finish_reason.value} ---"
-        )
-        print("".join(texts[index]))
-    print(f"[{len(finals)} outputs in {time.perf_counter() - start:.2f} s]", file=sys.stderr)
-    return 0
+        return exit_status.USAGE
+    return generate(args, sampling, config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--early-stopping",
-        type=_early_stopping,
+        type=early_stopping,
         default=False,
         help="beam search: true stops at --beam-width finished beams, false when no "
         "running beam can win, never runs the canonical search (default: false)",
@@ -406,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tessera.cluster.config import ConfigError, config_from_args, load_config_file
+    from tessera.cluster.cluster_config import ConfigError
+    from tessera.cluster.flags import config_from_args
+    from tessera.cluster.serve_config import load_config_file
     from tessera.cluster.server import run_server
 
     try:
@@ -415,96 +275,32 @@ def _serve(args: argparse.Namespace) -> int:
         return run_server(config, args.log_level)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return exit_status.USAGE
     except KeyboardInterrupt:
-        return 130
+        return exit_status.INTERRUPTED
 
 
 def _cluster(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tessera.cluster.config import ConfigError, config_from_args
+    from tessera.cluster.cli_cluster import run_cluster  # Ray
+    from tessera.cluster.cluster_config import ConfigError
+    from tessera.cluster.flags import config_from_args
     from tessera.workers.api import InvalidRequestError
 
     try:
         config = config_from_args(args)
-        sampling = _sampling(args, nested=False)
+        sampling = sampling_from_args(args, nested=False)
     except (ConfigError, InvalidRequestError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return exit_status.USAGE
     try:
-        return asyncio.run(_run_cluster(config, sampling, args))
+        return asyncio.run(run_cluster(config, sampling, args))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return exit_status.USAGE
     except KeyboardInterrupt:
-        return 130
-
-
-async def _run_cluster(config, sampling: SamplingParams, args: argparse.Namespace) -> int:
-    import asyncio
-
-    from tessera.cluster.launch import Cluster
-
-    print("starting the cluster ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    cluster = await Cluster.start(config)
-    try:
-        stats = await cluster.stats()
-        print(
-            f"cluster ready in {time.perf_counter() - start:.1f} s: "
-            f"{len(stats.workers)} workers, placement {stats.policy}, "
-            f"{config.precision_text(cluster.worker_num_cpus, cluster.precision, cluster.device)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if not args.prompt:
-            while True:
-                await asyncio.sleep(args.stats_interval)
-                _print_load(await cluster.stats())
-        prompts = args.prompt
-        if args.chat:
-            template = cluster.client.tokenizer.apply_chat_template
-            prompts = [
-                template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-                )
-                for p in prompts
-            ]
-
-        async def complete(i: int, prompt: str) -> str:
-            stream = await cluster.submit(f"cli-{i}", prompt, sampling)
-            return "".join([delta.text async for delta in stream])
-
-        texts = await asyncio.gather(*(complete(i, p) for i, p in enumerate(prompts)))
-        for i, text in enumerate(texts):
-            if len(texts) > 1:
-                print(f"--- prompt {i} ---")
-            print(text)
-        _print_load(await cluster.stats())
-        return 0
-    finally:
-        await cluster.shutdown()
-
-
-def _print_load(stats) -> None:
-    for worker in stats.workers:
-        line = f"{worker.worker_id} {worker.status.value}: {worker.placed} placed"
-        if worker.load is not None:
-            engine = worker.load.engine
-            cache = engine.prefix_cache
-            line += (
-                f", {worker.ongoing} ongoing, {engine.running} running, {engine.waiting} "
-                f"waiting, KV {engine.kv_usage:.0%}, prefix hits {cache.hits}/{cache.queries} "
-                f"tokens, step {engine.step_time * 1000:.0f} ms"
-            )
-        print(line, file=sys.stderr)
-    print(
-        f"queued {stats.queued}, placed {stats.placed}, refused {stats.refused}, "
-        f"failovers {stats.failovers}",
-        file=sys.stderr,
-        flush=True,
-    )
+        return exit_status.INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
