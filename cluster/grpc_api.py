@@ -386,8 +386,6 @@ class GenerationService:
 
 
 def _http_status(code: grpc.StatusCode) -> int:
-    """The metrics' status label of a gRPC outcome (the HTTP app's numbers)."""
-    for status, mapped in _CODES.items():
-        if mapped is code:
-            return status
-    return 500
+    """The metrics' status label of a gRPC outcome (the HTTP app's numbers; 500 for
+    one that none maps to)."""
+    return next((status for status, mapped in _CODES.items() if mapped is code), 500)

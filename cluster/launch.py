@@ -34,6 +34,9 @@ from tessera.workers.api import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+#: CPUs (and torch threads) of a worker that computes on a GPU.
+GPU_WORKER_CPUS = 1.0
+
 
 def resolve_device(config: ClusterConfig) -> tuple[str, float]:
     """(the workers' torch device, GPUs each asks Ray for). ``auto`` takes a GPU per
@@ -53,7 +56,7 @@ def resolve_worker_cpus(config: ClusterConfig, device: str) -> float:
     if config.worker_num_cpus is not None:
         return config.worker_num_cpus
     if device == "cuda":
-        return 1.0
+        return GPU_WORKER_CPUS
     most = sum(high for _, _, high in config.pools.values())
     return float(max(1, int(ray.cluster_resources().get("CPU", 1) // max(most, 1))))
 

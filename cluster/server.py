@@ -27,6 +27,7 @@ import time
 import ray
 from ray import serve
 
+from tessera.cluster import exit_status
 from tessera.cluster.cluster_config import ConfigError
 from tessera.cluster.environment import check_environment
 from tessera.cluster.grpc_api import SERVICER_FUNCTIONS
@@ -197,9 +198,9 @@ def yield_to_workers(root: int, niceness: int = FRONT_END_NICENESS) -> int:
     thread at 19 the front end starved, the worker ran ~8 ms steps of a few sequences and
     HTTP gave 194-262 tok/s against 391-483 (16 / 64 concurrent, 2-core Zen 5). Only
     raising nice values: no privilege needed."""
-    if not sys.platform.startswith("linux"):
-        return 0
     changed = 0
+    if not sys.platform.startswith("linux"):
+        return changed
     for pid in _process_tree(root):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
@@ -328,7 +329,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
                     yield_to_workers(os.getpid())
         except KeyboardInterrupt:
             _say(f"draining (up to {config.graceful_shutdown_s:g} s for ongoing requests) ...")
-        return 0
+        return exit_status.OK
     finally:
         if serve_was_running:
             with contextlib.suppress(Exception):

@@ -93,7 +93,7 @@ class SchedulerConfig:
 
 
 def _check_int(name: str, value: object, low: int) -> None:
-    # The wording of the cluster configuration's own errors, which checked these before.
+    # In the cluster configuration's words (pydantic's): the same limits, the same errors.
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: Input should be a valid integer, got {value!r}")
     if value < low:
