@@ -310,18 +310,14 @@ class _Run:
         for part in parts:
             part.channel = channel
             channel.routes[part.worker_request_id] = (self, part)
-            starts.append(
-                placement.worker.start.remote(
-                    channel.id,
-                    part.worker_request_id,
-                    list(request.prompt_token_ids),
-                    part.sampling,
-                    request.priority,
-                    request.cache_salt,
-                    part.resume,
-                    placement.prefill,  # disaggregated: pull the prompt's blocks from there
-                )
+            worker_request = dataclasses.replace(
+                request,
+                request_id=part.worker_request_id,
+                sampling=part.sampling,
+                resume=part.resume,
+                prefill=placement.prefill,  # disaggregated: pull the prompt's blocks there
             )
+            starts.append(placement.worker.start.remote(channel.id, worker_request))
         for start in starts:
             accepted = await _result(start)
             assert isinstance(accepted, Accepted), accepted

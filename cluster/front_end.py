@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,8 @@ from tessera.cluster.openai_protocol import (
     max_prompt_chars,
 )
 from tessera.scheduler.api import ClusterStats, DeadlineError
-from tessera.workers.api import RequestOutput, SamplingParams, SpeculativeStats
+from tessera.workers import validation
+from tessera.workers.api import InvalidRequestError, RequestOutput, SamplingParams, SpeculativeStats
 
 logger = logging.getLogger(__name__)
 
@@ -213,12 +214,8 @@ class FrontEnd:
         """A prompt's token ids: text tokenized, or ids checked against the vocabulary."""
         if isinstance(prompt, str):
             return await self.tokenize(prompt, field_name)
-        for token_id in prompt:
-            if not 0 <= token_id < self.vocab_size:
-                raise invalid(
-                    field_name,
-                    f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
-                )
+        with invalid_as(""):
+            validation.check_prompt_ids(prompt, self.vocab_size, field_name)
         return prompt
 
     async def chat_prompt(
@@ -261,27 +258,15 @@ class FrontEnd:
 
     def check_token_ids(self, sampling: SamplingParams, prefix: str = "") -> None:
         """The request's stop token ids and logit-bias ids are in the vocabulary: checked
-        here, not only by the worker, so that each door names its own field (``prefix``:
+        here, before placing it, so that each door names its own field (``prefix``:
         gRPC's ``sampling.``)."""
-        for name, ids in (
-            ("stop_token_ids", sampling.stop_token_ids),
-            ("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
-        ):
-            for token_id in ids:
-                if token_id >= self.vocab_size:
-                    raise invalid(
-                        prefix + name,
-                        f"token id {token_id} is out of the vocabulary [0, {self.vocab_size})",
-                    )
+        with invalid_as(prefix):
+            validation.check_sampling_ids(sampling, self.vocab_size)
 
     def check_length(self, prompt: Sequence[int], max_tokens: int, field_name: str) -> None:
-        if isinstance(max_tokens, int) and len(prompt) + max_tokens > self.max_model_len:
-            raise invalid(
-                field_name,
-                f"the prompt ({len(prompt)} tokens) plus {field_name} ({max_tokens}) is "
-                f"{len(prompt) + max_tokens} tokens, over the model's context length of "
-                f"{self.max_model_len} tokens",
-            )
+        if isinstance(max_tokens, int):
+            with invalid_as(""):
+                validation.check_context(len(prompt), max_tokens, self.max_model_len, field_name)
 
     # ------------------------------------------------------------------ generation
     def job(
@@ -440,3 +425,12 @@ class FrontEnd:
             job.started,
             job.streams[0].timings if job.streams else None,
         )
+
+
+@contextlib.contextmanager
+def invalid_as(prefix: str) -> Iterator[None]:
+    """A request rule's ``InvalidRequestError`` as the door's 400, its field prefixed."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        raise invalid(prefix + error.field, error.message) from None

@@ -14,7 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.workers.process.protocol import PrefillSource, WorkerLoad
+from tessera.workers.api import PrefillSource
+from tessera.workers.process.protocol import WorkerLoad
 
 
 class WorkerStatus(str, enum.Enum):

@@ -23,7 +23,8 @@ from tessera.scheduler.api import (
 from tessera.scheduler.config import SchedulerConfig
 from tessera.scheduler.placement import Candidate, PlacementPolicy
 from tessera.scheduler.registry import Registry
-from tessera.workers.process.protocol import DECODE, MIXED, PREFILL, PrefillSource
+from tessera.workers.api import PrefillSource
+from tessera.workers.process.protocol import DECODE, MIXED, PREFILL
 
 
 class Placer:

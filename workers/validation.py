@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tessera.workers.api import InvalidRequestError, Resume, SamplingParams
 from tessera.workers.config import EngineConfig
@@ -10,8 +10,45 @@ from tessera.workers.kv.manager import blocks_needed
 from tessera.workers.model.config import ModelConfig
 
 
+def check_prompt_ids(token_ids: Sequence[object], vocab_size: int, field: str = "prompt") -> None:
+    """A prompt given as token ids: integers in the vocabulary."""
+    for token_id in token_ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise InvalidRequestError(field, f"token ids must be integers, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                field, f"token id {token_id} is out of the vocabulary [0, {vocab_size})"
+            )
+
+
+def check_sampling_ids(sampling: SamplingParams, vocab_size: int) -> None:
+    """The request's logit-bias and stop token ids are in the vocabulary."""
+    for name, ids in (
+        ("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
+        ("stop_token_ids", sampling.stop_token_ids),
+    ):
+        for token_id in ids:
+            if token_id >= vocab_size:
+                raise InvalidRequestError(
+                    name, f"token id {token_id} is out of the vocabulary [0, {vocab_size})"
+                )
+
+
+def check_context(
+    num_prompt: int, max_tokens: int, max_model_len: int, field: str = "max_tokens"
+) -> None:
+    """The prompt and the tokens it may generate fit the model's context."""
+    total = num_prompt + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            field,
+            f"prompt ({num_prompt} tokens) + {field} ({max_tokens}) = {total} exceeds the "
+            f"model's context length of {max_model_len} tokens",
+        )
+
+
 def validate_request(
-    prompt: str | list[int] | tuple[int, ...],
+    prompt: str | Sequence[int],
     sampling: SamplingParams,
     *,
     tokenize: Callable[[str], list[int]],
@@ -21,42 +58,24 @@ def validate_request(
     num_blocks: int,
     resume: Resume | None = None,
 ) -> tuple[int, ...]:
-    """Return the prompt's token ids, or raise ``InvalidRequestError`` naming the field."""
+    """Return the prompt's token ids, or raise ``InvalidRequestError`` naming the field.
+
+    The front end checks the vocabulary and the context with the same functions before
+    it places a request (``check_prompt_ids``, ``check_sampling_ids``, ``check_context``),
+    under its own field names; the worker checks them again only because its engine is
+    also driven directly (the Python API, the CLI)."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         token_ids = tuple(tokenize(prompt))
     else:
         token_ids = tuple(prompt)
-        for token_id in token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int):
-                raise InvalidRequestError("prompt", f"token ids must be integers, got {token_id!r}")
-            if not 0 <= token_id < model.vocab_size:
-                raise InvalidRequestError(
-                    "prompt",
-                    f"token id {token_id} is out of the vocabulary [0, {model.vocab_size})",
-                )
+        check_prompt_ids(token_ids, model.vocab_size)
     if not token_ids:
         raise InvalidRequestError("prompt", "must not be empty")
-    for token_id, _ in sampling.logit_bias:
-        if token_id >= model.vocab_size:
-            raise InvalidRequestError(
-                "logit_bias",
-                f"token id {token_id} is out of the vocabulary [0, {model.vocab_size})",
-            )
-    for token_id in sampling.stop_token_ids:
-        if token_id >= model.vocab_size:
-            raise InvalidRequestError(
-                "stop_token_ids",
-                f"token id {token_id} is out of the vocabulary [0, {model.vocab_size})",
-            )
+    check_sampling_ids(sampling, model.vocab_size)
+    check_context(len(token_ids), sampling.max_tokens, max_model_len)
     total = len(token_ids) + sampling.max_tokens
-    if total > max_model_len:
-        raise InvalidRequestError(
-            "max_tokens",
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling.max_tokens}) = "
-            f"{total} exceeds the model's context length of {max_model_len} tokens",
-        )
     _check_width(len(token_ids), total, sampling, config, num_blocks)
     parallel = sampling.parallel_tokens
     if parallel is not None and parallel.max_width > config.max_num_batched_tokens:

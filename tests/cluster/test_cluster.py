@@ -17,7 +17,13 @@ import ray
 
 from tessera.cluster.client import ClusterClient
 from tessera.scheduler.api import WorkerStatus
-from tessera.workers.api import FinishReason, RequestOutput, SamplingParams, StructuredParams
+from tessera.workers.api import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    StructuredParams,
+)
 from tessera.workers.process.protocol import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import (
@@ -197,12 +203,12 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
         for i, topic in enumerate(["owls", "glass", "snow"])
     ]
     with pytest.raises(ray.exceptions.RayTaskError, match="channel 'nowhere' is not open"):
-        await worker.start.remote("nowhere", *requests[0])
+        await worker.start.remote("nowhere", Request(*requests[0]))
 
     channel = worker.deltas.remote("test-channel")
     assert await (await anext(channel)) == []  # open
     for request_id, prompt, params in requests:
-        accepted = await worker.start.remote("test-channel", request_id, prompt, params)
+        accepted = await worker.start.remote("test-channel", Request(request_id, prompt, params))
         assert accepted.request_id == request_id
     batches = []
     deltas = await channel_deltas(lambda: anext(channel), requests, batches)
@@ -213,19 +219,19 @@ async def test_a_channel_carries_each_step_of_its_requests_as_one_batch(cluster,
 
     # Closing a channel aborts what it still carries: the blocks go back at once.
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-    await worker.start.remote("test-channel", "ch-long", requests[0][1], long)
+    await worker.start.remote("test-channel", Request("ch-long", requests[0][1], long))
     await (await anext(channel))
     ray.cancel(channel)
     assert await freed_within(worker, "ch-long", 2.0) <= 2.0
     with pytest.raises(ray.exceptions.RayTaskError, match="channel 'test-channel' is not open"):
-        await worker.start.remote("test-channel", *requests[0])
+        await worker.start.remote("test-channel", Request(*requests[0]))
 
     # A caller that stops touching its channel is gone (Ray would stream on to a dead
     # caller): the channel ends and aborts its requests.
     channel = worker.deltas.remote("untouched", 1.0)
     assert await (await anext(channel)) == []
     assert await worker.touch.remote("untouched")
-    await worker.start.remote("untouched", "ch-orphan", requests[0][1], long)
+    await worker.start.remote("untouched", Request("ch-orphan", requests[0][1], long))
     assert await freed_within(worker, "ch-orphan", 5.0) >= 0.5
     assert not await worker.touch.remote("untouched")
     with pytest.raises(StopAsyncIteration):
@@ -264,18 +270,18 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     reader, writer = await open_channel("sock-channel")
     assert await read_frame(reader) == []  # open
     for request_id, prompt, params in requests:
-        await worker.start.remote("sock-channel", request_id, prompt, params)
+        await worker.start.remote("sock-channel", Request(request_id, prompt, params))
     deltas = await channel_deltas(lambda: read_frame(reader), requests)
     assert_as_the_engine(make_engine, requests, deltas)
 
     # Closing the socket closes the channel, which aborts what it carries.
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
-    await worker.start.remote("sock-channel", "sock-long", requests[0][1], long)
+    await worker.start.remote("sock-channel", Request("sock-long", requests[0][1], long))
     await read_frame(reader)
     writer.close()
     assert await freed_within(worker, "sock-long", 2.0) <= 2.0
     with pytest.raises(ray.exceptions.RayTaskError, match="channel 'sock-channel' is not open"):
-        await worker.start.remote("sock-channel", *requests[0])
+        await worker.start.remote("sock-channel", Request(*requests[0]))
 
     # A caller without the worker's token gets no channel: the worker hangs up.
     reader, writer = await open_channel("sock-stranger", token="0" * 32)
@@ -283,7 +289,7 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
         await read_frame(reader)
     writer.close()
     with pytest.raises(ray.exceptions.RayTaskError, match="channel 'sock-stranger' is not open"):
-        await worker.start.remote("sock-stranger", *requests[0])
+        await worker.start.remote("sock-stranger", Request(*requests[0]))
 
     # A caller that neither reads its socket nor touches its channel is gone after its
     # keepalive: the worker aborts its requests (long before this one would end) and
@@ -292,7 +298,7 @@ async def test_a_channel_from_the_workers_node_runs_over_its_socket(cluster, mak
     reader, writer = await open_channel("sock-silent", keepalive_s=2.0)
     assert await read_frame(reader) == []
     longer = SamplingParams(max_tokens=2500, temperature=0, ignore_eos=True)
-    await worker.start.remote("sock-silent", "sock-silent-long", requests[0][1], longer)
+    await worker.start.remote("sock-silent", Request("sock-silent-long", requests[0][1], longer))
     await freed_within(worker, "sock-silent-long", 8.0)
     assert time.monotonic() - opened >= 2.0
     assert not await worker.touch.remote("sock-silent")

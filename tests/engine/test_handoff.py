@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from tessera.workers.api import SamplingParams
+from tessera.workers.api import PrefillSource, SamplingParams
 from tessera.workers.engine.async_engine import AsyncEngine
 from tessera.workers.process.disaggregation import DecodeOrchestrator, PhaseManager
 from tessera.workers.process.kv_transfer import KVTransferClient, KVTransferServer, usable_blocks
-from tessera.workers.process.protocol import PrefillSource, TransferCounters
+from tessera.workers.process.protocol import TransferCounters
 from tests.helpers import run_engine, tokens_of
 
 PROMPT = (

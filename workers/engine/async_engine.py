@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tessera.workers.api import RequestOutput, Resume, SamplingParams
+from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
 from tessera.workers.engine.engine import Engine, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -215,11 +215,23 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Validate and start a request (errors raise here, before any output), then
         return an async iterator over its output deltas (of all ``n`` outputs)."""
-        if self._closing:
-            raise EngineClosedError(f"the engine is closed: request {request_id!r} not started")
+        self._check_open(request_id)
         request = self.engine.add_request(
             request_id, prompt, sampling, priority, cache_salt, resume
         )
+        return self._open_stream(request)
+
+    async def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """``add_request`` for a request built whole (``Engine.submit``)."""
+        self._check_open(request.request_id)
+        return self._open_stream(self.engine.submit(request))
+
+    def _check_open(self, request_id: str) -> None:
+        if self._closing:
+            raise EngineClosedError(f"the engine is closed: request {request_id!r} not started")
+
+    def _open_stream(self, request: Request) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = queue
         self._open[request_id] = request.sampling.n

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
@@ -198,9 +199,23 @@ class Engine:
         """
         sampling = sampling or SamplingParams()
         token_ids = self.validate(prompt, sampling, resume)
-        request = Request(request_id, token_ids, sampling, priority, time.monotonic(), cache_salt)
-        self.requests.reserve(request_id)
-        self._inbox.append(("add", (request, resume)))
+        request = Request(
+            request_id, token_ids, sampling, priority, time.monotonic(), cache_salt, resume
+        )
+        return self._queue(request)
+
+    def submit(self, request: Request) -> Request:
+        """Queue a request a front end built (``add_request``'s, whole), checked here
+        against the model and the pool; its arrival is this engine's clock."""
+        token_ids = self.validate(request.prompt_token_ids, request.sampling, request.resume)
+        arrived = time.monotonic()
+        return self._queue(
+            dataclasses.replace(request, prompt_token_ids=token_ids, arrival_time=arrived)
+        )
+
+    def _queue(self, request: Request) -> Request:
+        self.requests.reserve(request.request_id)
+        self._inbox.append(("add", request))
         return request
 
     def abort(self, request_id: str) -> None:
@@ -260,13 +275,13 @@ class Engine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                self._admit(*payload)
+                self._admit(payload)
             elif (group := self.groups.get(payload)) is not None:
                 outputs += self.post.abort_group(group)
         return outputs
 
-    def _admit(self, request: Request, resume: Resume | None) -> None:
-        sampling = request.sampling
+    def _admit(self, request: Request) -> None:
+        sampling, resume = request.sampling, request.resume
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         seq = Sequence(
             request=request,

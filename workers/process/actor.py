@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator
 import ray
 import torch
 
-from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams, SpeculativeStats
+from tessera.workers.api import Request, RequestOutput, SpeculativeStats
 from tessera.workers.config import EngineConfig
 from tessera.workers.decoding.outputs import aborted_outputs
 from tessera.workers.engine.async_engine import AsyncEngine
@@ -59,7 +59,6 @@ from tessera.workers.process.protocol import (
     Accepted,
     ChannelSocket,
     EngineLoad,
-    PrefillSource,
     StreamFailure,
     TransferCounters,
     WorkerInfo,
@@ -369,24 +368,16 @@ class WorkerActor:
             channel.touched = time.monotonic()
         return channel is not None
 
-    async def start(
-        self,
-        channel_id: str,
-        request_id: str,
-        prompt: list[int] | str,
-        sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume: Resume | None = None,
-        prefill: PrefillSource | None = None,
-    ) -> Accepted:
-        """Start a request whose deltas go out on channel ``channel_id`` (then ``END``);
-        return once the engine has it. ``InvalidRequestError`` raises instead, and
-        ``ChannelClosedError`` if the channel is not open."""
+    async def start(self, channel_id: str, request: Request) -> Accepted:
+        """Start ``request`` (its prompt as token ids, built by the front end) with its
+        deltas going out on channel ``channel_id`` (then ``END``); return once the engine
+        has it. ``InvalidRequestError`` raises instead, and ``ChannelClosedError`` if the
+        channel is not open."""
         channel = self._channels.get(channel_id)
         if channel is None:
             raise ChannelClosedError(f"channel {channel_id!r} is not open on this worker")
-        stream = self._generate(request_id, prompt, sampling, priority, cache_salt, resume, prefill)
+        request_id = request.request_id
+        stream = self._generate(request)
         try:
             accepted = await anext(stream)
         except BaseException:
@@ -419,22 +410,14 @@ class WorkerActor:
             await stream.aclose()  # aborts the request if it is not over (cancelled)
             channel.forwards.pop(request_id, None)
 
-    async def _generate(
-        self,
-        request_id: str,
-        prompt: list[int] | str,
-        sampling: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        resume: Resume | None = None,
-        prefill: PrefillSource | None = None,
-    ) -> AsyncIterator[Accepted | RequestOutput]:
+    async def _generate(self, request: Request) -> AsyncIterator[Accepted | RequestOutput]:
         """Yield ``Accepted``, then the request's deltas until all its outputs finish.
         ``InvalidRequestError`` raises before ``Accepted``. With ``prefill`` (a decode
         worker), the prompt's blocks are pulled from that prefill worker first, also
         for a request resumed after a failover (``resume``): it then recomputes only
         what the pulled blocks do not cover (the prompt's tail and the tokens it had
         generated), and its output is the same."""
+        request_id, sampling, prefill = request.request_id, request.sampling, request.prefill
         self._live.add(request_id)
         stream = None
         # A structured request prefills here (its first token is masked here), and so
@@ -444,11 +427,13 @@ class WorkerActor:
         )
         try:
             if disaggregated:
-                token_ids = self.engine.engine.validate(prompt, sampling, resume)
+                token_ids = request.prompt_token_ids
+                self.engine.engine.validate(token_ids, sampling, request.resume)
                 self.phases.enter(request_id, "waiting")
+                resumed = request.resume is not None
                 pull = asyncio.ensure_future(
                     self.decode.pull(
-                        request_id, token_ids, sampling, cache_salt, prefill, resume is not None
+                        request_id, token_ids, sampling, request.cache_salt, prefill, resumed
                     )
                 )
                 self._pulls[request_id] = pull
@@ -462,13 +447,10 @@ class WorkerActor:
                 if request_id in self._aborted_pulls:  # a cancelled pull gave its blocks back
                     self._aborted_pulls.discard(request_id)
                     yield Accepted(request_id, self.incarnation)
-                    for delta in aborted_outputs(Request(request_id, token_ids, sampling)):
+                    for delta in aborted_outputs(request):
                         yield delta
                     return
-                prompt = token_ids
-            stream = await self.engine.add_request(
-                request_id, prompt, sampling, priority, cache_salt, resume
-            )
+            stream = await self.engine.submit(request)
             yield Accepted(request_id, self.incarnation)
             async for delta in stream:
                 yield delta

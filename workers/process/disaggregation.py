@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
-from tessera.workers.api import SamplingParams
+from tessera.workers.api import PrefillSource, SamplingParams
 from tessera.workers.decoding.sampling_fields import (
     message_values,
     options_message,
@@ -47,7 +47,7 @@ from tessera.workers.process.kv_transfer import (
     TransferError,
     usable_blocks,
 )
-from tessera.workers.process.protocol import PrefillSource, TransferCounters
+from tessera.workers.process.protocol import TransferCounters
 
 logger = logging.getLogger(__name__)
 

@@ -187,11 +187,3 @@ async def read_frame(reader: asyncio.StreamReader) -> list:
     """The next batch; ``asyncio.IncompleteReadError`` once the worker has closed."""
     size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "big")
     return pickle.loads(await reader.readexactly(size))
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillSource:
-    """Where a decode worker pulls a request's prompt blocks from."""
-
-    worker_id: str
-    address: str  # host:port of its KVTransfer server
