@@ -20,13 +20,13 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.cluster import tools as tool_calls
 from tessera.cluster.config import ServeConfig
+from tessera.cluster.jobs import Choice, Job, close_streams, deadline_error, invalid_as
 from tessera.cluster.launch import Cluster
 from tessera.cluster.metrics import Metrics, ReplicaBoard
 from tessera.cluster.openai_protocol import (
@@ -40,75 +40,12 @@ from tessera.cluster.openai_protocol import (
 )
 from tessera.scheduler.api import ClusterStats, DeadlineError
 from tessera.workers import validation
-from tessera.workers.api import InvalidRequestError, RequestOutput, SamplingParams, SpeculativeStats
+from tessera.workers.api import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between a replica's publications of its request metrics (``ReplicaBoard``).
 METRICS_PUBLISH_S = 2.0
-
-
-@dataclass
-class Choice:
-    """What one output (index) has produced so far."""
-
-    text: list[str] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    started: bool = False  # a streamed chat choice has sent its role
-    offset: int = 0  # completions logprobs: text offset of the next token
-    parallel_sets: list | None = None  # parallel_tokens requests: the sets so far
-    speculative: SpeculativeStats | None = None  # the latest counters of a speculating one
-
-
-@dataclass
-class Job:
-    """One request's generation: its prompts, their streams, and timings."""
-
-    kind: str  # "completion", "chat" or "generate" (gRPC)
-    request_id: str
-    model: str
-    prompts: list[list[int]]
-    sampling: SamplingParams
-    timeout: float  # seconds from arrival to the deadline
-    deadline: float  # time.monotonic() when the request is aborted
-    arrival: float
-    include_usage: bool = False  # streaming: every chunk has "usage", the last one its value
-    streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
-    choices: dict[int, Choice] = field(default_factory=dict)
-    first_token: float | None = None
-    started: float | None = None  # validated: its first prompt is being submitted
-    tool_names: frozenset[str] = frozenset()  # chat with tools offered: parse calls
-    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # by prompt
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.choices.values())
-
-    def choice_index(self, prompt: int, delta: RequestOutput) -> int:
-        return prompt * self.sampling.n + delta.index
-
-
-def deadline_error(job: Job) -> APIError:
-    return APIError(
-        408,
-        f"the request passed its deadline of {job.timeout:g} s and was aborted",
-        type="timeout_error",
-        code="timeout",
-    )
-
-
-async def close_streams(streams: list[AsyncIterator[RequestOutput]]) -> None:
-    """Close the streams: each aborts its request on its worker, freeing its blocks."""
-    for stream in streams:
-        with contextlib.suppress(Exception):
-            await stream.aclose()
 
 
 class FrontEnd:
@@ -425,12 +362,3 @@ class FrontEnd:
             job.started,
             job.streams[0].timings if job.streams else None,
         )
-
-
-@contextlib.contextmanager
-def invalid_as(prefix: str) -> Iterator[None]:
-    """A request rule's ``InvalidRequestError`` as the door's 400, its field prefixed."""
-    try:
-        yield
-    except InvalidRequestError as error:
-        raise invalid(prefix + error.field, error.message) from None
