@@ -204,7 +204,7 @@ def _return_freed_heap() -> None:
     """Hand the heap the load freed back to the system. glibc keeps it otherwise: the
     packed matrices' rearrangement into the kernels' layouts (``Q4Weight``) leaves
     SmolLM2's process at 600-780 MiB of RSS, 425-440 after this (438 in the fast mode
-    with its tensors on huge pages, stop 34). No-op without glibc."""
+    with its tensors on huge pages). No-op without glibc."""
     try:
         trim = ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):
