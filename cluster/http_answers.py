@@ -1,12 +1,14 @@
 """How the HTTP door writes a job's answer: whole, or as server-sent events.
 
-Completions and chat share the shapes (``openai_responses.choice_entry`` and ``envelope``);
-what differs is what a choice holds. A completion's text follows its echoed prompt,
-whose tokens carry logprobs too (computed in the prefill). A chat choice is a message;
-streamed, its first chunk names its role, and with tools offered its calls are parsed
-once its output is whole, then streamed as OpenAI does: each call's id and name, then
-its arguments in pieces. A stream that fails after it began ends with an error event,
-then ``data: [DONE]``.
+Completions and chat share one builder of choices (``choice_entry``) and one of the
+envelope around them (``envelope``: a whole response, or a streamed chunk); there the
+endpoints differ only in names (the ``object`` of a response and of a chunk, the key of
+a choice's output). What a choice holds differs: a completion's text follows its echoed
+prompt, whose tokens carry logprobs too (computed in the prefill); a chat choice is a
+message. A streamed chat choice's first chunk names its role; with tools offered, its
+calls are parsed once its output is whole, then streamed as OpenAI does: each call's id
+and name, then its arguments in pieces. A stream that fails after it began ends with an
+error event, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,75 @@ from tessera.cluster.openai_chat import ChatCompletionRequest
 from tessera.cluster.openai_errors import api_error
 from tessera.cluster.openai_logprobs import LogprobFormatter
 from tessera.cluster.openai_requests import CompletionRequest
-from tessera.cluster.openai_responses import choice_entry, choice_extras, envelope
+from tessera.cluster.openai_responses import parallel_sets, speculative_stats, usage
+from tessera.workers.api import RequestOutput
 
 #: Characters of a tool call's arguments per streamed delta.
 TOOL_ARGUMENT_PIECE = 16
+#: Per endpoint (``Job.kind``), whole and streamed: a response's ``object``...
+_OBJECT = {
+    "completion": ("text_completion", "text_completion"),
+    "chat": ("chat.completion", "chat.completion.chunk"),
+}
+#: ...and the key of a choice's output.
+_OUTPUT = {"completion": ("text", "text"), "chat": ("message", "delta")}
+
+
+def choice_extras(choice: Choice, delta: RequestOutput | None = None) -> dict:
+    """A choice's ``parallel_tokens`` and ``speculative`` fields, only where the
+    request asked for them: a streamed ``delta``'s own sets, or (None) all of them."""
+    out: dict = {}
+    sets = choice.parallel_sets if delta is None else delta.parallel_sets
+    if sets is not None:
+        out["parallel_tokens"] = parallel_sets(sets)
+    if choice.speculative is not None and (delta is None or delta.finished):
+        out["speculative"] = speculative_stats(choice.speculative)
+    return out
+
+
+def choice_entry(
+    kind: str,
+    index: int,
+    output: Any,
+    logprobs: Any,
+    finish: str | None,
+    *,
+    streamed: bool = False,
+    extras: dict | None = None,
+    prompt_logprobs: list | None = None,
+) -> dict[str, Any]:
+    """One entry of ``choices`` of endpoint ``kind``: ``index``, the output under its
+    key, ``logprobs``, ``finish_reason``, then the ``extras`` (``choice_extras``).
+    vLLM's ``prompt_logprobs`` (given: asked for) comes last in a whole choice, and
+    before ``finish_reason`` in a streamed one (a choice's first chunk)."""
+    entry = {"index": index, _OUTPUT[kind][streamed]: output, "logprobs": logprobs}
+    if streamed and prompt_logprobs is not None:
+        entry["prompt_logprobs"] = prompt_logprobs
+    entry["finish_reason"] = finish
+    if extras:
+        entry |= extras
+    if not streamed and prompt_logprobs is not None:
+        entry["prompt_logprobs"] = prompt_logprobs
+    return entry
+
+
+def envelope(job: Job, choices: list[dict], streamed: bool = False, final: bool = False) -> dict:
+    """The object around ``choices``: a whole response, or a streamed chunk. A whole
+    response has ``usage``; streamed chunks have it only when the request asked
+    (``stream_options.include_usage``): null, but in the ``final`` chunk, which has no
+    choices and ends the stream."""
+    out = {
+        "id": job.request_id,
+        "object": _OBJECT[job.kind][streamed],
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
+    if not streamed:
+        out["usage"] = usage(job.prompt_tokens, job.completion_tokens)
+    elif job.include_usage:
+        out["usage"] = usage(job.prompt_tokens, job.completion_tokens) if final else None
+    return out
 
 
 class AnswerWriter:
