@@ -21,7 +21,8 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from tessera.cluster import tools as tool_calls
-from tessera.cluster.front_end import Choice, FrontEnd, Job
+from tessera.cluster.front_end import FrontEnd
+from tessera.cluster.jobs import Choice, Job
 from tessera.cluster.openai_chat import ChatCompletionRequest
 from tessera.cluster.openai_errors import api_error
 from tessera.cluster.openai_logprobs import LogprobFormatter

@@ -41,11 +41,12 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from tessera.cluster.auth import expected_authorization, key_matches
-from tessera.cluster.front_end import FrontEnd, Job
+from tessera.cluster.front_end import FrontEnd
 from tessera.cluster.grpc_api import GenerationService
 from tessera.cluster.http_answers import AnswerWriter
 from tessera.cluster.http_app import REPLICA_HEADER, api, replica_name
 from tessera.cluster.http_bodies import BodyReader
+from tessera.cluster.jobs import Job
 from tessera.cluster.metrics import CONTENT_TYPE
 from tessera.cluster.openai_chat import ChatCompletionRequest, TokenizeChatRequest
 from tessera.cluster.openai_errors import APIError, invalid
