@@ -6,12 +6,13 @@ come straight from the worker. It returns once the worker has accepted the reque
 so a bad request, a full queue (``OverloadedError``) or an empty cluster
 (``NoWorkerError``) raise from ``submit`` itself.
 
-**Channels.** The client keeps one delta channel per worker it uses (``_Channel``,
-opened at its first request there): the deltas of all this client's requests on that
-worker arrive together, one batch every ``stream_interval`` engine steps (or at once
-for a request's first or last delta), over the worker's Unix socket where it runs on
-this client's node, else as a Ray stream, and are routed here to their requests. A
-channel that fails (the worker died) fails over every request on it.
+**Channels.** The client keeps one delta channel per worker it uses (a
+``ChannelReader``, opened at its first request there): the deltas of all this
+client's requests on that worker arrive together, one batch every ``stream_interval``
+engine steps (or at once for a request's first or last delta), over the worker's Unix
+socket where it runs on this client's node, else as a Ray stream, and are routed here
+to their requests. A channel that fails (the worker died) fails over every request
+on it.
 
 **Failover.** If the worker dies mid-stream, the stream asks the scheduler for a new
 worker and goes on there from the tokens already delivered: a request with one
@@ -37,17 +38,15 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
-import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 from tessera.scheduler.api import ClusterStats, DeadlineError, NoWorkerError, Placement, Refusal
 from tessera.workers.api import (
@@ -59,15 +58,14 @@ from tessera.workers.api import (
     fork_seed,
 )
 from tessera.workers.kv.prefix_cache import extend_block_hashes
-from tessera.workers.process.protocol import (
-    CHANNEL_KEEPALIVE_S,
-    END,
-    MIXED,
-    Accepted,
-    StreamFailure,
-    peer_credentials,
-    read_frame,
+from tessera.workers.process.channel import END, StreamFailure
+from tessera.workers.process.channel_reader import (
+    ChannelGone,
+    ChannelReader,
+    cancel_and_wait,
+    worker_result,
 )
+from tessera.workers.process.protocol import MIXED, Accepted
 
 logger = logging.getLogger(__name__)
 
@@ -110,115 +108,8 @@ class _Part:
     sampling: SamplingParams
     resume: Resume | None
     index: int | None  # the caller's output index, when the part is one resumed output
-    channel: _Channel | None = None  # where its deltas come from, once started
+    channel: ChannelReader | None = None  # where its deltas come from, once started
     done: bool = False
-
-
-class _Gone:
-    """A channel's last word to its requests: its worker is gone (``error``)."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class _Channel:
-    """This client's delta channel to one worker incarnation: reads its batches and
-    routes each item to its request's run. A worker on this client's node sends them
-    over its Unix socket (``ChannelSocket``: a fraction of the 1.3-1.6 ms of CPU a Ray
-    stream item costs each side); one on another node as a Ray stream
-    (``WorkerActor.deltas``)."""
-
-    def __init__(self, client: ClusterClient, placement: Placement) -> None:
-        self.client = client
-        self.key = (placement.worker_id, placement.incarnation)
-        self.worker = placement.worker
-        self.id = f"{client.id}:{uuid.uuid4().hex[:8]}"
-        self.routes: dict[str, tuple[_Run, _Part]] = {}  # worker request id ->
-        self.stream = None  # the Ray stream, where the channel is one
-        self.socket: asyncio.StreamWriter | None = None  # the worker's socket, where not
-        self.opened = asyncio.get_running_loop().create_future()
-        self.opened.add_done_callback(lambda opened: opened.cancelled() or opened.exception())
-        self._task = asyncio.get_running_loop().create_task(self._read())
-        self._keepalive: asyncio.Task | None = None
-
-    async def _open(self) -> Callable[[], Awaitable[list]]:
-        """Open the channel (the worker's socket where it is on this node, else its Ray
-        stream) and read its empty first batch; return what reads the next batch. A
-        socket that closes before that batch (the worker refused the caller) leaves
-        the Ray stream to open: it fails only if the worker is gone."""
-        address = None
-        if self.client.channel_sockets:
-            try:
-                address = await self.worker.channel_socket.remote()
-            except RayActorError:
-                raise
-            except Exception as error:  # a worker's bug: its Ray stream still works
-                logger.warning("channel socket %s: %r; using a Ray stream", self.key, error)
-        if address is not None and address.node_id == _node_id():
-            try:
-                reader, self.socket = await _connect_unix(address.path, address.pid)
-                hello = {"channel": self.id, "keepalive_s": CHANNEL_KEEPALIVE_S}
-                self.socket.write(json.dumps({**hello, "token": address.token}).encode() + b"\n")
-                await _frame(reader)  # the worker's empty first batch: it is open
-                return functools.partial(_frame, reader)
-            except (OSError, RayActorError) as error:
-                logger.warning("channel socket %s: %s; using a Ray stream", self.key, error)
-                if self.socket is not None:
-                    self.socket.close()
-                    self.socket = None
-        self.stream = self.worker.deltas.remote(self.id, CHANNEL_KEEPALIVE_S)
-        await _next(self.stream)  # the worker's empty first batch: it is open
-        return functools.partial(_next, self.stream)
-
-    async def _read(self) -> None:
-        error: Exception = RayActorError()  # cancelled: as if the worker had gone
-        try:
-            receive = await self._open()
-            self.opened.set_result(None)
-            self._keepalive = asyncio.get_running_loop().create_task(self._touch())
-            while True:
-                for request_id, item in await receive():
-                    route = self.routes.get(request_id)
-                    if route is not None:
-                        run, part = route
-                        run._incoming.put_nowait((part, item))
-        except StopAsyncIteration:  # the worker ended its Ray stream (it is shutting down)
-            pass
-        except Exception as failure:  # RayActorError: the worker is gone (or its socket)
-            error = failure
-        finally:
-            if not self.opened.done():
-                self.opened.set_exception(error)
-            self.close(error)
-
-    async def _touch(self) -> None:
-        """Tell the worker this client is alive (else it closes the channel)."""
-        with contextlib.suppress(Exception):  # the worker is gone: _read hears it
-            while await self.worker.touch.remote(self.id):
-                await asyncio.sleep(CHANNEL_KEEPALIVE_S / 3)
-
-    async def aclose(self) -> None:
-        """Stop reading (the client is closing) and wait until its tasks have ended."""
-        await _cancelled(self._task)  # its ``finally`` closes the channel, once it ran
-        await _cancelled(self._keepalive)
-        if not self.opened.done():  # cancelled before it ran
-            self.opened.set_exception(RayActorError())
-            self.close(RayActorError())
-
-    def close(self, error: Exception) -> None:
-        """Forget the channel; its requests hear ``error`` (their worker is gone)."""
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-        if self.client._channels.get(self.key) is self:
-            del self.client._channels[self.key]
-        for run, part in self.routes.values():
-            run._incoming.put_nowait((part, _Gone(error)))
-        self.routes.clear()
-        if self.socket is not None:
-            self.socket.close()
-        if self.stream is not None:
-            with contextlib.suppress(Exception):  # a channel that failed but still runs
-                ray.cancel(self.stream)
 
 
 class _Run:
@@ -309,7 +200,7 @@ class _Run:
         starts = []
         for part in parts:
             part.channel = channel
-            channel.routes[part.worker_request_id] = (self, part)
+            channel.routes[part.worker_request_id] = functools.partial(self._deliver, part)
             worker_request = dataclasses.replace(
                 request,
                 request_id=part.worker_request_id,
@@ -319,10 +210,14 @@ class _Run:
             )
             starts.append(placement.worker.start.remote(channel.id, worker_request))
         for start in starts:
-            accepted = await _result(start)
+            accepted = await worker_result(start)
             assert isinstance(accepted, Accepted), accepted
         if self.timings.accepted is None:
             self.timings.accepted = time.monotonic()
+
+    def _deliver(self, part: _Part, item: Any) -> None:
+        """An item of ``part`` from its channel (``ChannelReader.routes``)."""
+        self._incoming.put_nowait((part, item))
 
     def _lost(self, error: BaseException) -> None:
         """The worker went away: tell the scheduler, and count the attempt."""
@@ -380,7 +275,7 @@ class _Run:
         """The caller left early: stop reading, which aborts the request on its worker.
         A pump cancelled before its first step never runs its ``finally``, so the
         request is closed here too (``close`` is idempotent)."""
-        await _cancelled(self._task)
+        await cancel_and_wait(self._task)
         await self.close()
 
     async def _merged(self) -> AsyncIterator[tuple[_Part, RequestOutput]]:
@@ -394,7 +289,7 @@ class _Run:
                 self._unroute(part)
             elif isinstance(item, RequestOutput):
                 yield part, item
-            elif isinstance(item, _Gone):
+            elif isinstance(item, ChannelGone):
                 raise item.error
             else:
                 assert isinstance(item, StreamFailure), item
@@ -461,64 +356,6 @@ def _sampling(sampling: SamplingParams | None) -> SamplingParams:
     return sampling
 
 
-async def _cancelled(task: asyncio.Task | None) -> None:
-    """Cancel ``task`` and wait until it has ended (a task of another event loop,
-    one an ``asyncio.run`` has closed, is only cancelled)."""
-    if task is None or task.done():
-        return
-    task.cancel()
-    if task.get_loop() is asyncio.get_running_loop():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
-async def _next(stream) -> Any:
-    """The next item of a worker's stream."""
-    return await _result(await stream.__anext__())
-
-
-async def _frame(reader: asyncio.StreamReader) -> list:
-    """The next batch from a worker's channel socket; ``RayActorError`` once the worker
-    has closed it (it ended the channel, or its process is gone) or it broke."""
-    try:
-        return await read_frame(reader)
-    except Exception as error:  # closed (EOFError), broken (OSError), or unreadable
-        raise RayActorError(error_msg=f"the worker's channel socket: {error!r}") from None
-
-
-async def _connect_unix(path: str, pid: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """``asyncio.open_unix_connection(path)`` for an abstract socket's path, which
-    uvloop (the loop of Ray Serve's replicas) refuses as a path but takes connected;
-    ``ConnectionRefusedError`` unless process ``pid`` holds the other end (a name that
-    a dead worker left is anyone's to take)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, path)
-        peer, _, _ = peer_credentials(sock)
-        if peer != pid:
-            raise ConnectionRefusedError(f"{path!r} is held by process {peer}, not {pid}")
-        return await asyncio.open_unix_connection(sock=sock)
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _node_id() -> str:
-    """This process's Ray node."""
-    return ray.get_runtime_context().get_node_id()
-
-
-async def _result(ref) -> Any:
-    """A worker call's result; a bad request raises its own error."""
-    try:
-        return await ref
-    except RayTaskError as error:
-        if isinstance(error.cause, InvalidRequestError):
-            raise error.cause from None
-        raise
-
-
 class RequestStream:
     """One request's deltas (``async for``). ``aclose()`` aborts the request on its
     worker and frees its place, whether or not any delta was read (an async generator
@@ -554,7 +391,7 @@ class ClusterClient:
         self.channel_sockets = channel_sockets
         self._runs: dict[str, _Run] = {}
         self.id = uuid.uuid4().hex[:12]  # names this client's channels on the workers
-        self._channels: dict[tuple[str, str], _Channel] = {}  # by (worker id, incarnation)
+        self._channels: dict[tuple[str, str], ChannelReader] = {}  # by (worker id, incarnation)
         # the scheduler's block_hashing(): unknown until asked, then kept once the
         # hash keys are known (or prefix caching is off)
         self._hashing: tuple[int, tuple[str, ...] | None] | None | object = _UNKNOWN
@@ -624,14 +461,22 @@ class ClusterClient:
         extend_block_hashes(hashes, request.prompt_token_ids, block_size, (*keys, salt))
         return hashes
 
-    async def _channel(self, placement: Placement) -> _Channel:
+    async def _channel(self, placement: Placement) -> ChannelReader:
         """The open channel to the placement's worker (opened now if need be)."""
         key = (placement.worker_id, placement.incarnation)
         channel = self._channels.get(key)
         if channel is None:
-            channel = self._channels[key] = _Channel(self, placement)
+            channel_id = f"{self.id}:{uuid.uuid4().hex[:8]}"
+            channel = self._channels[key] = ChannelReader(
+                placement.worker, key, channel_id, self.channel_sockets, self._forget
+            )
         await asyncio.shield(channel.opened)
         return channel
+
+    def _forget(self, channel: ChannelReader) -> None:
+        """A channel closed: the next request to its worker opens a new one."""
+        if self._channels.get(channel.key) is channel:
+            del self._channels[channel.key]
 
     def _token_ids(self, prompt: str | Sequence[int] | None) -> tuple[int, ...]:
         if isinstance(prompt, str):

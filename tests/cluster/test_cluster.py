@@ -24,7 +24,7 @@ from tessera.workers.api import (
     SamplingParams,
     StructuredParams,
 )
-from tessera.workers.process.protocol import END, read_frame
+from tessera.workers.process.channel import END, read_frame
 from tests.cluster.conftest import freed_within, running_cluster_sync
 from tests.helpers import (
     ABSTRACT_SOCKETS,

@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 from ray.exceptions import RayActorError
 
-from tessera.cluster.client import _connect_unix, _frame
 from tessera.workers.api import RequestOutput
-from tessera.workers.process import actor
+from tessera.workers.process import channel as channel_module
 from tessera.workers.process.actor import WorkerActor
-from tessera.workers.process.protocol import END, frame, peer_credentials
+from tessera.workers.process.channel import END, frame, peer_credentials
+from tessera.workers.process.channel_reader import _connect_unix, _frame
 from tests.helpers import LINUX_ONLY
 
 pytestmark = LINUX_ONLY
@@ -88,15 +88,14 @@ async def test_a_socket_that_hangs_up_before_the_channel_opens_leaves_the_ray_st
 ):
     """A worker that refuses the caller (wrong user, bad line, a bug) is not a lost
     worker: the channel opens as a Ray stream (here a stand-in worker's)."""
-    from tessera.cluster import client as client_module
-    from tessera.cluster.client import ClusterClient, _Channel
-    from tessera.scheduler.api import Placement
-    from tessera.workers.process.protocol import ChannelSocket
+    from tessera.workers.process import channel_reader as reader_module
+    from tessera.workers.process.channel import ChannelSocket
+    from tessera.workers.process.channel_reader import ChannelReader
 
     path, server = await serving(b"")  # hangs up at once, as on a wrong token
-    monkeypatch.setattr(client_module, "_node_id", lambda: "node-1")
+    monkeypatch.setattr(reader_module, "_node_id", lambda: "node-1")
     cancelled = []
-    monkeypatch.setattr(client_module.ray, "cancel", cancelled.append)  # no Ray here
+    monkeypatch.setattr(reader_module.ray, "cancel", cancelled.append)  # no Ray here
 
     async def address():
         return ChannelSocket("node-1", path, os.getpid(), "t0ken")
@@ -111,12 +110,11 @@ async def test_a_socket_that_hangs_up_before_the_channel_opens_leaves_the_ray_st
     worker.channel_socket = _Call(address)
     worker.deltas = _Call(batches)
     worker.touch = _Call(touched)
-    client = ClusterClient(scheduler=None, tokenizer=None)
     async with server:
-        channel = _Channel(client, Placement("r1", "w1", "inc-1", worker, 0))
+        channel = ChannelReader(worker, ("w1", "inc-1"), "c1", True, lambda channel: None)
         await asyncio.wait_for(asyncio.shield(channel.opened), 5)
         assert channel.socket is None and channel.stream is not None
-        assert worker.deltas.calls == [(channel.id, client_module.CHANNEL_KEEPALIVE_S)]
+        assert worker.deltas.calls == [(channel.id, reader_module.CHANNEL_KEEPALIVE_S)]
         await channel.aclose()
         assert cancelled == [channel.stream]  # closing it cancels the stream
 
@@ -129,14 +127,14 @@ def stand_in_worker(monkeypatch, **fields) -> SimpleNamespace:
         pass
 
     monkeypatch.setattr(
-        actor.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1")
+        channel_module.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "n1")
     )
     worker = SimpleNamespace(
         incarnation=1,
         worker_id="w1",
         _socket=None,
         _socket_server=None,
-        _refused=actor._Refusals("w1"),
+        _refused=channel_module.Refusals("w1"),
         kv_server=None,
         decode=SimpleNamespace(client=SimpleNamespace(close=closed)),
         engine=SimpleNamespace(close=closed),
@@ -179,7 +177,7 @@ async def test_refused_callers_are_warned_of_once_a_minute_and_counted(monkeypat
     refused meanwhile (logged at debug level)."""
     worker = stand_in_worker(monkeypatch)
     address = await WorkerActor.channel_socket(worker)
-    caplog.set_level(logging.DEBUG, logger=actor.__name__)
+    caplog.set_level(logging.DEBUG, logger=channel_module.__name__)
 
     async def refused(line: bytes) -> None:
         reader, writer = await _connect_unix(address.path, address.pid)
@@ -191,7 +189,7 @@ async def test_refused_callers_are_warned_of_once_a_minute_and_counted(monkeypat
         return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
     def a_minute_later() -> None:
-        worker._refused.warned -= actor.REFUSAL_WARNING_S
+        worker._refused.warned -= channel_module.REFUSAL_WARNING_S
 
     wrong = json.dumps({"channel": "c1", "keepalive_s": 5, "token": "wrong"}).encode() + b"\n"
     caller = "worker w1 refused a channel socket caller"

@@ -1,6 +1,6 @@
 """A worker's channel with ``stream_interval``: which items go out together.
 
-``WorkerActor._forward`` (which items are urgent), ``_Channel`` (when a batch is due)
+``WorkerActor._forward`` (which items are urgent), ``Outbox`` (when a batch is due)
 and ``WorkerActor._batches`` (the batches a channel sends) on a stand-in engine, fed scripted
 deltas and step counts (the engine is not what is tested here;
 tests/cluster/test_cluster.py checks a channel's batches from a running worker, and
@@ -13,9 +13,9 @@ import asyncio
 from types import SimpleNamespace
 
 from tessera.workers.api import FinishReason, RequestOutput
-from tessera.workers.process import actor
-from tessera.workers.process.actor import WorkerActor, _Channel
-from tessera.workers.process.protocol import END, StreamFailure
+from tessera.workers.process import channel as channel_module
+from tessera.workers.process.actor import WorkerActor
+from tessera.workers.process.channel import END, Outbox, StreamFailure
 
 
 def delta(token: int, finished: bool = False) -> RequestOutput:
@@ -30,7 +30,7 @@ def delta(token: int, finished: bool = False) -> RequestOutput:
 
 async def forwarded(deltas: list[RequestOutput], fail: bool = False) -> list[tuple]:
     """``(item, urgent)`` for each item ``_forward`` puts on a channel."""
-    channel = _Channel(keepalive_s=60.0)
+    channel = Outbox(keepalive_s=60.0)
     puts: list[tuple] = []
     put = channel.put
 
@@ -70,7 +70,7 @@ async def test_a_failure_is_urgent_after_what_came_before_it():
 
 
 def test_held_items_go_every_interval_steps_or_with_an_urgent_one():
-    channel = _Channel(keepalive_s=60.0, interval=4)
+    channel = Outbox(keepalive_s=60.0, interval=4)
     channel.sent_step = 100
     assert not channel.due(200)  # nothing held
     channel.put("a", delta(1), urgent=False)
@@ -89,7 +89,7 @@ def test_held_items_go_every_interval_steps_or_with_an_urgent_one():
 
 
 def test_interval_one_sends_whatever_is_held():
-    channel = _Channel(keepalive_s=60.0)
+    channel = Outbox(keepalive_s=60.0)
     assert channel.interval == 1
     channel.sent_step = 7
     channel.put("a", delta(1), urgent=False)
@@ -100,7 +100,7 @@ def test_interval_one_sends_whatever_is_held():
 
 
 async def test_a_channel_sends_held_items_every_interval_steps_and_after_a_stall(monkeypatch):
-    monkeypatch.setattr(actor, "HOLD_S", 0.3)
+    monkeypatch.setattr(channel_module, "HOLD_S", 0.3)
     engine = SimpleNamespace(config=SimpleNamespace(stream_interval=3), num_steps=10)
     worker = SimpleNamespace(_channels={}, engine=SimpleNamespace(engine=engine))
     batches = WorkerActor._batches(worker, "c", 60.0)

@@ -1,30 +1,20 @@
-"""The typed seam between a worker and those above it: the scheduler and the front end.
+"""The typed seam between a worker and the scheduler.
 
 A worker tells the scheduler who it is (``WorkerInfo``, again after every restart) and
 how loaded it is (``WorkerLoad``, pulled by the scheduler's monitor loop, with the
-prefix-cache hashes stored and evicted since the last report). A decode worker is told
-where to pull a request's prompt blocks from (``PrefillSource``). A front end opens
-one delta channel per worker and starts requests on it (``WorkerActor.start`` answers
-``Accepted``); the channel carries the deltas of all its requests together, in
-batches of ``(request id, item)`` (one every ``stream_interval`` engine steps, or at
-once for a request's first or last delta, its end or a failure): a ``RequestOutput``,
-a ``StreamFailure``, or ``END``. A front end on the worker's own node reads the
-batches from the worker's Unix socket (``ChannelSocket``, ``read_frame``), any other
-as a Ray stream (``WorkerActor.deltas``).
+prefix-cache hashes stored and evicted since the last report). A front end starts a
+request on a worker (``WorkerActor.start`` answers ``Accepted``) and reads its deltas
+from the worker's delta channel (``channel``: its wire, and the worker's end;
+``channel_reader``: the caller's).
 
-Everything here crosses a process boundary (Ray pickles it, and so does a channel
-socket), so it is plain data, and this module imports nothing heavy (no torch, no
-Ray): the front end and the scheduler name a worker's types without loading the
-engine.
+Everything here crosses a process boundary (Ray pickles it), so it is plain data, and
+this module imports nothing heavy (no torch, no Ray): the front end and the scheduler
+name a worker's types without loading the engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import pickle
-import socket
-import struct
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -130,60 +120,3 @@ class Accepted:
 
     request_id: str
     incarnation: str
-
-
-@dataclass(frozen=True, slots=True)
-class StreamFailure:
-    """A request's stream failed on its worker after it started (an engine step
-    raised): the last item of that request on its channel."""
-
-    message: str
-
-
-#: The item that ends one request's deltas on a channel (all its outputs finished).
-END = None
-#: A worker closes a channel its caller has not touched for this long (Ray does not end
-#: a stream whose caller died), which aborts the requests on it; callers touch their
-#: channels three times as often.
-CHANNEL_KEEPALIVE_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelSocket:
-    """Where a front end on the worker's node opens channels without Ray
-    (``WorkerActor.channel_socket``): a Unix socket in Linux's abstract namespace (no
-    file; gone with the worker's process). The caller checks that the process it
-    reached is ``pid`` (``peer_credentials``), then writes one line, the JSON of
-    ``{"channel": id, "keepalive_s": s, "token": token}``; the worker, having checked
-    that the caller runs as its own user, answers with the channel's batches, each a
-    ``frame``, the first one empty (the channel is open). Either side closing the
-    connection ends the channel. A Ray stream item costs each side 1.3-1.6 ms of CPU,
-    an asyncio TCP stream's message 0.2-0.4 ms (stop 72's micro-benchmark)."""
-
-    node_id: str  # Ray's node id: other nodes use the Ray stream
-    path: str
-    pid: int  # the worker's process
-    token: str = field(repr=False)  # the worker's secret: a caller learns it through Ray
-
-
-#: A frame's header: the byte length of the pickled batch that follows.
-FRAME_HEADER = 4
-
-
-def frame(batch: list) -> bytes:
-    """One batch as a frame: its pickle's length (4 bytes, big-endian), then the pickle."""
-    data = pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)
-    return len(data).to_bytes(FRAME_HEADER, "big") + data
-
-
-def peer_credentials(sock) -> tuple[int, int, int]:
-    """The (pid, uid, gid) of the process at the other end of a Unix socket."""
-    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    pid, uid, gid = struct.unpack("iII", credentials)  # struct ucred: pid_t, uid_t, gid_t
-    return pid, uid, gid
-
-
-async def read_frame(reader: asyncio.StreamReader) -> list:
-    """The next batch; ``asyncio.IncompleteReadError`` once the worker has closed."""
-    size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "big")
-    return pickle.loads(await reader.readexactly(size))
