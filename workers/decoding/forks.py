@@ -13,20 +13,16 @@ pool is short, no blocks at all and recomputes its tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tessera.workers.api import Phase, RequestOutput, SamplingParams, fork_seed
 from tessera.workers.decoding.beam import BeamSearch
 from tessera.workers.decoding.detokenizer import IncrementalDetokenizer
+from tessera.workers.decoding.hooks import StepContext
 from tessera.workers.decoding.outputs import beam_outputs
 from tessera.workers.decoding.stop import StopStringMatcher
 from tessera.workers.engine.sequence import Sequence, SequenceGroup
 from tessera.workers.kv.manager import KVCacheManager
-
-if TYPE_CHECKING:
-    from tessera.workers.engine.postprocess import Postprocessor
 
 
 class Forks:
@@ -76,7 +72,7 @@ class Forks:
         )
 
     def step_beams(
-        self, post: Postprocessor, group: SequenceGroup, logits: torch.Tensor
+        self, post: StepContext, group: SequenceGroup, logits: torch.Tensor
     ) -> list[RequestOutput]:
         """A step's hook for a beam search: score every beam's next token from its
         row of ``logits``; re-point the beams, or end the search with its best outputs."""

@@ -42,6 +42,7 @@ from tessera.workers.api import (
     SamplingParams,
     SpeculativeParams,
 )
+from tessera.workers.decoding.hooks import StepContext
 from tessera.workers.decoding.sampling import Sampler, SampleResult, SamplingRow, keyed_uniform
 from tessera.workers.engine.model_runner import Chunk, ModelRunner
 from tessera.workers.engine.sequence import Sequence, SequenceGroup, SpecState
@@ -51,7 +52,6 @@ from tessera.workers.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from tessera.workers.engine.batcher import ScheduledBatch
-    from tessera.workers.engine.postprocess import Postprocessor
 
 #: Prompt lookup tries the last this many tokens first, then fewer, down to one.
 NGRAM_MAX = 3
@@ -197,7 +197,7 @@ class Speculator:
                         seq.drop_drafts()
 
     def verify_step(
-        self, post: Postprocessor, group: SequenceGroup, seq: Sequence, logits: torch.Tensor
+        self, post: StepContext, group: SequenceGroup, seq: Sequence, logits: torch.Tensor
     ) -> list[RequestOutput]:
         """Accept what the target agrees with, roll the rest back, append the tokens."""
         results = self.verify(seq, logits)

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from tessera.workers.api import FinishReason, Phase, RequestOutput, TokenLogprob
-from tessera.workers.decoding import parallel_tokens
+from tessera.workers.decoding import parallel_sets
 from tessera.workers.decoding.outputs import aborted_outputs, sequence_output
 from tessera.workers.decoding.rows import Rows
 from tessera.workers.decoding.sampling import Sampler
@@ -79,7 +79,7 @@ class Postprocessor:
         results = self.sampler.sample(logits, sampling_rows, argmax)
         for i, ((group, seq), result) in enumerate(zip(targets, results, strict=True)):
             if seq.request.sampling.parallel_tokens is not None:
-                parallel_tokens.append_set(self, group, seq, result, logits[i])
+                parallel_sets.append_set(self, group, seq, result, logits[i])
             else:
                 self.append_token(group, seq, result.token_id, result.logprob)
             if seq.plain:
