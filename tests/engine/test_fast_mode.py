@@ -264,7 +264,7 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
     request with logprobs among them) gets them, and where the head runs on the native
     Q8_0 kernel, each row's argmax taken as it wrote them (``taken_argmax``: no second
     read), with the same tokens again."""
-    from tessera.workers.engine import engine as engine_module
+    from tessera.workers.engine import run as engine_module
     from tessera.workers.engine.model_runner import ModelRunner
     from tessera.workers.quant.int4 import Q8Weight
     from tessera.workers.quant.kernels import argmax_rows
