@@ -69,10 +69,18 @@ HEADERS = tuple(
     for name in (
         "amx_tiles.h",
         "bf16_blocks.h",
+        "decode_attention.h",
+        "decode_layer_loop.h",
+        "decode_norm_rope.h",
+        "decode_shares.h",
+        "decode_stack.h",
+        "decode_swiglu.h",
+        "decode_values.h",
         "pieces.h",
         "rows.h",
         "side_prefetch.h",
         "tile_argmax.h",
+        "tiled_f32_kernels.h",
         "tiled_layouts.h",
         "vec16.h",
     )

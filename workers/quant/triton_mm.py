@@ -50,12 +50,12 @@ class Tiling:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
 
-#: The tilings ``gguf_mm`` uses unless told: the best of ~150 variants swept on an H200
-#: (stop 43). ``benchmarks/cuda_quant_matmul.py`` (one SmolLM2 step's 121 matmuls in a
-#: CUDA graph), the same machine: 0.74 / 1.06 / 1.22 / 2.01 ms at 1 / 4 / 16 / 64 rows,
-#: against cuBLAS on dense float32 weights 0.81 / 1.20 / 1.24 / 1.49, and 1.61 / 1.64 /
-#: 3.27 ms at 1 / 16 / 64 rows for the tiling before (tl.dot at every row count, 2 blocks
-#: per step, split 4, 4 warps, 3 stages). Up to 4 rows one row per program: tl.dot pads
+#: The tilings ``gguf_mm`` uses unless told: the best of ~150 variants swept on an H200.
+#: ``benchmarks/cuda_quant_matmul.py`` (one SmolLM2 step's 121 matmuls in a CUDA graph),
+#: the same machine: 0.74 / 1.06 / 1.22 / 2.01 ms at 1 / 4 / 16 / 64 rows, against cuBLAS
+#: on dense float32 weights 0.81 / 1.20 / 1.24 / 1.49, and 1.61 / 1.64 / 3.27 ms at 1 / 16
+#: / 64 rows for one tiling at every row count (tl.dot, 2 blocks per step, split 4, 4
+#: warps, 3 stages). Up to 4 rows one row per program: tl.dot pads
 #: x to 16 rows, so most of its work was on zero rows. Short programs, one warp, no
 #: pipelining and a deep split win: this model's products have too few outputs to fill
 #: the GPU otherwise.

@@ -129,7 +129,7 @@ constexpr int64_t kAmxPassBytes = 512 * 1024;
 //
 // The accumulators are this function's own array, its loops unrolled, so that a full
 // group's stay in registers: GCC's tile intrinsics are asm statements that clobber
-// memory, and an array whose address a caller had (stop 32) was stored and reloaded
+// memory, and an array whose address a caller had was stored and reloaded
 // around each of them, twice per row and block (2048 rows x 576 -> 3072 took 15 ms, 6.7
 // with the scaling left out).
 template <int R, bool kCorr, typename Y, typename Expand, typename Scales>

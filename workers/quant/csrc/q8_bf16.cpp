@@ -20,7 +20,7 @@
 // expanded.
 // Expanding in registers for every row count, as the Q4 kernel does, lost above one
 // group: the expansion's conversions take the same units as VDPBF16PS, and a Q8_0 pair
-// costs five of them to the Q4 pair's fewer (Zen 4 EPYC, stop 66: 12 / 16 / 64 rows 3.54
+// costs five of them to the Q4 pair's fewer (Zen 4 EPYC: 12 / 16 / 64 rows 3.54
 // / 4.15 / 14.0 ms against 2.96 / 3.86 / 12.5 buffered, 2 threads). Up to one group
 // both expand each pair once, and the buffer's stores and loads cost more than they
 // save: 8 rows on one thread (a share of a 16-row decode step) 4.40 ms against 5.59.

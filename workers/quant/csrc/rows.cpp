@@ -59,7 +59,7 @@ int64_t argmax_row(const float* x, int64_t n) {
 #endif
   for (; j < n; ++j)
     if (nan ? std::isnan(x[j]) : x[j] == best) return j;
-  return 0;  // not reached: some element equals the maximum
+  return {};  // not reached: some element equals the maximum
 }
 
 }  // namespace

@@ -27,12 +27,11 @@ constexpr int kQ4_1 = 3;
 // tile: before its block b (in its first group of rows; the buffered kernels, as they
 // expand or dequantise block b), a kernel calls next.block(b), which prefetches block b's
 // bytes of the next tile and its scales (and mins). Each block's few lines then arrive
-// while blocks compute. Asking for the whole next tile as a tile started (until stop 67,
-// from 5 rows up; below that the hardware's prefetcher alone) was slower at every row
-// count, a thread's share of a decode step above all: the bf16 x Q4 kernel on 30 distinct
-// layers' weights (huge pages, a Zen 4 EPYC), one thread, 1 / 8 / 16 / 32 / 64 rows: 3.02 /
-// 9.9 / 19.3 / 37.5 / 75.4 ms against 3.93 / 12.4 / 22.2 / 41.0 / 81.0 (docs/architecture.md,
-// stop 67).
+// while blocks compute. Asking for the whole next tile as a tile starts (from 5 rows up;
+// below that the hardware's prefetcher alone) was slower at every row count, a thread's
+// share of a decode step above all: the bf16 x Q4 kernel on 30 distinct layers' weights
+// (huge pages, a Zen 4 EPYC), one thread, 1 / 8 / 16 / 32 / 64 rows: 3.02 / 9.9 / 19.3 /
+// 37.5 / 75.4 ms against 3.93 / 12.4 / 22.2 / 41.0 / 81.0 (docs/architecture.md).
 struct NextTile {
   const char* bytes = nullptr;  // the next tile's block 0; nullptr: no next tile
   int64_t block_bytes = 0;      // its weight bytes a block
