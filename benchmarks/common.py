@@ -27,7 +27,7 @@ CHAT_QUESTIONS = [
 ]
 
 
-#: CPU features that decide which kernels can run fast (machines differ between sessions).
+#: CPU features that decide which kernels can run fast (machines differ).
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
 
 

@@ -369,9 +369,9 @@ def test_the_build_runs_the_ninja_package_even_after_another_ninja_on_path(monke
     reason="the AMX path exists on x86-64 only (and this check needs g++)",
 )
 def test_the_kernels_compile_for_cpus_other_than_this_one():
-    """A CPU with AVX512_BF16 but no AMX (the AMD EPYC of earlier sessions) builds the
-    bf16 kernels without amx_tiles.h's AMX path: q4_bf16.cpp and q8_bf16.cpp must still
-    compile (a stop-32 build did not, which left such machines on the torch fallback);
+    """A CPU with AVX512_BF16 but no AMX (an AMD EPYC, say) builds the bf16 kernels
+    without amx_tiles.h's AMX path: q4_bf16.cpp and q8_bf16.cpp must still compile (else
+    such machines would fall back to torch);
     and an AVX2-only CPU builds tiled_f32.cpp with one tile at a time where AVX-512 takes
     pairs (kPairRows 0). Checked for Cooper Lake (AVX512_BF16, no AMX) and Haswell (AVX2,
     FMA, F16C) on any x86-64 host, syntax only (the whole build takes a minute), the files

@@ -117,6 +117,7 @@ template <typename Y>
 void q8_rows(const uint16_t* xp, int64_t T, int64_t K, const int8_t* qp, const uint16_t* dp,
              int64_t tiles, Y* yp, TileArgmax* argmax = nullptr) {
   const int64_t nb = K / kBlock, N = tiles * 16;
+  if (T == 0) return;  // no rows: nothing to write (an empty y has no data pointer)
   const bool kept = yp != nullptr;
   TORCH_CHECK(kept || (argmax != nullptr && !amx_on()), "q8_rows: no y to write");
   // where rows r0.. of a tile go (y, or the scratch), and their row stride

@@ -257,6 +257,7 @@ torch::Tensor q8_screen_argmax(const torch::Tensor& x, const torch::Tensor& qs,
               name, ": l1 must be q8_screen_l1(qs, d), contiguous float32 [N / 16, K / 32]");
   TORCH_CHECK(s.N > 0, name, ": no outputs to take the argmax of");
   auto ids = torch::empty({s.T}, x.options().dtype(torch::kInt64));
+  if (s.T == 0) return ids;  // no rows: nothing to screen, whichever path would run
 #if TESSERA_Q8_SCREEN
   TORCH_CHECK(exact || (q8_bf16_available() && !amx_in_use()), name,
               ": the fast head's screen needs q8_bf16.cpp's AVX512_BF16 path without AMX");
