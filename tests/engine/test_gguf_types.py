@@ -9,11 +9,13 @@ the same dequantised values; differences are summation order).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
 from tessera.workers.model.gguf_file import GGUFFile
 from tessera.workers.model.loader import load_model
@@ -75,7 +77,14 @@ def tokenizer_fields(smollm2_path) -> dict[str, list]:
     }
 
 
-def _write_gguf(path, model, qtype: GGMLQuantizationType, tokenizer: dict[str, list]) -> None:
+def _write_gguf(
+    path,
+    model,
+    qtype: GGMLQuantizationType,
+    tokenizer: dict[str, list],
+    extra: Callable[[GGUFWriter], None] | None = None,
+) -> None:
+    """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors."""
     writer = GGUFWriter(str(path), "llama")
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -104,10 +113,64 @@ def _write_gguf(path, model, qtype: GGMLQuantizationType, tokenizer: dict[str, l
         else:
             packed = quants.quantize(data, kind)
             writer.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _tiny_llama() -> transformers.LlamaForCausalLM:
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=FFN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            lambda w: (
+                w.add_rope_scaling_type(RopeScalingType.YARN),
+                w.add_rope_scaling_factor(4.0),
+            ),
+            "model: GGUF llama.rope.scaling.type 'yarn' is not supported (none, linear)",
+        ),
+        (
+            lambda w: w.add_tensor("rope_freqs.weight", np.ones(HIDDEN // HEADS // 2, np.float32)),
+            "model: GGUF tensor 'rope_freqs.weight' is not supported: this loader reads the "
+            "token embedding, the output norm and head, and per layer attn_norm, ffn_norm, "
+            "attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down",
+        ),
+        (
+            lambda w: w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 4), np.float32)),
+            "model: GGUF tensor 'blk.0.ffn_gate_exps.weight' is not supported",
+        ),
+    ],
+    ids=["yarn-rope", "rope-freqs", "experts"],
+)
+def test_gguf_metadata_and_tensors_it_does_not_implement_are_refused(
+    extra, message, tmp_path, tokenizer_fields
+):
+    """A file whose metadata or tensors change the computation in a way this loader does
+    not implement is refused, naming the key or tensor: never loaded and silently wrong,
+    never a bare ``KeyError`` or unpacking error."""
+    path = tmp_path / "unsupported.gguf"
+    _write_gguf(path, _tiny_llama(), GGMLQuantizationType.F32, tokenizer_fields, extra)
+    with pytest.raises(ValueError) as refused:
+        load_model(path, "float32")
+    assert str(refused.value).startswith(message)
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])

@@ -243,6 +243,26 @@ _GGUF_GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+#: GGUF RoPE scaling types the loader implements (``{arch}.rope.scaling.type``); any
+#: other would give wrong positions, so it is refused rather than ignored.
+_GGUF_ROPE_SCALING = ("none", "linear")
+
+
+def _gguf_hf_name(name: str) -> tuple[str, str | None]:
+    """A GGUF tensor's Hugging Face name and its layer part (``attn_q`` ...), or a
+    ``ValueError`` naming a tensor the model has no place for (a tensor that changes the
+    computation is never skipped)."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name], None
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        _, layer, base, kind = parts
+        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}", base
+    raise ValueError(
+        f"model: GGUF tensor {name!r} is not supported: this loader reads the token "
+        f"embedding, the output norm and head, and per layer "
+        f"{', '.join(_GGUF_LAYER_NAMES)}"
+    )
 
 
 def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
@@ -283,6 +303,13 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
         "eos_token_id": eos,
     }
     scaling_type = field(f"{arch}.rope.scaling.type")
+    if scaling_type is not None and scaling_type not in _GGUF_ROPE_SCALING:
+        raise ValueError(
+            f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported "
+            f"({', '.join(_GGUF_ROPE_SCALING)})"
+        )
+    for tensor in reader.tensors:  # every tensor has a place before any is read
+        _gguf_hf_name(tensor.name)
     if scaling_type == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
     config = ModelConfig.from_hf(hf)
@@ -290,12 +317,7 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
     for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
         name = tensor.name
         keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
-        base = None
-        if name in _GGUF_GLOBAL_NAMES:
-            hf_name = _GGUF_GLOBAL_NAMES[name]
-        else:
-            _, layer, base, kind = name.split(".")
-            hf_name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
+        hf_name, base = _gguf_hf_name(name)
         # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
         heads = {"attn_q": num_heads, "attn_k": config.num_kv_heads}.get(base)
         unpermute = arch == "llama" and heads is not None
