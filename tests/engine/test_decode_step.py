@@ -1,4 +1,4 @@
-"""The engine's lean path for steps of plain decodes (``Engine._decode_step``): the same
+"""The engine's lean path for steps of plain decodes (``BatchRunner.run_decodes``): the same
 tokens as transformers, the blocks generated tokens fill cached for a follow-up prompt,
 and a forward that fails leaving the sequences as they were."""
 
