@@ -72,6 +72,11 @@ CASES = {
         transformers.Qwen2Config,
         dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
     ),
+    # q/k RMSNorm per head, a head_dim that is not hidden / heads, no biases
+    "qwen3-qknorm-gqa-tied": (
+        transformers.Qwen3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    ),
 }
 
 
@@ -84,6 +89,8 @@ def tiny_model_dir(request, tmp_path_factory, smollm2):
     for name, param in model.named_parameters():
         if "bias" in name:  # random biases, so the test notices if one is dropped
             torch.nn.init.normal_(param, std=0.5)
+        if "q_norm" in name or "k_norm" in name:  # likewise the q/k norms' weights
+            torch.nn.init.normal_(param, mean=1.0, std=0.5)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     smollm2.tokenizer.save_pretrained(path)

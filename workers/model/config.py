@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Architectures the decoder implements; they differ only in the flags below.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -28,6 +28,7 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
     o_bias: bool = False  # Llama with attention_bias
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -86,6 +87,11 @@ class ModelConfig:
             # Sliding-window attention is not implemented: stay within the window, where
             # full attention is the same computation.
             max_pos = min(max_pos, hf["sliding_window"])
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(
+                "use_sliding_window: sliding-window attention is not supported "
+                f"({model_type} with use_sliding_window true)"
+            )
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         attention_bias = bool(hf.get("attention_bias", False))
@@ -106,6 +112,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

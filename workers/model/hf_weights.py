@@ -72,6 +72,10 @@ def load_hf_state_dict(
                 weight = dequantized(take(p + norm_name + ".weight"))
                 copy_checked(getattr(layer, norm_name).weight, weight, p)
             attn = p + "self_attn."
+            if layer.qk_norm:  # Qwen3: RMSNorm of each q and k head
+                for norm_name in ("q_norm", "k_norm"):
+                    weight = dequantized(take(attn + norm_name + ".weight"))
+                    copy_checked(getattr(layer, norm_name).weight, weight, attn + norm_name)
             layer.qkv_proj.load_weight(
                 [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv", bf16_matmuls
             )

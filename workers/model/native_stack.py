@@ -49,13 +49,13 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
 
 def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
-    ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, or
-    a dtype it has no kernels for."""
+    ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
+    dtype it has no kernels for, or q/k norms (Qwen3), which its layers do not have."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
-    if kernels is None or weight.dtype not in NATIVE_DTYPES:
-        return None
     config = model.config
+    if kernels is None or weight.dtype not in NATIVE_DTYPES or config.qk_norm:
+        return None
     stack = kernels.DecodeLayers(
         config.num_heads,
         config.num_kv_heads,
