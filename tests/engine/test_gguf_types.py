@@ -34,6 +34,8 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -83,16 +85,21 @@ def _write_gguf(
     qtype: GGMLQuantizationType,
     tokenizer: dict[str, list],
     extra: Callable[[GGUFWriter], None] | None = None,
+    arch: str = "llama",
+    head_dim: int = HIDDEN // HEADS,
 ) -> None:
     """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors."""
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != HIDDEN // HEADS:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
@@ -105,7 +112,7 @@ def _write_gguf(
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy().copy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _permute_rotary(data, HEADS if "q_proj" in name else KV_HEADS)
         kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
         if kind == GGMLQuantizationType.F32:
@@ -204,3 +211,37 @@ def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields
             ours.model.layers[0].down_proj.dense_weight().t(),
             model.model.layers[0].mlp.down_proj.weight,
         )
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path, tokenizer_fields):
+    """A Qwen3 GGUF (its q/k norms as attn_q_norm / attn_k_norm, heads of
+    ``attention.key_length``, no rotary permutation) read by us and by transformers."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=128,  # what transformers assumes for a Qwen3 GGUF (it reads no head size)
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.5)  # so that a dropped norm shows
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_gguf(path, model, GGMLQuantizationType.F32, tokenizer_fields, arch="qwen3", head_dim=128)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    ours = load_model(path, "float32")
+    assert ours.config.qk_norm and ours.config.head_dim == 128
+    prompt = ours.tokenizer("Normalised heads, read two ways.").input_ids
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)

@@ -237,6 +237,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -279,8 +281,10 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
         return reader.fields.get(key, default)
 
     arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"model: GGUF architecture {arch!r} is not supported (llama, qwen2)")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(
+            f"model: GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)"
+        )
     names = {t.name for t in reader.tensors}
     num_heads = field(f"{arch}.attention.head_count")
     hidden = field(f"{arch}.embedding_length")
@@ -294,7 +298,10 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
         "num_hidden_layers": field(f"{arch}.block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": field(f"{arch}.attention.head_count_kv", num_heads),
-        "head_dim": field(f"{arch}.rope.dimension_count") or hidden // num_heads,
+        # (Qwen3's heads are not hidden / heads wide: the key length says how wide)
+        "head_dim": field(f"{arch}.attention.key_length")
+        or field(f"{arch}.rope.dimension_count")
+        or hidden // num_heads,
         "max_position_embeddings": field(f"{arch}.context_length"),
         "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
