@@ -155,17 +155,26 @@ def _tiny_llama() -> transformers.LlamaForCausalLM:
             "model: GGUF llama.rope.scaling.type 'yarn' is not supported (none, linear)",
         ),
         (
-            lambda w: w.add_tensor("rope_freqs.weight", np.ones(HIDDEN // HEADS // 2, np.float32)),
-            "model: GGUF tensor 'rope_freqs.weight' is not supported: this loader reads the "
-            "token embedding, the output norm and head, and per layer attn_norm, ffn_norm, "
+            lambda w: w.add_tensor("blk.0.attn_sinks.weight", np.ones(HEADS, np.float32)),
+            "model: GGUF tensor 'blk.0.attn_sinks.weight' is not supported: this loader reads "
+            "the token embedding, the output norm and head, and per layer attn_norm, ffn_norm, "
             "attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down",
+        ),
+        (
+            lambda w: (
+                w.add_rope_scaling_type(RopeScalingType.LINEAR),
+                w.add_rope_scaling_factor(2.0),
+                w.add_tensor("rope_freqs.weight", np.ones(HIDDEN // HEADS // 2, np.float32)),
+            ),
+            "model: GGUF llama.rope.scaling.type 'linear' and a 'rope_freqs.weight' tensor: "
+            "one RoPE scaling at a time",
         ),
         (
             lambda w: w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((2, 4), np.float32)),
             "model: GGUF tensor 'blk.0.ffn_gate_exps.weight' is not supported",
         ),
     ],
-    ids=["yarn-rope", "rope-freqs", "experts"],
+    ids=["yarn-rope", "unknown-tensor", "experts", "two-rope-scalings"],
 )
 def test_gguf_metadata_and_tensors_it_does_not_implement_are_refused(
     extra, message, tmp_path, tokenizer_fields
@@ -244,4 +253,71 @@ def test_qwen3_gguf_matches_transformers(tmp_path, tokenizer_fields):
     prompt = ours.tokenizer("Normalised heads, read two ways.").input_ids
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def _llama3_rope_factors(theta: float, dim: int, scaling: dict) -> np.ndarray:
+    """The ``rope_freqs`` tensor llama.cpp's converter writes for Llama 3's RoPE scaling:
+    per frequency, what its wavelength is divided by (1 for short wavelengths, ``factor``
+    for long ones, interpolated between)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * np.pi * theta ** (i / dim)
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path, tokenizer_fields):
+    """A Llama 3 GGUF (RoPE scaled per frequency by its ``rope_freqs`` tensor) read by us,
+    against transformers running the Hugging Face model it was written from (transformers'
+    own GGUF reader leaves ``rope_freqs`` out)."""
+    torch.manual_seed(0)
+    scaling = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=FFN,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters=scaling,
+        )
+    ).eval()
+    factors = _llama3_rope_factors(10000.0, HIDDEN // HEADS, scaling)
+    # all three bands: short wavelengths kept, long ones divided by 8, some between
+    assert factors.min() == 1.0 and factors.max() == 8.0
+    assert ((factors > 1.0) & (factors < 8.0)).any()
+    path = tmp_path / "tiny-llama3.gguf"
+    _write_gguf(
+        path,
+        model,
+        GGMLQuantizationType.F32,
+        tokenizer_fields,
+        lambda w: w.add_tensor("rope_freqs.weight", factors),
+    )
+    ours = load_model(path, "float32")
+    # a prompt past the original context, where the scaling changes the angles
+    prompt = ours.tokenizer(" ".join(["Positions far along, read two ways."] * 6)).input_ids
+    assert len(prompt) > 32
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,9 @@ from typing import Any
 
 #: Architectures the decoder implements; they differ only in the flags below.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+#: ``freq_factors``: each rotary frequency divided by its own factor, as a GGUF file's
+#: ``rope_freqs`` tensor gives them (llama.cpp's converter writes Llama 3's scaling so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": one of ROPE_TYPES, ...}
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2 (and Llama with attention_bias)
     o_bias: bool = False  # Llama with attention_bias
@@ -61,6 +63,12 @@ class ModelConfig:
             if rope_type not in ROPE_TYPES:
                 raise ValueError(
                     f"rope_scaling: type {rope_type!r} is not supported ({ROPE_TYPES})"
+                )
+            factors = self.rope_scaling.get("factors")
+            if rope_type == "freq_factors" and len(factors) != self.head_dim // 2:
+                raise ValueError(
+                    f"rope_scaling: {len(factors)} frequency factors for heads of "
+                    f"{self.head_dim} (needs {self.head_dim // 2})"
                 )
 
     @property

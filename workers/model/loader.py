@@ -248,6 +248,8 @@ _GGUF_GLOBAL_NAMES = {
 #: GGUF RoPE scaling types the loader implements (``{arch}.rope.scaling.type``); any
 #: other would give wrong positions, so it is refused rather than ignored.
 _GGUF_ROPE_SCALING = ("none", "linear")
+#: Per-frequency RoPE divisors (Llama 3's scaling, as llama.cpp's converter writes it).
+_GGUF_ROPE_FREQS = "rope_freqs.weight"
 
 
 def _gguf_hf_name(name: str) -> tuple[str, str | None]:
@@ -315,13 +317,23 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
             f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported "
             f"({', '.join(_GGUF_ROPE_SCALING)})"
         )
-    for tensor in reader.tensors:  # every tensor has a place before any is read
+    tensors = [t for t in reader.tensors if t.name != _GGUF_ROPE_FREQS]
+    for tensor in tensors:  # every tensor has a place before any is read
         _gguf_hf_name(tensor.name)
     if scaling_type == "linear":
         hf["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+    (freqs,) = [t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS] or [None]
+    if freqs is not None:
+        if "rope_scaling" in hf:
+            raise ValueError(
+                f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} and a "
+                f"{_GGUF_ROPE_FREQS!r} tensor: one RoPE scaling at a time"
+            )
+        factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+        hf["rope_scaling"] = {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
     config = ModelConfig.from_hf(hf)
     state: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
+    for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
         name = tensor.name
         keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
         hf_name, base = _gguf_hf_name(name)

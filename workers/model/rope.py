@@ -15,7 +15,7 @@ from tessera.workers.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``inv_freq`` [head_dim // 2], float32, with linear or llama3 scaling applied."""
+    """``inv_freq`` [head_dim // 2], float32, with linear, llama3 or per-frequency scaling."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
@@ -24,6 +24,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     # llama3: leave high frequencies alone, divide low ones by `factor`, interpolate between.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
