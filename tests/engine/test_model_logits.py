@@ -72,6 +72,23 @@ CASES = {
         transformers.Qwen2Config,
         dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
     ),
+    # Qwen2.5's long-context configuration: YaRN from an 8-token original context, so
+    # the test's 30 positions reach far past it (frequencies interpolated, extrapolated
+    # and ramped between; cos and sin scaled by the attention factor)
+    "qwen2-yarn": (
+        transformers.Qwen2Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+    ),
     # q/k RMSNorm per head, a head_dim that is not hidden / heads, no biases
     "qwen3-qknorm-gqa-tied": (
         transformers.Qwen3Config,

@@ -7,7 +7,7 @@ from typing import Any
 
 #: Architectures the decoder implements; they differ only in the flags below.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 #: ``freq_factors``: each rotary frequency divided by its own factor, as a GGUF file's
 #: ``rope_freqs`` tensor gives them (llama.cpp's converter writes Llama 3's scaling so)
 
@@ -95,6 +95,11 @@ class ModelConfig:
             # Sliding-window attention is not implemented: stay within the window, where
             # full attention is the same computation.
             max_pos = min(max_pos, hf["sliding_window"])
+        partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor: {partial} is not supported (RoPE over whole heads)"
+            )
         if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
             raise ValueError(
                 "use_sliding_window: sliding-window attention is not supported "

@@ -15,7 +15,8 @@ from tessera.workers.model.config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``inv_freq`` [head_dim // 2], float32, with linear, llama3 or per-frequency scaling."""
+    """``inv_freq`` [head_dim // 2], float32, with linear, llama3, YaRN or per-frequency
+    scaling."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
@@ -26,6 +27,8 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq / scaling["factor"]
     if scaling["rope_type"] == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_inverse_frequencies(config, inv_freq)
     # llama3: leave high frequencies alone, divide low ones by `factor`, interpolate between.
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -41,6 +44,60 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling
+    original = _yarn_original_context(config)
+    return scaling.get("factor") or config.max_position_embeddings / original
+
+
+def _yarn_original_context(config: ModelConfig) -> int:
+    scaling = config.rope_scaling
+    return scaling.get("original_max_position_embeddings") or config.max_position_embeddings
+
+
+def _yarn_inverse_frequencies(config: ModelConfig, extrapolated: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer
+    than ``beta_slow`` times over the original context are interpolated (divided by
+    ``factor``), those that turn more than ``beta_fast`` times are kept, with a linear
+    ramp over the dimensions between."""
+    scaling = config.rope_scaling
+    dim, base = config.head_dim, config.rope_theta
+    interpolated = extrapolated / _yarn_factor(config)
+    context = _yarn_original_context(config)
+
+    def dimension(rotations: float) -> float:  # the dimension that turns this many times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = dimension(scaling.get("beta_fast") or 32)
+    high = dimension(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each dimension that extrapolates
+    return interpolated * (1 - kept) + extrapolated * kept
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's ``attention_factor`` (from ``mscale``
+    where not given), else 1."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+    return mscale(factor)
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin for every position up to the model's context length."""
 
@@ -49,8 +106,11 @@ class RotaryEmbedding:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if (scale := attention_factor(config)) != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] for the batch's positions [T]; once per step, not per layer."""
