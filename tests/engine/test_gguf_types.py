@@ -128,20 +128,20 @@ def _write_gguf(
     writer.close()
 
 
-def _tiny_llama() -> transformers.LlamaForCausalLM:
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=FFN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS,
-            max_position_embeddings=256,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-        )
+def _tiny_llama(**config) -> transformers.LlamaForCausalLM:
+    """The tests' Llama, random; ``config`` adds to or overrides its ``LlamaConfig``."""
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     )
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **config}))
 
 
 @pytest.mark.parametrize(
@@ -192,18 +192,7 @@ def test_gguf_metadata_and_tensors_it_does_not_implement_are_refused(
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = _tiny_llama()
     path = tmp_path / f"tiny-{qtype}.gguf"
     _write_gguf(path, model, GGMLQuantizationType[qtype], tokenizer_fields)
 
@@ -288,20 +277,7 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path, tokenizer_fi
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32,
     }
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=FFN,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV_HEADS,
-            max_position_embeddings=256,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            rope_parameters=scaling,
-        )
-    ).eval()
+    model = _tiny_llama(rope_parameters=scaling).eval()
     factors = _llama3_rope_factors(10000.0, HIDDEN // HEADS, scaling)
     # all three bands: short wavelengths kept, long ones divided by 8, some between
     assert factors.min() == 1.0 and factors.max() == 8.0
