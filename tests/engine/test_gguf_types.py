@@ -112,7 +112,10 @@ def _write_gguf(
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy().copy()
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        # the converter permutes q and k, their biases too, into llama.cpp's rotary layout
+        if arch == "llama" and name.endswith(
+            ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+        ):
             data = _permute_rotary(data, HEADS if "q_proj" in name else KV_HEADS)
         kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
         if kind == GGMLQuantizationType.F32:
@@ -294,6 +297,25 @@ def test_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path, tokenizer_fi
     # a prompt past the original context, where the scaling changes the angles
     prompt = ours.tokenizer(" ".join(["Positions far along, read two ways."] * 6)).input_ids
     assert len(prompt) > 32
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_llama_gguf_with_biases_matches_transformers(tmp_path, tokenizer_fields):
+    """A Llama with attention and MLP biases (its q/k biases permuted as the converter
+    writes them), read by us, against transformers running the model it was written from."""
+    torch.manual_seed(0)
+    model = _tiny_llama(attention_bias=True, mlp_bias=True).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):  # random, so that a dropped or unpermuted one shows
+                param.normal_(0.0, 0.5)
+    path = tmp_path / "tiny-biased.gguf"
+    _write_gguf(path, model, GGMLQuantizationType.F32, tokenizer_fields)
+    ours = load_model(path, "float32")
+    assert ours.config.qkv_bias and ours.config.o_bias and ours.config.mlp_bias
+    prompt = ours.tokenizer("Biased projections, read two ways.").input_ids
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)

@@ -308,6 +308,9 @@ def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str,
         "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in names,
+        # a Llama with biases (Qwen2's q/k/v biases come with its architecture)
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
         "bos_token_id": field("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
     }
