@@ -131,20 +131,23 @@ def _write_gguf(
     writer.close()
 
 
+#: The tests' models' shape (each family's config takes these fields).
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=FFN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
 def _tiny_llama(**config) -> transformers.LlamaForCausalLM:
     """The tests' Llama, random; ``config`` adds to or overrides its ``LlamaConfig``."""
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **config}))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**TINY, **config}))
 
 
 @pytest.mark.parametrize(
@@ -218,18 +221,8 @@ def test_qwen3_gguf_matches_transformers(tmp_path, tokenizer_fields):
     """A Qwen3 GGUF (its q/k norms as attn_q_norm / attn_k_norm, heads of
     ``attention.key_length``, no rotary permutation) read by us and by transformers."""
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=128,  # what transformers assumes for a Qwen3 GGUF (it reads no head size)
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    )
+    # head_dim 128: what transformers assumes for a Qwen3 GGUF (it reads no head size)
+    config = transformers.Qwen3Config(**TINY, head_dim=128)
     model = transformers.Qwen3ForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
