@@ -94,6 +94,74 @@ CASES = {
         transformers.Qwen3Config,
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
     ),
+    # Sliding windows far shorter than the 30 positions: each query sees its last 8 (5)
+    "mistral-sliding-window": (
+        transformers.MistralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    ),
+    "qwen2-sliding-window-upper-layers": (
+        transformers.Qwen2Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+        ),
+    ),
+    # 1 + w norms, sqrt(hidden) embedding scale, GELU(tanh), four norms a layer,
+    # attention and logit soft-caps, query_pre_attn_scalar, local/global layers
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_hidden_layers=3,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    # q/k norms, local layers with their own RoPE base, global layers scaled (linear 4)
+    "gemma3-text": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_hidden_layers=4,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 1
+            + ["sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
+    # fused q/k/v and gate/up, partial rotary (12 of 16 dimensions), LongRoPE inside
+    # its original context (past it: ``test_longrope_past_the_original_context``), a
+    # sliding window
+    "phi3-longrope-partial": (
+        transformers.Phi3Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=10,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
+                "long_factor": [2.0, 3.0, 5.0, 7.0, 9.0, 11.0],
+            },
+            original_max_position_embeddings=64,
+        ),
+    ),
 }
 
 
@@ -101,13 +169,13 @@ CASES = {
 def tiny_model_dir(request, tmp_path_factory, smollm2):
     config_cls, extra = CASES[request.param]
     torch.manual_seed(0)
-    config = config_cls(**COMMON, **extra)
+    config = config_cls(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for name, param in model.named_parameters():
         if "bias" in name:  # random biases, so the test notices if one is dropped
             torch.nn.init.normal_(param, std=0.5)
-        if "q_norm" in name or "k_norm" in name:  # likewise the q/k norms' weights
-            torch.nn.init.normal_(param, mean=1.0, std=0.5)
+        if "norm" in name:  # likewise every norm's weights (Gemma's 1 + w included)
+            torch.nn.init.normal_(param, mean=0.5, std=0.5)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     smollm2.tokenizer.save_pretrained(path)
@@ -160,3 +228,33 @@ def test_smollm2_logits_match_transformers(smollm2, hf_reference):
     with torch.no_grad():
         expected = hf_reference.model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(prefill_logits(smollm2, prompt), expected[-1], atol=1e-3, rtol=1e-4)
+
+
+def test_longrope_past_the_original_context(tmp_path, smollm2):
+    """Positions past a LongRoPE model's original context take the long factors, those
+    inside it the short ones: as transformers computes a sequence whose prompt fits the
+    original context and whose decoding runs past it (its cached keys keep the short
+    factors, each new token's forward the long ones)."""
+    _, extra = CASES["phi3-longrope-partial"]
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**{**COMMON, **extra, "original_max_position_embeddings": 16})
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, param in hf_model.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(param, mean=0.5, std=0.5)
+    hf_model.save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected = {}
+    with torch.no_grad():  # a 13-token prefill, then one token at a time, cached
+        out = hf_model(torch.tensor([prompt[:13]]), use_cache=True)
+        expected[12] = out.logits[0, -1]
+        for i in range(13, 30):
+            out = hf_model(torch.tensor([[prompt[i]]]), cache=out.cache, use_cache=True)
+            expected[i] = out.logits[0, -1]
+    ours = _run_ours(tmp_path, prompt)
+    assert sorted(ours) == [12, 18, *range(19, 30)]
+    for row in ours:
+        torch.testing.assert_close(
+            ours[row], expected[row], atol=1e-4, rtol=1e-4, msg=lambda m, row=row: f"row {row}: {m}"
+        )

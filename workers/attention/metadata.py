@@ -12,7 +12,7 @@ occupy the last ``q_len`` of its ``seq_len`` cache positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,13 +31,16 @@ class DecodeTile:
     are redirected to its first slot (always written, so finite: stale or never-written
     slots may hold NaN, and 0 * NaN = NaN) and get a -inf score ``bias`` [B, 1, 1, tile].
     ``bias`` is None when the tile lies inside every sequence. ``empty`` [B, 1, 1] marks
-    sequences that end before the tile starts: their (masked-out) result must not count.
+    sequences that end before the tile starts (or, windowed, whose window starts after
+    it ends): their (masked-out) result must not count. ``start`` is the position of the
+    tile's first token.
     """
 
     slots: torch.Tensor
     bias: torch.Tensor | None
     tokens: int
     empty: torch.Tensor | None = None
+    start: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,9 @@ class AttentionMetadata:
     # The decode sequences' gather indices and masks (``paged.plan_decode``): the same for
     # every layer, so the model runner builds them once per step. None: built per call.
     decode_plan: tuple[DecodeTile, ...] | None = None
+    # The decode plan of each sliding window, derived from ``decode_plan`` the first time
+    # a layer of that window asks (``paged.window_plan``); shared by the step's layers.
+    window_plans: dict[int, tuple[DecodeTile, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Host-side checks only: this runs every step and must not touch device memory.

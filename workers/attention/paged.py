@@ -59,12 +59,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     tile_tokens: int = DEFAULT_TILE_TOKENS,
+    window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens' queries over their sequences' cached K/V.
 
     q: [T, num_heads, head_dim], num_heads a multiple of num_kv_heads (grouped-query attention).
     The step's K/V must already be in the cache (``write_kv``). Returns [T, num_heads, head_dim]
     in q.dtype.
+
+    ``window``: a sliding window, the query at cache index ``i`` attends to indices
+    ``i - window + 1 .. i`` only (transformers' ``sliding_window``); 0: all of ``0 .. i``.
+    ``softcap``: scores become ``softcap * tanh(score / softcap)`` before the softmax
+    (Gemma 2), computed op by op rather than by the flash kernels.
     """
     block_size = k_cache.shape[1]
     if tile_tokens <= 0 or tile_tokens % block_size:
@@ -85,14 +92,57 @@ def paged_attention(
                 q.dtype,
                 tile_tokens,
             )
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, tiles, scale)
+        if window:
+            tiles = window_plan(meta, tiles, window, q.dtype)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, tiles, scale, softcap)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc_list[i], meta.query_start_loc_list[i + 1]
         mask = None if meta.attn_masks is None else meta.attn_masks[i - nd]
         out[start:end] = _sequence_attention(
-            q[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_list[i], mask, scale
+            q[start:end],
+            k_cache,
+            v_cache,
+            meta.block_tables[i],
+            meta.seq_lens_list[i],
+            mask,
+            scale,
+            window,
+            softcap,
         )
     return out
+
+
+def window_plan(
+    meta: AttentionMetadata, tiles: tuple[DecodeTile, ...], window: int, dtype: torch.dtype
+) -> tuple[DecodeTile, ...]:
+    """The decode tiles of a layer with a sliding window: ``tiles`` (the step's plan)
+    with the positions before each sequence's window masked, and the tiles that end
+    before every window dropped; built once per step and window (``meta.window_plans``),
+    with tensor ops only (a static decode step captures it)."""
+    cached = meta.window_plans.get(window)
+    if cached is not None:
+        return cached
+    nd = meta.num_decodes
+    seq_lens = meta.seq_lens[:nd]
+    first = seq_lens - window  # [B]: positions before it are outside the window
+    # (host lengths: a tile before every sequence's window is not attended at all)
+    first_host = min(meta.seq_lens_list[:nd]) - window
+    windowed = []
+    for tile in tiles:
+        if tile.start + tile.tokens <= first_host:
+            continue
+        positions = torch.arange(tile.start, tile.start + tile.tokens, device=seq_lens.device)
+        outside = positions[None, :] < first[:, None]  # [B, tile]
+        bias = torch.zeros(outside.shape, dtype=dtype, device=seq_lens.device)
+        bias = bias.masked_fill_(outside, -math.inf)[:, None, None, :]
+        if tile.bias is not None:
+            bias = bias + tile.bias
+        empty = (first >= tile.start + tile.tokens)[:, None, None]
+        if tile.empty is not None:
+            empty = empty | tile.empty
+        windowed.append(DecodeTile(tile.slots, bias, tile.tokens, empty, tile.start))
+    meta.window_plans[window] = plan = tuple(windowed)
+    return plan
 
 
 def plan_decode(
@@ -129,7 +179,7 @@ def plan_decode(
             slots = torch.where(past_end, first_slot, slots)
             bias = torch.zeros(past_end.shape, dtype=dtype, device=device)
             bias = bias.masked_fill_(past_end, -math.inf)[:, None, None, :]
-        tiles.append(DecodeTile(slots.reshape(-1), bias, tokens, empty))
+        tiles.append(DecodeTile(slots.reshape(-1), bias, tokens, empty, start))
     return tuple(tiles)
 
 
@@ -139,6 +189,7 @@ def _decode_attention(
     v_cache: torch.Tensor,
     tiles: tuple[DecodeTile, ...],
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence, all sequences at once, tile by tile ("flash decoding").
 
@@ -160,7 +211,7 @@ def _decode_attention(
         k = flat_k.index_select(0, tile.slots).view(shape).transpose(1, 2)  # [B, H_kv, tile, D]
         v = flat_v.index_select(0, tile.slots).view(shape).transpose(1, 2)
         k, v = k.to(q.dtype), v.to(q.dtype)  # a float16 cache under float32 queries
-        out, lse = _attend(q_heads, k, v, tile.bias, scale)
+        out, lse = _attend(q_heads, k, v, tile.bias, scale, softcap)
         if tile.empty is not None:  # fully masked rows come back as out 0, lse 0: drop them
             lse = lse.masked_fill(tile.empty, -math.inf)
         outs.append(out)
@@ -175,13 +226,20 @@ def _decode_attention(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q [B, H, G, D] over k/v [B, H, S, D]; returns (out, logsumexp)."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and softcap is None:
         # torch's CPU flash kernel: tiled online softmax in float32, and it returns the LSE.
         return _flash_cpu(q, k, v, bias, False, scale)
     scores = torch.matmul(q.to(ACCUM_DTYPE), k.to(ACCUM_DTYPE).transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias.to(ACCUM_DTYPE)
     lse = torch.logsumexp(scores, dim=-1)
@@ -211,19 +269,35 @@ def _sequence_attention(
     seq_len: int,
     mask: torch.Tensor | None,
     scale: float,
+    window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [q_len, H, D] of one sequence whose K/V occupy cache positions 0..seq_len-1."""
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    ids = block_table[: math.ceil(seq_len / block_size)]
-    k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]  # [S, H_kv, D]
-    v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+    if mask is not None and (mask.shape != (q_len, seq_len) or mask.dtype != torch.bool):
+        raise ValueError(
+            f"mask must be bool [{q_len}, {seq_len}], got {mask.dtype} {tuple(mask.shape)}"
+        )
+    # Cache indices before ``first`` are outside every query's window: not gathered.
+    first = max(0, seq_len - q_len - window + 1) if window else 0
+    windowed = window and seq_len > window
+    if windowed or softcap is not None:
+        # explicit mask: causal (or the given one), each query's window, from ``first``
+        allowed = causal_mask(q_len, seq_len, q.device) if mask is None else mask
+        if windowed:
+            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+            allowed = allowed & (torch.arange(seq_len, device=q.device)[None, :] > rows - window)
+        mask = allowed[:, first:]
+    first_block = first // block_size
+    ids = block_table[first_block : math.ceil(seq_len / block_size)]
+    begin, end = first - first_block * block_size, seq_len - first_block * block_size
+    k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[begin:end]  # [S, H_kv, D]
+    v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[begin:end]
     k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [H_kv, S, D]
+    if softcap is not None:
+        return _capped_attention(q, k, v, mask, scale, softcap)
     if mask is not None:
-        if mask.shape != (q_len, seq_len) or mask.dtype != torch.bool:
-            raise ValueError(
-                f"mask must be bool [{q_len}, {seq_len}], got {mask.dtype} {tuple(mask.shape)}"
-            )
         is_causal = False
     elif q.device.type == "cpu":
         # Causal chunks on the CPU: torch's flash kernel (tiled, float32 sums) called
@@ -259,6 +333,27 @@ def _sequence_attention(
         q.transpose(0, 1), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **gqa
     )  # [H, q_len, D]
     return out.transpose(0, 1)
+
+
+def _capped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Soft-capped attention of q [Q, H, D] over k/v [H_kv, S, D] where ``mask`` [Q, S]
+    allows, op by op in float32 (as transformers' eager attention, which Gemma 2 takes)."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[0]
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=0).to(ACCUM_DTYPE)  # [H, S, D]
+    v = v.repeat_interleave(group, dim=0).to(ACCUM_DTYPE)
+    scores = torch.matmul(q.transpose(0, 1).to(ACCUM_DTYPE), k.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, -math.inf)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [H, Q, D]
+    return out.transpose(0, 1).to(q.dtype)
 
 
 def causal_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:

@@ -68,17 +68,21 @@ def load_hf_state_dict(
             state.pop("lm_head.weight", None)
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
-            for norm_name in ("input_layernorm", "post_attention_layernorm"):
+            for norm_name in layer.norms():
                 weight = dequantized(take(p + norm_name + ".weight"))
-                copy_checked(getattr(layer, norm_name).weight, weight, p)
+                copy_checked(getattr(layer, norm_name).weight, weight, p + norm_name)
             attn = p + "self_attn."
             if layer.qk_norm:  # Qwen3: RMSNorm of each q and k head
                 for norm_name in ("q_norm", "k_norm"):
                     weight = dequantized(take(attn + norm_name + ".weight"))
                     copy_checked(getattr(layer, norm_name).weight, weight, attn + norm_name)
-            layer.qkv_proj.load_weight(
-                [take(attn + f"{n}_proj.weight") for n in "qkv"], attn + "qkv", bf16_matmuls
+            fused = attn + "qkv_proj.weight"  # Phi-3 stores q/k/v as one matrix
+            qkv = (
+                [take(fused)]
+                if fused in state
+                else [take(attn + f"{n}_proj.weight") for n in "qkv"]
             )
+            layer.qkv_proj.load_weight(qkv, attn + "qkv", bf16_matmuls)
             if layer.qkv_proj.bias is not None:
                 copy_checked(
                     layer.qkv_proj.bias,
@@ -93,11 +97,13 @@ def load_hf_state_dict(
                     attn + "o_proj.bias",
                 )
             mlp = p + "mlp."
-            layer.gate_up_proj.load_weight(
-                [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")],
-                mlp,
-                bf16_matmuls,
+            fused = mlp + "gate_up_proj.weight"  # Phi-3: gate and up as one matrix
+            gate_up = (
+                [take(fused)]
+                if fused in state
+                else [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
             )
+            layer.gate_up_proj.load_weight(gate_up, mlp, bf16_matmuls)
             layer.down_proj.load_weight(
                 [take(mlp + "down_proj.weight")], mlp + "down_proj", bf16_matmuls
             )

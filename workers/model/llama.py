@@ -157,39 +157,57 @@ class Linear(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Attention then SwiGLU MLP, each behind a pre-norm and a residual.
+    """Attention then a gated MLP, each behind a pre-norm and a residual (and, with
+    ``sandwich_norms``, each output normed before its residual: Gemma's four norms).
 
     q/k/v are one fused projection and gate/up another: two matmuls instead of five.
+    Norms are named as in the family's checkpoints: Llama's ``post_attention_layernorm``
+    is the MLP's input norm, Gemma's (whose MLP's is ``pre_feedforward_layernorm``)
+    norms the attention's output.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.scale
+        self.window = config.window(index)  # 0: global
+        self.softcap = config.attn_softcap
+        self.gelu = config.hidden_activation == "gelu_pytorch_tanh"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.qk_norm = config.qk_norm
-        if self.qk_norm:  # Qwen3: each q and k head RMS-normalised before RoPE
+        if self.qk_norm:  # Qwen3, Gemma 3: each q and k head RMS-normalised before RoPE
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich_norms = config.sandwich_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.intermediate_size = config.intermediate_size
 
+    def norms(self) -> tuple[str, ...]:
+        """The names of its hidden-size norms, as in the family's checkpoints."""
+        names = ("input_layernorm", "post_attention_layernorm")
+        if self.sandwich_norms:
+            names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        return names
+
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
+        cos: torch.Tensor,  # [T, 1, rotary_dims]
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [num_blocks, block_size, H_kv, D]
         v_cache: torch.Tensor,
@@ -210,13 +228,23 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(num_tokens, -1)
+        attn = paged_attention(
+            q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        ).reshape(num_tokens, -1)
         if rows is not None:
             hidden, attn = hidden.index_select(0, rows), attn.index_select(0, rows)
-        hidden = hidden + self.o_proj(attn)
-        x = self.post_attention_layernorm(hidden)
+        if self.sandwich_norms:
+            hidden = hidden + self.post_attention_layernorm(self.o_proj(attn))
+            x = self.pre_feedforward_layernorm(hidden)
+        else:
+            hidden = hidden + self.o_proj(attn)
+            x = self.post_attention_layernorm(hidden)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        out = self.down_proj(gate * up)
+        if self.sandwich_norms:
+            out = self.post_feedforward_layernorm(out)
+        return hidden + out
 
 
 class LlamaModel(nn.Module):
@@ -224,7 +252,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None
@@ -234,6 +262,13 @@ class LlamaModel(nn.Module):
         self.requires_grad_(False)
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(config, dtype, device)
+        # Gemma 3: the sliding-window layers' own RoPE (their base, unscaled)
+        self.local_rope = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_scaling=None
+            )
+            self.local_rope = RotaryEmbedding(local, dtype, device)
         # The embedding table kept packed (then embed_tokens.weight is empty); tied, it is
         # also the LM head, multiplied through a Q8_0 kernel of the tiled layout where the
         # CPU has it (``head_q8``, a second copy of the table): the fast and bfloat16
@@ -255,6 +290,7 @@ class LlamaModel(nn.Module):
         model.norm = self.norm
         model.lm_head = self.lm_head
         model.rope = self.rope
+        model.local_rope = self.local_rope
         model.packed_embedding = self.packed_embedding
         model.head_q8 = self.head_q8
         model._native_layers = _UNBUILT
@@ -294,6 +330,8 @@ class LlamaModel(nn.Module):
             hidden = embedding(self.packed_embedding, input_ids)
         else:
             hidden = self.embed_tokens(input_ids).float()
+        if self.config.embedding_scale is not None:  # (a float32 scalar, as transformers')
+            hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=torch.float32)
         cos, sin = self.rope.lookup(positions)
         stack = self.native_layers() if native and meta.attn_masks is None else None
         if stack is not None:
@@ -324,18 +362,28 @@ class LlamaModel(nn.Module):
             # the last layer goes on past its attention with the rows whose logits are
             # wanted only (a prompt's other rows need only their K/V), as the native stack
             last = len(self.layers) - 1
+            local = None if self.local_rope is None else self.local_rope.lookup(positions)
             for index, layer in enumerate(self.layers):
                 rows = logits_indices if index == last else None
-                hidden = layer(hidden, cos, sin, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
+                c, s = (cos, sin) if local is None or not layer.window else local
+                hidden = layer(hidden, c, s, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
             hidden = self.norm(hidden)
         if argmax_only:
-            if self.lm_head is None and self.head_q8 is not None:
+            capped = self.config.final_softcap is not None  # ties as the capped logits have them
+            if self.lm_head is None and self.head_q8 is not None and not capped:
                 return self.head_q8.argmax(hidden.float())
             return argmax_rows(self._logits(hidden))
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, vocab] of the final-normed rows ``hidden`` [S, hidden]."""
+        """float32 logits [S, vocab] of the final-normed rows ``hidden`` [S, hidden]
+        (soft-capped where the family caps them)."""
+        logits = self._head(hidden)
+        if (cap := self.config.final_softcap) is not None:
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.head_q8 is not None:  # float32 sums and logits (inputs bf16-rounded unless exact)

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.hugepages import move_to_huge_pages
-from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.config import NORM_PLUS_ONE, ModelConfig
 from tessera.workers.model.llama import LlamaModel, Weight
 from tessera.workers.quant import PackedWeight
 from tessera.workers.quant.kernels import bf16_kernel_path, native_kernels
@@ -223,6 +223,10 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
+    if config.architecture in NORM_PLUS_ONE:  # Gemma's norms scale by 1 + w: fold the 1 in
+        for name, tensor in state.items():
+            if name.endswith("norm.weight"):
+                state[name] = 1.0 + tensor.float()
     return config, state
 
 

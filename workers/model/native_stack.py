@@ -50,11 +50,20 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
 def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
-    dtype it has no kernels for, or q/k norms (Qwen3), which its layers do not have."""
+    dtype it has no kernels for, or a family whose layers it does not have (q/k norms,
+    Gemma's norms, GELU gates and soft-caps, sliding windows, partial rotary)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
-    if kernels is None or weight.dtype not in NATIVE_DTYPES or config.qk_norm:
+    unsupported = (
+        config.qk_norm
+        or config.sandwich_norms
+        or config.hidden_activation != "silu"
+        or config.attn_softcap is not None
+        or config.layer_windows
+        or config.rotary_dim is not None
+    )
+    if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported:
         return None
     stack = kernels.DecodeLayers(
         config.num_heads,
@@ -62,7 +71,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
         config.head_dim,
         config.intermediate_size,
         config.rms_norm_eps,
-        config.head_dim**-0.5,
+        config.scale,
     )
     for layer in model.layers:
         stack.add_layer(

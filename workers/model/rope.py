@@ -14,13 +14,16 @@ import torch
 from tessera.workers.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """``inv_freq`` [head_dim // 2], float32, with linear, llama3, YaRN or per-frequency
-    scaling."""
-    dim = config.head_dim
+def inverse_frequencies(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """``inv_freq`` [rotary_dims // 2], float32, with linear, llama3, YaRN, LongRoPE
+    (``long``: its long factors) or per-frequency scaling."""
+    dim = config.rotary_dims
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta**exponents)
+    inv_freq = 1.0 / (config.rope_theta**exponents)
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -61,7 +64,7 @@ def _yarn_inverse_frequencies(config: ModelConfig, extrapolated: torch.Tensor) -
     ``factor``), those that turn more than ``beta_fast`` times are kept, with a linear
     ramp over the dimensions between."""
     scaling = config.rope_scaling
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dims, config.rope_theta
     interpolated = extrapolated / _yarn_factor(config)
     context = _yarn_original_context(config)
 
@@ -81,13 +84,18 @@ def _yarn_inverse_frequencies(config: ModelConfig, extrapolated: torch.Tensor) -
 
 
 def attention_factor(config: ModelConfig) -> float:
-    """What cos and sin are multiplied by: YaRN's ``attention_factor`` (from ``mscale``
-    where not given), else 1."""
+    """What cos and sin are multiplied by: YaRN's and LongRoPE's ``attention_factor``
+    (where not given: from ``mscale`` for YaRN, from the context's growth for LongRoPE),
+    else 1."""
     scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        original = _yarn_original_context(config)
+        factor = scaling.get("factor") or config.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factor = _yarn_factor(config)
 
     def mscale(scale: float, m: float = 1.0) -> float:
@@ -99,13 +107,24 @@ def attention_factor(config: ModelConfig) -> float:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin for every position up to the model's context length."""
+    """Precomputed cos/sin for every position up to the model's context length.
+
+    LongRoPE: positions inside the original context take the short factors, those past
+    it the long ones (a position's K/V never depends on how long its sequence grows, so
+    prefix caching and recomputation stay exact). transformers instead switches a whole
+    forward to the long factors once its longest position passes the original context:
+    the two agree on every position before it while no sequence passes it, and on every
+    position past it."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        inv_freq = inverse_frequencies(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        freqs = positions[:, None] * inverse_frequencies(config)[None, :]  # [max_pos, dim // 2]
+        scaling = config.rope_scaling
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            original = _yarn_original_context(config)
+            long = positions[original:, None] * inverse_frequencies(config, long=True)[None, :]
+            freqs[original:] = long
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rotary_dims]
         cos, sin = emb.cos(), emb.sin()
         if (scale := attention_factor(config)) != 1.0:
             cos, sin = cos * scale, sin * scale
@@ -121,7 +140,12 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] by its token's angle (Hugging Face's rotate-half layout)."""
+    """Rotate x [T, heads, D] by its token's angle (Hugging Face's rotate-half layout);
+    with tables narrower than D (partial rotary), the first dimensions only."""
+    dim = cos.shape[-1]
+    if dim != x.shape[-1]:
+        rotated = x[..., :dim]
+        return torch.cat((rotated * cos + _rotate_half(rotated) * sin, x[..., dim:]), dim=-1)
     return x * cos + _rotate_half(x) * sin
 
 
