@@ -9,6 +9,7 @@ the same dequantised values; differences are summation order).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -46,7 +47,18 @@ def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _gguf_name(hf_name: str) -> str:
+#: Where a family's converter names a layer tensor differently from Llama's.
+_FAMILY_NAMES = {
+    "gemma": {
+        "post_attention_layernorm": "attn_post_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "ffn_post_norm",
+    },
+    "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -56,7 +68,9 @@ def _gguf_name(hf_name: str) -> str:
         return fixed[hf_name]
     _, _, layer, *rest = hf_name.split(".")
     base, kind = ".".join(rest[:-1]), rest[-1]
-    return f"blk.{layer}.{_LAYER_NAMES[base]}.{kind}"
+    family = "gemma" if arch.startswith("gemma") else arch
+    names = {**_LAYER_NAMES, **_FAMILY_NAMES.get(family, {})}
+    return f"blk.{layer}.{names[base]}.{kind}"
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +101,17 @@ def _write_gguf(
     extra: Callable[[GGUFWriter], None] | None = None,
     arch: str = "llama",
     head_dim: int = HIDDEN // HEADS,
+    rope_dims: int | None = None,
 ) -> None:
     """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors."""
     writer = GGUFWriter(str(path), arch)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(model.config.num_hidden_layers)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
     if head_dim != HIDDEN // HEADS:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -111,7 +126,11 @@ def _write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
         data = tensor.float().numpy().copy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            data = data + 1  # the converter stores Gemma's norms as 1 + w
         # the converter permutes q and k, their biases too, into llama.cpp's rotary layout
         if arch == "llama" and name.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
@@ -119,10 +138,12 @@ def _write_gguf(
             data = _permute_rotary(data, HEADS if "q_proj" in name else KV_HEADS)
         kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
         if kind == GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_name(name), data)
+            writer.add_tensor(_gguf_name(name, arch), data)
         else:
             packed = quants.quantize(data, kind)
-            writer.add_tensor(_gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=kind)
+            writer.add_tensor(
+                _gguf_name(name, arch), packed, raw_shape=packed.shape, raw_dtype=kind
+            )
     if extra is not None:
         extra(writer)
     writer.write_header_to_file()
@@ -309,6 +330,109 @@ def test_llama_gguf_with_biases_matches_transformers(tmp_path, tokenizer_fields)
     ours = load_model(path, "float32")
     assert ours.config.qkv_bias and ours.config.o_bias and ours.config.mlp_bias
     prompt = ours.tokenizer("Biased projections, read two ways.").input_ids
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def _peaked(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with random norm weights (so a dropped norm, or a 1 + w read as w, shows)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.5, 0.5)
+    return model.eval()
+
+
+#: A prompt several windows long (the Gemma and Phi-3 cases' windows are 8 tokens).
+_LONG_PROMPT = " ".join(["Windows slide along, read two ways."] * 5)
+
+
+def _gemma2_extra(w: GGUFWriter) -> None:
+    w.add_attn_logit_softcapping(5.0)
+    w.add_final_logit_softcapping(3.0)
+    w.add_sliding_window(8)
+
+
+def _gemma3_extra(w: GGUFWriter) -> None:
+    w.add_sliding_window(8)
+    w.add_rope_scaling_type(RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(4.0)
+    w.add_float32("gemma3.rope.freq_base_swa", 10000.0)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_gguf_matches_transformers(family, tmp_path, tokenizer_fields):
+    """A Gemma 2 / Gemma 3 GGUF as the converter writes it (norms stored as 1 + w, four
+    norms a layer, soft-caps and the window as keys, Gemma 3's local RoPE base), read by
+    us, against transformers running the model it was written from, on a prompt several
+    windows long."""
+    torch.manual_seed(0)
+    # rope_theta 10000 everywhere: the file's freq_base is the global layers' base
+    common = {**TINY, "head_dim": 32, "sliding_window": 8, "tie_word_embeddings": True}
+    if family == "gemma2":
+        config = transformers.Gemma2Config(
+            **common, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+            query_pre_attn_scalar=32, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        )  # fmt: skip
+        extra = _gemma2_extra
+    else:
+        config = transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6}, query_pre_attn_scalar=32,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+            },
+        )  # fmt: skip
+        extra = _gemma3_extra
+    model = _peaked(transformers.AutoModelForCausalLM.from_config(config))
+    path = tmp_path / f"tiny-{family}.gguf"
+    _write_gguf(
+        path, model, GGMLQuantizationType.F32, tokenizer_fields, extra, arch=family, head_dim=32
+    )
+    ours = load_model(path, "float32")
+    assert ours.config.architecture == {"gemma2": "gemma2", "gemma3": "gemma3_text"}[family]
+    prompt = ours.tokenizer(_LONG_PROMPT).input_ids
+    assert len(prompt) > 3 * 8
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_phi3_gguf_matches_transformers(tmp_path, tokenizer_fields):
+    """A Phi-3 GGUF as the converter writes it (q/k/v as one ``attn_qkv``, gate/up as one
+    ``ffn_up``, partial rotary as ``rope.dimension_count``, LongRoPE's factors as tensors
+    and its attention factor as a key, a sliding window), read by us, against transformers
+    running the model it was written from, on a prompt inside the original context."""
+    torch.manual_seed(0)
+    short, long = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5], [2.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    config = transformers.Phi3Config(
+        **TINY, sliding_window=8, original_max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": short, "long_factor": long,
+        },
+    )  # fmt: skip
+    model = _peaked(transformers.Phi3ForCausalLM(config))
+    factor = 256 / 64
+    attn_factor = math.sqrt(1 + math.log(factor) / math.log(64))
+
+    def extra(w: GGUFWriter) -> None:
+        w.add_sliding_window(8)
+        w.add_rope_scaling_orig_ctx_len(64)
+        w.add_rope_scaling_attn_factors(attn_factor)
+        w.add_tensor("rope_factors_long.weight", np.array(long, np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(short, np.float32))
+
+    path = tmp_path / "tiny-phi3.gguf"
+    _write_gguf(
+        path, model, GGMLQuantizationType.F32, tokenizer_fields, extra, arch="phi3", rope_dims=12
+    )
+    ours = load_model(path, "float32")
+    assert ours.config.rotary_dims == 12 and ours.config.layer_windows == (8, 8)
+    prompt = ours.tokenizer(_LONG_PROMPT).input_ids
+    assert 3 * 8 < len(prompt) <= 64
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)

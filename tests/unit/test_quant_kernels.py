@@ -130,7 +130,7 @@ def test_row_select_and_cat_on_packed_equal_dense(qtype):
 
 def test_rotary_unpermute_on_packed_rows(model_tensors):
     """The loader's q/k un-permutation is a row permutation: the same on packed rows."""
-    from tessera.workers.model.loader import _unpermute_rotary
+    from tessera.workers.model.gguf_model import _unpermute_rotary
 
     tensor = model_tensors["blk.0.attn_k.weight"]
     packed = PackedWeight.from_gguf(tensor)

@@ -17,17 +17,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.hugepages import move_to_huge_pages
 from tessera.workers.model.config import NORM_PLUS_ONE, ModelConfig
-from tessera.workers.model.llama import LlamaModel, Weight
+from tessera.workers.model.gguf_model import read_gguf
+from tessera.workers.model.llama import LlamaModel
 from tessera.workers.quant import PackedWeight
 from tessera.workers.quant.kernels import bf16_kernel_path, native_kernels
 
@@ -163,7 +162,7 @@ def load_model(
         dtype = "float32"
     packed = packed_weights and dtype in PACKED_DTYPES.get(device.type, ())
     if resolved.suffix == ".gguf":
-        config, state = _read_gguf(resolved, packed)
+        config, state = read_gguf(resolved, packed)
         state = {k: v.to(device) if isinstance(v, PackedWeight) else v for k, v in state.items()}
     else:
         config, state = _read_hf_dir(resolved)
@@ -228,142 +227,3 @@ def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             if name.endswith("norm.weight"):
                 state[name] = 1.0 + tensor.float()
     return config, state
-
-
-# GGUF tensor names -> Hugging Face names (per layer: "blk.{i}.<name>").
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3
-    "attn_k_norm": "self_attn.k_norm",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-#: GGUF RoPE scaling types the loader implements (``{arch}.rope.scaling.type``); any
-#: other would give wrong positions, so it is refused rather than ignored.
-_GGUF_ROPE_SCALING = ("none", "linear")
-#: Per-frequency RoPE divisors (Llama 3's scaling, as llama.cpp's converter writes it).
-_GGUF_ROPE_FREQS = "rope_freqs.weight"
-
-
-def _gguf_hf_name(name: str) -> tuple[str, str | None]:
-    """A GGUF tensor's Hugging Face name and its layer part (``attn_q`` ...), or a
-    ``ValueError`` naming a tensor the model has no place for (a tensor that changes the
-    computation is never skipped)."""
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name], None
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        _, layer, base, kind = parts
-        return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}", base
-    raise ValueError(
-        f"model: GGUF tensor {name!r} is not supported: this loader reads the token "
-        f"embedding, the output norm and head, and per layer "
-        f"{', '.join(_GGUF_LAYER_NAMES)}"
-    )
-
-
-def _read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
-    """Read config and tensors: dequantised (Q4_0/Q4_1/Q8_0/F16/F32/… via ``gguf``), or,
-    with ``packed``, Q4_0/Q4_1/Q8_0 matrices kept as the file stores them."""
-    import numpy as np
-    from gguf import dequantize
-
-    from tessera.workers.model.gguf_file import GGUFFile
-
-    reader = GGUFFile(path)
-
-    def field(key: str, default: Any = None) -> Any:
-        return reader.fields.get(key, default)
-
-    arch = field("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(
-            f"model: GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)"
-        )
-    names = {t.name for t in reader.tensors}
-    num_heads = field(f"{arch}.attention.head_count")
-    hidden = field(f"{arch}.embedding_length")
-    vocab = field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
-    eos = field("tokenizer.ggml.eos_token_id")
-    hf = {
-        "model_type": arch,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": field(f"{arch}.feed_forward_length"),
-        "num_hidden_layers": field(f"{arch}.block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", num_heads),
-        # (Qwen3's heads are not hidden / heads wide: the key length says how wide)
-        "head_dim": field(f"{arch}.attention.key_length")
-        or field(f"{arch}.rope.dimension_count")
-        or hidden // num_heads,
-        "max_position_embeddings": field(f"{arch}.context_length"),
-        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
-        "tie_word_embeddings": "output.weight" not in names,
-        # a Llama with biases (Qwen2's q/k/v biases come with its architecture)
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in names,
-        "mlp_bias": "blk.0.ffn_up.bias" in names,
-        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
-    }
-    scaling_type = field(f"{arch}.rope.scaling.type")
-    if scaling_type is not None and scaling_type not in _GGUF_ROPE_SCALING:
-        raise ValueError(
-            f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported "
-            f"({', '.join(_GGUF_ROPE_SCALING)})"
-        )
-    tensors = [t for t in reader.tensors if t.name != _GGUF_ROPE_FREQS]
-    for tensor in tensors:  # every tensor has a place before any is read
-        _gguf_hf_name(tensor.name)
-    if scaling_type == "linear":
-        hf["rope_scaling"] = {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
-    (freqs,) = [t for t in reader.tensors if t.name == _GGUF_ROPE_FREQS] or [None]
-    if freqs is not None:
-        if "rope_scaling" in hf:
-            raise ValueError(
-                f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} and a "
-                f"{_GGUF_ROPE_FREQS!r} tensor: one RoPE scaling at a time"
-            )
-        factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
-        hf["rope_scaling"] = {"rope_type": "freq_factors", "factors": tuple(factors.tolist())}
-    config = ModelConfig.from_hf(hf)
-    state: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
-        name = tensor.name
-        keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
-        hf_name, base = _gguf_hf_name(name)
-        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
-        heads = {"attn_q": num_heads, "attn_k": config.num_kv_heads}.get(base)
-        unpermute = arch == "llama" and heads is not None
-        if keep:
-            weight = PackedWeight.from_gguf(tensor)
-            if unpermute:  # a permutation of output rows: done on the packed rows
-                weight = weight.select_rows(
-                    torch.from_numpy(_unpermute_rotary(np.arange(weight.out_features), heads))
-                )
-            state[hf_name] = weight
-            continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        if unpermute:
-            weights = _unpermute_rotary(weights, heads)
-        # np.array copies: F32 tensors come back as read-only memory maps of the file.
-        state[hf_name] = torch.from_numpy(np.array(weights, dtype=np.float32))
-    return config, state
-
-
-def _unpermute_rotary(weights: Any, num_heads: int) -> Any:
-    half = weights.shape[0] // num_heads // 2
-    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
-    return w.swapaxes(2, 1).reshape(weights.shape)

@@ -1,0 +1,274 @@
+"""A model's configuration and tensors from a GGUF file, as llama.cpp's converter
+(``convert_hf_to_gguf.py``) writes each family.
+
+The file's metadata becomes a Hugging Face-style config dict (``ModelConfig.from_hf``
+reads both), its tensors take their Hugging Face names (``hf_weights`` loads both).
+Every key that changes the computation is either implemented or refused with its name:
+an unknown tensor, RoPE scaling type or architecture is an error, never skipped.
+
+Per family, what the converter writes differently:
+
+- ``llama``: q and k rows interleaved into llama.cpp's rotary layout (undone here);
+  Llama 3's RoPE scaling as a ``rope_freqs`` tensor of per-frequency divisors.
+- ``gemma2``/``gemma3``: norms stored as 1 + w (the 1 already added), four norms a
+  layer (``attn_post_norm``, ``ffn_norm`` before the MLP, ``ffn_post_norm``), soft-caps
+  and the window as keys; the window pattern and the query scale are llama.cpp's per
+  family (every other layer local in Gemma 2, five of six in Gemma 3; the scale
+  ``(hidden / heads) ** -0.5`` for the 27B shapes, ``head_dim ** -0.5`` otherwise).
+- ``phi3``: q/k/v as one ``attn_qkv`` tensor, gate/up as one ``ffn_up``; LongRoPE's
+  factors as ``rope_factors_short``/``rope_factors_long`` tensors, the rotary
+  dimensions as ``rope.dimension_count``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.hf_weights import Weight
+from tessera.workers.quant import PackedWeight
+
+logger = logging.getLogger(__name__)
+
+#: GGUF ``general.architecture`` -> the family's Hugging Face ``model_type``.
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+
+# GGUF tensor names -> Hugging Face names (per layer: "blk.{i}.<name>").
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_post_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_post_norm": "post_feedforward_layernorm",
+}
+#: Each family's layer names where they differ from Llama's.
+_FAMILY_LAYER_NAMES = {
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+    "phi3": {
+        **{k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_q", "attn_k", "attn_v")},
+        "attn_qkv": "self_attn.qkv_proj",
+        "ffn_up": "mlp.gate_up_proj",  # gate and up, stacked
+    },
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+#: GGUF RoPE scaling types implemented (``{arch}.rope.scaling.type``); any other would
+#: give wrong positions, so it is refused rather than ignored.
+ROPE_SCALING = ("none", "linear")
+#: Per-frequency RoPE divisors (Llama 3's scaling, as llama.cpp's converter writes it).
+ROPE_FREQS = "rope_freqs.weight"
+#: LongRoPE's factors (Phi-3).
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+#: llama.cpp's Gemma query scale: ``(hidden / heads) ** -0.5`` for the 27B models (these
+#: layer counts), ``head_dim ** -0.5`` for the others.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def hf_name(name: str, arch: str = "llama") -> tuple[str, str | None]:
+    """A GGUF tensor's Hugging Face name and its layer part (``attn_q`` ...), or a
+    ``ValueError`` naming a tensor the model has no place for (a tensor that changes the
+    computation is never skipped)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name], None
+    names = _FAMILY_LAYER_NAMES.get(arch, _LAYER_NAMES)
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        _, layer, base, kind = parts
+        return f"model.layers.{layer}.{names[base]}.{kind}", base
+    raise ValueError(
+        f"model: GGUF tensor {name!r} is not supported: this loader reads the token "
+        f"embedding, the output norm and head, and per layer {', '.join(names)}"
+    )
+
+
+def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Read config and tensors: dequantised (every type ``gguf`` can dequantise), or,
+    with ``packed``, Q4_0/Q4_1/Q8_0 matrices kept as the file stores them. One log line
+    names the types that were expanded to float32 and what that costs."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    from tessera.workers.model.gguf_file import GGUFFile
+
+    reader = GGUFFile(path)
+    arch = reader.fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"model: GGUF architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})"
+        )
+    by_name = {t.name: t for t in reader.tensors}
+    hf = _hf_config(reader.fields, arch, by_name, dequantize)
+    config = ModelConfig.from_hf(hf)
+    extra = (ROPE_FREQS, *ROPE_FACTORS)  # read into the config above
+    tensors = [t for t in reader.tensors if t.name not in extra]
+    for tensor in tensors:  # every tensor has a place before any is read
+        hf_name(tensor.name, arch)
+    state: dict[str, Weight] = {}
+    expanded: Counter[str] = Counter()  # bytes in the file of each type expanded
+    expanded_bytes = 0
+    for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
+        keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
+        name, base = hf_name(tensor.name, arch)
+        # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(base)
+        unpermute = arch == "llama" and heads is not None
+        if keep:
+            weight = PackedWeight.from_gguf(tensor)
+            if unpermute:  # a permutation of output rows: done on the packed rows
+                weight = weight.select_rows(
+                    torch.from_numpy(_unpermute_rotary(np.arange(weight.out_features), heads))
+                )
+            state[name] = weight
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            expanded[GGMLQuantizationType(tensor.tensor_type).name] += tensor.data.nbytes
+            expanded_bytes += weights.size * 4
+        if unpermute:
+            weights = _unpermute_rotary(weights, heads)
+        # np.array copies: F32 tensors come back as read-only memory maps of the file.
+        state[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
+    if expanded:
+        logger.info(
+            "%s: %s expanded to float32 (%.0f MiB in the file, %.0f MiB in memory)",
+            path.name,
+            ", ".join(sorted(expanded)),
+            sum(expanded.values()) / 2**20,
+            expanded_bytes / 2**20,
+        )
+    return config, state
+
+
+def _hf_config(
+    fields: dict[str, Any], arch: str, tensors: dict[str, Any], dequantize: Any
+) -> dict[str, Any]:
+    """The file's metadata as a Hugging Face config dict of its family."""
+
+    def field(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
+    num_heads = field("attention.head_count")
+    hidden = field("embedding_length")
+    num_layers = field("block_count")
+    # (Qwen3's and Gemma's heads are not hidden / heads wide: the key length says how wide)
+    head_dim = field("attention.key_length") or hidden // num_heads
+    rope_dims = field("rope.dimension_count") or head_dim
+    hf: dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": field("vocab_size") or len(fields["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden,
+        "intermediate_size": field("feed_forward_length"),
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": field("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": field("context_length"),
+        "rms_norm_eps": field("attention.layer_norm_rms_epsilon"),
+        "rope_theta": field("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # a Llama with biases (Qwen2's q/k/v biases come with its architecture)
+        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+    }
+    if rope_dims != head_dim:
+        if arch != "phi3":
+            raise ValueError(
+                f"model: GGUF {arch}.rope.dimension_count {rope_dims} differs from the heads' "
+                f"{head_dim} dimensions (partial rotary is implemented for phi3 only)"
+            )
+        hf["partial_rotary_factor"] = rope_dims / head_dim
+    window = field("attention.sliding_window") or None
+    if arch.startswith("gemma"):
+        hf["sliding_window"] = window
+        hf["attn_logit_softcapping"] = field("attn_logit_softcapping")
+        hf["final_logit_softcapping"] = field("final_logit_softcapping")
+        hf["hidden_activation"] = "gelu_pytorch_tanh"
+        wide = num_layers == _GEMMA_27B_LAYERS[arch]
+        hf["query_pre_attn_scalar"] = hidden // num_heads if wide else head_dim
+        pattern = field("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: True where the layer is local
+            hf["layer_types"] = [
+                "sliding_attention" if local else "full_attention" for local in pattern
+            ]
+        elif pattern is not None:
+            hf["sliding_window_pattern"] = pattern
+    elif arch == "phi3":
+        hf["sliding_window"] = window
+    scaling_type = field("rope.scaling.type")
+    if scaling_type is not None and scaling_type not in ROPE_SCALING:
+        raise ValueError(
+            f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported "
+            f"({', '.join(ROPE_SCALING)})"
+        )
+    scaling = None
+    if scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": field("rope.scaling.factor")}
+
+    def factors(name: str) -> tuple[float, ...]:
+        tensor = tensors[name]
+        return tuple(dequantize(tensor.data, tensor.tensor_type).reshape(-1).tolist())
+
+    given = [name for name in (ROPE_FREQS, *ROPE_FACTORS) if name in tensors]
+    if given and scaling is not None:
+        raise ValueError(
+            f"model: GGUF {arch}.rope.scaling.type {scaling_type!r} and a {given[0]!r} "
+            "tensor: one RoPE scaling at a time"
+        )
+    if ROPE_FREQS in tensors:
+        scaling = {"rope_type": "freq_factors", "factors": factors(ROPE_FREQS)}
+    elif any(name in tensors for name in ROPE_FACTORS):
+        missing = [name for name in ROPE_FACTORS if name not in tensors]
+        if missing:
+            raise ValueError(f"model: GGUF LongRoPE factors without {missing[0]!r}")
+        scaling = {
+            "rope_type": "longrope",
+            "short_factor": factors(ROPE_FACTORS[0]),
+            "long_factor": factors(ROPE_FACTORS[1]),
+            "attention_factor": field("rope.scaling.attn_factor"),
+        }
+        hf["original_max_position_embeddings"] = field("rope.scaling.original_context_length")
+    if arch == "gemma3":  # the global layers' RoPE (scaled), the local layers' own base
+        hf["rope_parameters"] = {
+            "full_attention": {"rope_theta": hf["rope_theta"], **(scaling or {})},
+            "sliding_attention": {"rope_theta": field("rope.freq_base_swa", 10000.0)},
+        }
+    elif scaling is not None:
+        hf["rope_scaling"] = scaling
+    return hf
+
+
+def _unpermute_rotary(weights: Any, num_heads: int) -> Any:
+    half = weights.shape[0] // num_heads // 2
+    w = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
