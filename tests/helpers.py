@@ -64,7 +64,7 @@ class TransformersReference:
                 tokens.append(int(logits.argmax()))
                 out = self.model(
                     torch.tensor([[tokens[-1]]]),
-                    past_key_values=out.past_key_values,
+                    cache=out.cache,
                     use_cache=True,
                 )
         return Reference(tuple(tokens), tuple(gaps))

@@ -1,0 +1,148 @@
+"""Every family through the engine's paths: a tiny random model of each, saved as a
+Hugging Face directory, run by the engine in float32 and compared token for token with
+transformers' greedy decoding of the same weights — batched with chunked prefill, with a
+prefix-cache hit, preempted for lack of blocks, as n = 2 forks, speculating (prompt
+lookup), and as a beam search against transformers' own.
+
+Prompts run several sliding windows long, so the families with windows (Mistral,
+Gemma's local layers, Phi-3) attend past them on every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tessera.workers.api import SamplingParams, SpeculativeParams
+from tessera.workers.config import EngineConfig
+from tessera.workers.engine.engine import Engine
+from tests.engine.test_beam_search import assert_same_beams, engine_beam_search, hf_beam_search
+from tests.helpers import TransformersReference, assert_greedy_matches, run_engine, tokens_of
+
+VOCAB = 512
+MAX_TOKENS = 24
+WINDOW = 8
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
+    "mistral-window": (transformers.MistralConfig, dict(sliding_window=WINDOW)),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=15.0,
+        ),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+    "phi3": (
+        transformers.Phi3Config,
+        dict(
+            sliding_window=WINDOW,
+            rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5},
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, smollm2):
+    """The directory and transformers' model; weights scaled up so that the logits are
+    peaked (a random model's are nearly flat, and near-ties would hide mistakes)."""
+    config_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    config = config_cls(**{**COMMON, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.5, 0.5)
+            else:
+                param.mul_(4.0)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return path, model
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **kwargs)
+
+
+def test_engine_paths_match_transformers(family):
+    path, model = family
+    reference = TransformersReference(model)
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, VOCAB, (20,), generator=generator).tolist()
+    prompts = {
+        "long": torch.randint(3, VOCAB, (37,), generator=generator).tolist(),
+        "short": torch.randint(3, VOCAB, (5,), generator=generator).tolist(),
+        "prefix-a": shared + [7, 8, 9],
+        "prefix-b": shared + [10, 11],
+    }
+    # a 16-token step budget chunks the long prompt; 48 blocks of 4 tokens are too few
+    # for all of them at full length, so the youngest is preempted and recomputed
+    engine = Engine(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=48,
+            max_num_batched_tokens=16,
+        )
+    )
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, greedy())
+    engine.add_request("forked", prompts["short"], greedy(n=2))
+    # prompt lookup: a prompt that repeats itself, so drafts are proposed and accepted
+    looped = prompts["short"] * 4
+    engine.add_request("speculative", looped, greedy(speculative=SpeculativeParams("ngram", 3)))
+    outputs = run_engine(engine)
+    stats = engine.stats()
+    assert stats.preemptions > 0
+    assert stats.prefix_cache.hits > 0
+    for request_id, prompt in prompts.items():
+        assert_greedy_matches(
+            tokens_of(outputs[request_id]), reference.greedy(tuple(prompt), MAX_TOKENS)
+        )
+    for index in (0, 1):
+        forked = [d for d in outputs["forked"] if d.index == index]
+        assert_greedy_matches(
+            tokens_of(forked), reference.greedy(tuple(prompts["short"]), MAX_TOKENS)
+        )
+    assert_greedy_matches(
+        tokens_of(outputs["speculative"]), reference.greedy(tuple(looped), MAX_TOKENS)
+    )
+
+
+def test_beam_search_matches_transformers(family):
+    path, model = family
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=128, block_size=4))
+    eos = engine.model_config.eos_token_ids
+    prompt = torch.randint(3, VOCAB, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = hf_beam_search(model, prompt, eos, 4, 2, 1.0, False, 10)
+    ours = engine_beam_search(
+        engine, "beams", prompt, beam_width=4, n=2, length_penalty=1.0, max_tokens=10
+    )
+    assert_same_beams(ours, reference)
