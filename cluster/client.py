@@ -118,7 +118,14 @@ class ClusterClient:
 
         scheduler = ray.get_actor(scheduler_name, namespace=namespace)
         config = ray.get(scheduler.get_config.remote())
-        return cls(scheduler, load_tokenizer(config.model))
+        engine = config.engine  # the model, its revision, tokenizer and chat template
+        tokenizer = load_tokenizer(
+            engine.model,
+            engine.revision,
+            tokenizer=engine.tokenizer,
+            chat_template=engine.chat_template,
+        )
+        return cls(scheduler, tokenizer)
 
     async def submit(
         self,

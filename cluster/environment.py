@@ -1,5 +1,6 @@
-"""What only the machine can tell about a configuration: does the model path exist,
-do the TLS files, does the KV memory fit. It runs when the cluster starts."""
+"""What only the machine can tell about a configuration: does the model exist (a path,
+or a repo id in the Hugging Face cache), its tokenizer and chat template, do the TLS
+files, does the KV memory fit. It runs when the cluster starts."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ from tessera.cluster.cluster_config import ClusterConfig, ConfigError
 
 
 def check_environment(config: ClusterConfig) -> None:
-    """What only this machine can tell: the model exists, the KV pool fits in memory."""
+    """What only this machine can tell: the model, tokenizer and chat template exist, the
+    KV pool fits in memory."""
     import torch
 
     from tessera.workers.kv.kv_cache import available_memory
     from tessera.workers.model.loader import resolve_model_path
+    from tessera.workers.model.sources import chat_template_text, resolve_tokenizer_path
 
-    try:
-        resolve_model_path(config.model)
+    try:  # a repo id the cache lacks is downloaded here, where it can say so
+        resolve_model_path(config.model, config.revision)
+        if config.tokenizer is not None:
+            resolve_tokenizer_path(config.tokenizer)
+        if config.chat_template is not None:
+            chat_template_text(config.chat_template)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(str(error)) from None
     draft = config.draft_model

@@ -165,7 +165,13 @@ class Cluster:
                 ray.shutdown()
             raise
         logger.info("cluster ready: %d workers", len(stats.workers))
-        client = ClusterClient(scheduler, load_tokenizer(config.model))
+        tokenizer = load_tokenizer(
+            config.model,
+            config.revision,
+            tokenizer=config.tokenizer,
+            chat_template=config.chat_template,
+        )
+        client = ClusterClient(scheduler, tokenizer)
         cluster = cls(config, scheduler, client, owns_ray, owns_scheduler)
         resolved = await scheduler.get_config.remote()
         cluster.worker_num_cpus, cluster.device = resolved.worker_num_cpus, resolved.engine.device

@@ -36,8 +36,8 @@ class ServeConfig(ClusterConfig):
     served_model_name: str | None = Field(
         None,
         min_length=1,
-        description="the model id clients pass as 'model' (default: the model file's or "
-        "directory's name)",
+        description="the model id clients pass as 'model' (default: the repo id, or the "
+        "model file's or directory's name)",
     )
     min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
     max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")
@@ -109,11 +109,15 @@ class ServeConfig(ClusterConfig):
 
     @property
     def model_name(self) -> str:
-
+        """The id clients pass as ``model``: ``served_model_name``, else a repo id as
+        given, else the model file's or directory's name."""
         from tessera.workers.model.loader import resolve_model_path
+        from tessera.workers.model.sources import repo_id_of
 
         if self.served_model_name:
             return self.served_model_name
+        if self.model is not None and repo_id_of(self.model) is not None:
+            return self.model
         path = resolve_model_path(self.model)
         name = path.name.removesuffix(".gguf")
         return name.split(".")[0] if self.model is None else name  # built-in: drop ".Q4_1"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.workers.api import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, SpeculativeParams
+from tessera.workers.model.sources import DEFAULT_REVISION
 
 #: Weights and KV cache dtypes, by name (the model loader maps them to torch dtypes).
 DTYPES = ("float32", "bfloat16", "float16")
@@ -71,7 +72,25 @@ class EngineConfig:
 
     model: str | None = _setting(
         None,
-        "Hugging Face model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct)",
+        "Hugging Face model directory, .gguf file, or Hugging Face repo id such as "
+        "Qwen/Qwen3-0.6B, read from the local Hugging Face cache (downloaded where "
+        "allowed); a local path wins (default: the built-in SmolLM2-135M-Instruct)",
+    )
+    revision: str = _setting(
+        DEFAULT_REVISION,
+        "the revision of a repo id --model: a branch, tag or commit hash (ignored for a "
+        "local path)",
+    )
+    tokenizer: str | None = _setting(
+        None,
+        "the tokenizer to use instead of the model's: a Hugging Face directory or repo id, "
+        "or a .gguf file (default: the model's)",
+    )
+    chat_template: str | None = _setting(
+        None,
+        "a Jinja chat template file to use instead of the tokenizer's (or the template "
+        "itself, if it holds {% or {{); every process that loads the tokenizer reads it "
+        "(default: the tokenizer's)",
     )
     dtype: str = _setting(
         "float32",
@@ -202,8 +221,17 @@ class EngineConfig:
                 f"{self.kv_cache_memory_fraction}"
             )
         self._check_speculative()
+        self._check_sources()
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def _check_sources(self) -> None:
+        if not isinstance(self.revision, str) or not self.revision:
+            raise ValueError(f"revision: must be a non-empty string, got {self.revision!r}")
+        for name in ("tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name}: must be a non-empty string or None, got {value!r}")
 
     def _check_speculative(self) -> None:
         if self.speculative_method not in (None, *SPECULATIVE_METHODS):

@@ -31,6 +31,9 @@ SHARED = [name for name in DECLARED if name not in ENGINE_ONLY + CLUSTER_OWN]
 #: A value other than the default for each shared setting (a new setting must add one).
 OTHER_VALUES = {
     "model": "/models/llama",
+    "revision": "v2",
+    "tokenizer": "/models/tokenizer",
+    "chat_template": "/models/chat.jinja",
     "dtype": "bfloat16",
     "block_size": 8,
     "kv_cache_memory": 2**20,

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
 from tessera.workers.config import EngineConfig
@@ -53,7 +54,7 @@ from tessera.workers.engine.stats import EngineStats, StepCounters
 from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tessera.workers.kv.manager import KVCacheManager
-from tessera.workers.model.loader import LoadedModel, load_model
+from tessera.workers.model.loader import LoadedModel, load_model, load_tokenizer
 from tessera.workers.validation import validate_request
 
 __all__ = ["Engine", "EngineStats"]
@@ -65,7 +66,12 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(
-            config.model, config.dtype, config.device, config.packed_weights
+            config.model,
+            config.dtype,
+            config.device,
+            config.packed_weights,
+            revision=config.revision,
+            tokenizer=_tokenizer_override(config),
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -355,3 +361,16 @@ class Engine:
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
             **self.counters.snapshot,
         )
+
+
+def _tokenizer_override(config: EngineConfig) -> PreTrainedTokenizerBase | None:
+    """The tokenizer that ``--tokenizer`` or ``--chat-template`` makes, None without
+    them (the model's own, as the loader finds it)."""
+    if config.tokenizer is None and config.chat_template is None:
+        return None
+    return load_tokenizer(
+        config.model,
+        config.revision,
+        tokenizer=config.tokenizer,
+        chat_template=config.chat_template,
+    )

@@ -27,6 +27,12 @@ from tessera.workers.hugepages import move_to_huge_pages
 from tessera.workers.model.config import NORM_PLUS_ONE, ModelConfig
 from tessera.workers.model.gguf_model import read_gguf
 from tessera.workers.model.llama import LlamaModel
+from tessera.workers.model.sources import (
+    DEFAULT_REVISION,
+    chat_template_text,
+    resolve_source,
+    resolve_tokenizer_path,
+)
 from tessera.workers.quant import PackedWeight
 from tessera.workers.quant.kernels import bf16_kernel_path, native_kernels
 
@@ -87,13 +93,14 @@ def builtin_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / BUILTIN_FILE
 
 
-def resolve_model_path(path: str | Path | None) -> Path:
-    """Return the ``.gguf`` file or HF directory to load, or raise naming the field."""
+def resolve_model_path(path: str | Path | None, revision: str = DEFAULT_REVISION) -> Path:
+    """Return the ``.gguf`` file or HF directory to load, or raise naming the field.
+    ``path`` is a local path (one that exists always wins) or a Hugging Face repo id,
+    read from the hub cache at ``revision`` (``sources.resolve_source``: downloaded
+    where allowed); None is the built-in model."""
     if path is None:
         return builtin_model_path()
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model: path {str(path)!r} does not exist")
+    path = resolve_source(str(path), revision)
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
@@ -107,16 +114,37 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return path
 
 
-def load_tokenizer(path: str | Path | None) -> PreTrainedTokenizerBase:
-    """The model's tokenizer alone (front ends tokenize; workers hold the weights).
+def load_tokenizer(
+    path: str | Path | None,
+    revision: str = DEFAULT_REVISION,
+    *,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
+) -> PreTrainedTokenizerBase:
+    """The tokenizer alone (front ends tokenize; workers hold the weights): model
+    ``path``'s at ``revision`` (as ``resolve_model_path`` finds it), or the one
+    ``tokenizer`` names instead (a directory, a repo id at its main revision, or a
+    .gguf file). ``chat_template`` (a Jinja file, or the template itself) replaces its
+    chat template.
 
     Building a tokenizer from a GGUF's vocabulary takes seconds; the result is saved
     under ``~/.cache/tessera/tokenizers`` (``XDG_CACHE_HOME`` moves it) and loaded from
     there next time, keyed by the file's path, size and modification time.
     """
-    resolved = resolve_model_path(path)
-    if resolved.suffix != ".gguf":
-        return AutoTokenizer.from_pretrained(resolved)
+    if tokenizer is None:
+        resolved = resolve_model_path(path, revision)
+    else:
+        resolved = resolve_tokenizer_path(str(tokenizer))
+    if resolved.suffix == ".gguf":
+        loaded = _gguf_tokenizer(resolved)
+    else:
+        loaded = AutoTokenizer.from_pretrained(resolved)
+    if chat_template is not None:
+        loaded.chat_template = chat_template_text(chat_template)
+    return loaded
+
+
+def _gguf_tokenizer(resolved: Path) -> PreTrainedTokenizerBase:
     stat = resolved.stat()
     key = hashlib.sha256(f"{resolved.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     cache_root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -142,6 +170,8 @@ def load_model(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     packed_weights: bool = True,
+    revision: str = DEFAULT_REVISION,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. ``packed_weights``: a float32 or bfloat16 model on the
     CPU keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed (float32: multiplied
@@ -155,7 +185,7 @@ def load_model(
     AVX512_BF16 kernels; else float32."""
     if dtype not in (AUTO_DTYPE, *DTYPES):
         raise ValueError(f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {dtype!r}")
-    resolved = resolve_model_path(path)
+    resolved = resolve_model_path(path, revision)
     device = torch.device(device)
     fast = dtype == AUTO_DTYPE and packed_weights and fast_mode_available(device)
     if dtype == AUTO_DTYPE:
@@ -166,7 +196,8 @@ def load_model(
         state = {k: v.to(device) if isinstance(v, PackedWeight) else v for k, v in state.items()}
     else:
         config, state = _read_hf_dir(resolved)
-    tokenizer = load_tokenizer(resolved)
+    if tokenizer is None:  # else the caller's (``--tokenizer``, ``--chat-template``)
+        tokenizer = load_tokenizer(resolved)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     model = LlamaModel(config, DTYPES[dtype], device)
