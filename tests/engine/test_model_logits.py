@@ -162,6 +162,40 @@ CASES = {
             original_max_position_embeddings=64,
         ),
     ),
+    # Mixtures of experts: top-2 of 4 renormalised (Mixtral); a shared expert, top-2 of
+    # 6 renormalised, the middle layer dense (mlp_only_layers) with its own width
+    # (Qwen2-MoE); top-3 of 8 not renormalised, q/k norms (Qwen3-MoE)
+    "mixtral-moe": (
+        transformers.MixtralConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4),
+    ),
+    "qwen2-moe-shared-expert-dense-layer": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3-moe-unnormalised-top-k": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
+    ),
 }
 
 
@@ -176,6 +210,8 @@ def tiny_model_dir(request, tmp_path_factory, smollm2):
             torch.nn.init.normal_(param, std=0.5)
         if "norm" in name:  # likewise every norm's weights (Gemma's 1 + w included)
             torch.nn.init.normal_(param, mean=0.5, std=0.5)
+        if name.endswith("mlp.gate.weight"):  # MoE routers: clear choices, no near-ties
+            torch.nn.init.normal_(param, std=1.0)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     smollm2.tokenizer.save_pretrained(path)

@@ -70,7 +70,12 @@ class ModelRunner:
         self.decode_graphs = (
             None
             if static_decode == "off"
-            else DecodeGraphs(model, kv_cache, kv.block_size, capture=static_decode == "graphs")
+            else DecodeGraphs(
+                model,
+                kv_cache,
+                kv.block_size,
+                capture=static_decode == "graphs" and model.capturable,  # else eager
+            )
         )
         self.native_decode = native_decode and model.native_layers() is not None
         self.native_prompts = self.native_decode and kv_cache.dtype != torch.float32

@@ -19,6 +19,13 @@ gemma3_text    Gemma 2 without soft-capping, with q/k norms; local layers with
                their own RoPE base (``local_rope_theta``), global ones scaled
 phi3           fused q/k/v and gate/up in the checkpoint, ``longrope`` scaling,
                partial rotary (``rotary_dim``), a sliding window
+mixtral        a sparse mixture of experts (``moe``) in place of every MLP:
+               softmax router, top-k renormalised, SwiGLU experts
+qwen2_moe      Qwen2's q/k/v biases; experts on the layers ``decoder_sparse_step``
+               and ``mlp_only_layers`` leave sparse (the others dense), top-k
+               renormalised if ``norm_topk_prob``, a shared expert gated by
+               sigmoid(``shared_expert_gate``)
+qwen3_moe      Qwen3's q/k norms; experts as qwen2_moe's, no shared expert
 =============  ================================================================
 """
 
@@ -29,7 +36,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Architectures the decoder implements; they differ only in the flags below.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 #: ``freq_factors``: each rotary frequency divided by its own factor, as a GGUF file's
 #: ``rope_freqs`` tensor gives them (llama.cpp's converter writes Llama 3's scaling so)
@@ -42,6 +60,66 @@ _PARTIAL_ROTARY = ("phi3",)
 #: Families whose RMSNorm multiplies by 1 + w: Hugging Face checkpoints store w (GGUF
 #: files store 1 + w, llama.cpp's converter adds the 1).
 NORM_PLUS_ONE = ("gemma2", "gemma3_text")
+#: Families whose MLPs are (on some layers) a sparse mixture of experts.
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
+#: Router settings of other MoE families' configs, each with the one value the router
+#: implements (softmax scores, plain top-k, weights unscaled); another is refused, not
+#: ignored.
+ROUTER_SETTINGS = {
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP (``moe.py``): a router picks each token's
+    ``top_k`` of ``num_experts`` SwiGLU experts by softmax probability; their outputs,
+    weighted by those probabilities (renormalised to sum to 1 if ``norm_topk_prob``),
+    are summed, plus a shared expert's gated by ``sigmoid(shared_expert_gate(x))``
+    where ``shared_expert_intermediate_size`` is not 0. The layers ``sparse_layers``
+    names have it; the others a dense MLP of ``ModelConfig.intermediate_size`` (a model
+    of a checkpoint's first layers, a self-speculative draft, keeps the whole tuple)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    sparse_layers: tuple[int, ...]
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+
+    def __post_init__(self) -> None:
+        for name, hf_name in (
+            ("num_experts", "num_experts"),
+            ("expert_intermediate_size", "moe_intermediate_size"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{hf_name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: must be between 1 and num_experts "
+                f"({self.num_experts}), got {self.top_k!r}"
+            )
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or shared < 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size: must be 0 (none) or a positive "
+                f"integer, got {shared!r}"
+            )
+        layers = self.sparse_layers
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
+            raise ValueError(
+                f"sparse layers: must be distinct layer indices in ascending order, "
+                f"got {self.sparse_layers!r}"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the mixture of experts."""
+        return layer in self.sparse_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +164,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     #: The leading dimensions of each head that RoPE rotates; None: all of them.
     rotary_dim: int | None = None
+    #: The mixture of experts on its sparse layers; None: every MLP dense.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -236,6 +316,10 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         attention_bias = bool(hf.get("attention_bias", False))
+        # Qwen2's biases on q, k and v only (Qwen2-MoE's config names them ``qkv_bias``)
+        qkv_only_bias = model_type == "qwen2" or (
+            model_type == "qwen2_moe" and hf.get("qkv_bias", True)
+        )
         gemma = model_type in ("gemma2", "gemma3_text")
         softcap = hf.get("attn_logit_softcapping") if gemma else None
         final_softcap = hf.get("final_logit_softcapping") if gemma else None
@@ -257,10 +341,10 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=qkv_only_bias or attention_bias,
+            o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_activation=activation,
@@ -272,6 +356,7 @@ class ModelConfig:
             layer_windows=_layer_windows(model_type, hf),
             local_rope_theta=local_rope_theta,
             rotary_dim=rotary_dim,
+            moe=_moe(model_type, hf),
         )
 
 
@@ -281,7 +366,9 @@ def _layer_windows(model_type: str, hf: dict[str, Any]) -> tuple[int, ...]:
     is global."""
     window = hf.get("sliding_window")
     num_layers = hf["num_hidden_layers"]
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not hf.get(
+        "use_sliding_window"
+    ):
         return ()
     if not window:
         return ()
@@ -297,10 +384,52 @@ def _layer_windows(model_type: str, hf: dict[str, Any]) -> tuple[int, ...]:
         elif model_type in ("qwen2", "qwen3"):
             first = hf.get("max_window_layers", num_layers)
             types = [LAYER_TYPES[i >= first] for i in range(num_layers)]
-        else:  # mistral, phi3: every layer
+        elif model_type == "qwen2_moe":  # even layers below max_window_layers
+            below = hf.get("max_window_layers", num_layers)
+            types = [LAYER_TYPES[i % 2 == 0 and i < below] for i in range(num_layers)]
+        else:  # mistral, phi3, mixtral, qwen3_moe: every layer
             types = [LAYER_TYPES[1]] * num_layers
     unknown = sorted(set(types) - set(LAYER_TYPES))
     if unknown:
         raise ValueError(f"layer_types: {unknown[0]!r} is not supported ({', '.join(LAYER_TYPES)})")
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in types)
     return windows if any(windows) else ()
+
+
+def _moe(model_type: str, hf: dict[str, Any]) -> MoEConfig | None:
+    """The mixture of experts of an MoE family's config (None for the others, and for a
+    Qwen2-MoE whose layers are all dense)."""
+    if model_type not in MOE_ARCHITECTURES:
+        return None
+    for name, implemented in ROUTER_SETTINGS.items():
+        value = hf.get(name)
+        if value is not None and value != implemented:
+            raise ValueError(
+                f"{name}: {value!r} is not supported (the router implements {implemented!r})"
+            )
+    num_layers = hf["num_hidden_layers"]
+    # (transformers 5 saves Qwen3-MoE's count as num_local_experts, the Hub's as num_experts)
+    num_experts = hf.get("num_local_experts", hf.get("num_experts"))
+    if model_type == "mixtral":  # every layer sparse, experts as wide as intermediate_size
+        return MoEConfig(
+            num_experts=num_experts,
+            top_k=hf.get("num_experts_per_tok"),
+            expert_intermediate_size=hf["intermediate_size"],
+            sparse_layers=tuple(range(num_layers)),
+        )
+    step = hf.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"decoder_sparse_step: must be a positive integer, got {step!r}")
+    dense = set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if num_experts == 0 or not sparse:
+        return None
+    shared = hf.get("shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=hf.get("num_experts_per_tok"),
+        expert_intermediate_size=hf.get("moe_intermediate_size"),
+        sparse_layers=sparse,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared or 0,
+    )

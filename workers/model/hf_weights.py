@@ -4,9 +4,18 @@ Hugging Face stores every projection as ``[out, in]`` and q/k/v, gate/up as sepa
 tensors; the model fuses q/k/v and gate/up into one matmul each and keeps dense weights
 transposed (``Linear``). GGUF-quantised matrices (``PackedWeight``) arrive as the file
 stores them and stay packed where ``Linear`` and the embedding can use them so.
+
+A mixture of experts' experts come in one of three layouts: one matrix per expert
+(``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1`` (gate),
+``w3`` (up), ``w2`` (down): what ``save_pretrained`` and the Hub's checkpoints hold),
+transformers' fused stacks (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+``mlp.experts.down_proj`` ``[E, H, I]``), or a stack per projection
+(``mlp.experts.gate_proj.weight`` ``[E, I, H]``: a GGUF file's ``ffn_gate_exps``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -97,6 +106,9 @@ def load_hf_state_dict(
                     attn + "o_proj.bias",
                 )
             mlp = p + "mlp."
+            if layer.moe is not None:
+                _load_moe(layer.moe, take, state, p, bf16_matmuls)
+                continue
             fused = mlp + "gate_up_proj.weight"  # Phi-3: gate and up as one matrix
             gate_up = (
                 [take(fused)]
@@ -122,3 +134,43 @@ def load_hf_state_dict(
     leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise ValueError(f"checkpoint has tensors the model does not use: {leftover[:5]}")
+
+
+def _load_moe(
+    moe: nn.Module,
+    take: Callable[[str], Weight],
+    state: dict[str, Weight],
+    prefix: str,  # "model.layers.{i}."
+    bf16_matmuls: bool,
+) -> None:
+    """A layer's router, experts (in any layout of the module docstring) and shared
+    expert into ``moe``, a ``moe.SparseMoE``."""
+    mlp = prefix + "mlp."
+    mixtral = prefix + "block_sparse_moe."  # the Hub's Mixtral names
+    block = mixtral if mixtral + "gate.weight" in state else mlp
+    moe.gate.load_weight([take(block + "gate.weight")], block + "gate", bf16_matmuls)
+    experts = block + "experts."
+    if experts + "gate_up_proj" in state:  # transformers' fused stacks
+        gate, up = dequantized(take(experts + "gate_up_proj")).chunk(2, dim=1)
+        down = dequantized(take(experts + "down_proj"))
+    elif experts + "gate_proj.weight" in state:  # a stack per projection
+        gate, up, down = (
+            dequantized(take(experts + f"{n}_proj.weight")) for n in ("gate", "up", "down")
+        )
+    else:  # a matrix per expert
+        names = ("w1", "w3", "w2") if block == mixtral else ("gate_proj", "up_proj", "down_proj")
+        gate, up, down = (
+            torch.stack(
+                [dequantized(take(f"{experts}{e}.{n}.weight")) for e in range(moe.num_experts)]
+            )
+            for n in names
+        )
+    moe.load_experts(gate, up, down, experts[:-1])
+    if moe.shared_gate_up is not None:
+        shared = mlp + "shared_expert."
+        gate_up = [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")]
+        moe.shared_gate_up.load_weight(gate_up, shared + "gate_up", bf16_matmuls)
+        down = [take(shared + "down_proj.weight")]
+        moe.shared_down.load_weight(down, shared + "down_proj", bf16_matmuls)
+        gate = [take(mlp + "shared_expert_gate.weight")]
+        moe.shared_expert_gate.load_weight(gate, mlp + "shared_expert_gate", bf16_matmuls)

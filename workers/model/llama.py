@@ -23,6 +23,7 @@ from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.hf_weights import Weight, copy_checked, dequantized, load_hf_state_dict
+from tessera.workers.model.moe import SparseMoE
 from tessera.workers.model.native_stack import build_native_layers
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
 from tessera.workers.quant import PackedWeight, quant_matmul
@@ -159,6 +160,8 @@ class Linear(nn.Module):
 class DecoderLayer(nn.Module):
     """Attention then a gated MLP, each behind a pre-norm and a residual (and, with
     ``sandwich_norms``, each output normed before its residual: Gemma's four norms).
+    On a sparse layer of an MoE family the MLP is ``moe`` (``moe.py``), and
+    ``gate_up_proj`` and ``down_proj`` are None.
 
     q/k/v are one fused projection and gate/up another: two matmuls instead of five.
     Norms are named as in the family's checkpoints: Llama's ``post_attention_layernorm``
@@ -191,10 +194,16 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        sparse = config.moe is not None and config.moe.is_sparse(index)
+        self.moe = SparseMoE(config, Linear) if sparse else None
+        self.gate_up_proj = self.down_proj = None
+        if not sparse:
+            self.gate_up_proj = Linear(
+                config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+            )
+            self.down_proj = Linear(
+                config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+            )
         self.intermediate_size = config.intermediate_size
 
     def norms(self) -> tuple[str, ...]:
@@ -239,9 +248,12 @@ class DecoderLayer(nn.Module):
         else:
             hidden = hidden + self.o_proj(attn)
             x = self.post_attention_layernorm(hidden)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        out = self.down_proj(gate * up)
+        if self.moe is not None:
+            out = self.moe(x)
+        else:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+            out = self.down_proj(gate * up)
         if self.sandwich_norms:
             out = self.post_feedforward_layernorm(out)
         return hidden + out
@@ -295,6 +307,12 @@ class LlamaModel(nn.Module):
         model.head_q8 = self.head_q8
         model._native_layers = _UNBUILT
         return model
+
+    @property
+    def capturable(self) -> bool:
+        """Whether its decode steps can be captured as CUDA graphs: not with a mixture of
+        experts, whose steps read each expert's row count on the host (``moe.py``)."""
+        return self.config.moe is None
 
     def native_layers(self) -> Any | None:
         """Every layer as one native call for steps without masked chunks
@@ -402,11 +420,7 @@ class LlamaModel(nn.Module):
     def uses_bf16_kernels(self) -> bool:
         """Whether a projection or the head multiplies through the native bf16 kernels
         (a ``Q4Weight`` or ``head_q8`` that is not ``exact``: the fast and bfloat16 modes)."""
-        linears = (
-            linear
-            for layer in self.layers
-            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        )
+        linears = (module for module in self.layers.modules() if isinstance(module, Linear))
         fast = (isinstance(x.int4, Q4Weight) and not x.int4.exact for x in linears)
         return (self.head_q8 is not None and not self.head_q8.exact) or any(fast)
 

@@ -51,7 +51,8 @@ def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
     dtype it has no kernels for, or a family whose layers it does not have (q/k norms,
-    Gemma's norms, GELU gates and soft-caps, sliding windows, partial rotary)."""
+    Gemma's norms, GELU gates and soft-caps, sliding windows, partial rotary, mixtures
+    of experts)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
@@ -62,6 +63,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
         or config.attn_softcap is not None
         or config.layer_windows
         or config.rotary_dim is not None
+        or config.moe is not None
     )
     if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported:
         return None
