@@ -63,6 +63,19 @@ FAMILIES = {
             rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5},
         ),
     ),
+    # experts on the outer layers (a shared one too), a dense middle layer
+    "qwen2-moe": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            num_hidden_layers=3,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        ),
+    ),
 }
 
 
@@ -78,6 +91,8 @@ def family(request, tmp_path_factory, smollm2):
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(0.5, 0.5)
+            elif name.endswith("mlp.gate.weight"):  # MoE routers: no near-tie choices
+                param.normal_(0.0, 1.0)
             else:
                 param.mul_(4.0)
     path = tmp_path_factory.mktemp(request.param)
