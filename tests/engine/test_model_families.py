@@ -117,16 +117,21 @@ def test_engine_paths_match_transformers(family):
         "prefix-b": shared + [10, 11],
     }
     # a 16-token step budget chunks the long prompt; 48 blocks of 4 tokens are too few
-    # for all of them at full length, so the youngest is preempted and recomputed
+    # for all of them at full length, so the youngest is preempted and recomputed (where
+    # every layer has a window, blocks behind it are given back: 20 are too few then)
+    windowed = bool(model.config.sliding_window) and all(
+        kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ()
+    )
     engine = Engine(
         EngineConfig(
             model=str(path),
             dtype="float32",
             block_size=4,
-            num_kv_blocks=48,
+            num_kv_blocks=20 if windowed else 48,
             max_num_batched_tokens=16,
         )
     )
+    assert engine.window == (WINDOW if windowed else 0)
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, greedy())
     engine.add_request("forked", prompts["short"], greedy(n=2))
@@ -136,6 +141,7 @@ def test_engine_paths_match_transformers(family):
     outputs = run_engine(engine)
     stats = engine.stats()
     assert stats.preemptions > 0
+    assert (stats.released_blocks > 0) == windowed
     assert stats.prefix_cache.hits > 0
     for request_id, prompt in prompts.items():
         assert_greedy_matches(
@@ -161,3 +167,31 @@ def test_beam_search_matches_transformers(family):
         engine, "beams", prompt, beam_width=4, n=2, length_penalty=1.0, max_tokens=10
     )
     assert_same_beams(ours, reference)
+
+
+def test_blocks_behind_every_window_are_given_back(tmp_path, smollm2):
+    """A model whose every layer has a window gives back each block once no query to
+    come attends to it: the sequence's next query, at index ``i``, attends to indices
+    past ``i - window``. One request, its 37-token prompt and 24 tokens: the last step
+    computes index 59, so blocks 0..12 (indices 0..51) are given back before it, and the
+    tokens stay transformers'."""
+    torch.manual_seed(0)
+    config_cls, extra = FAMILIES["mistral-window"]
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**{**COMMON, **extra}))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(4.0)
+    model.eval().save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    engine = Engine(
+        EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64)
+    )
+    prompt = torch.randint(3, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine.add_request("windowed", prompt, greedy())
+    outputs = run_engine(engine)
+    stats = engine.stats()
+    assert stats.released_blocks == (37 + MAX_TOKENS - 2 - WINDOW + 1) // 4 == 13
+    assert stats.free_blocks == stats.total_blocks
+    assert_greedy_matches(
+        tokens_of(outputs["windowed"]), TransformersReference(model).greedy(tuple(prompt), 24)
+    )

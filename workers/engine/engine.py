@@ -79,6 +79,10 @@ class Engine:
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
+        # every layer's window (0: some layer attends to the whole context, so no block
+        # is ever given back), and the blocks given back so far
+        self.window = self.model_config.max_window
+        self.released_blocks = 0
         device = torch.device(config.device)
         dtype = self.loaded.kv_dtype
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
@@ -269,12 +273,23 @@ class Engine:
 
     def _schedule(self) -> ScheduledBatch:
         self.hasher.flush()  # before drafts join the tokens (hashes cover real tokens)
+        if self.window:  # after the flush: a block released full is findable by its hash
+            self._release_outside_window()
         speculating = bool(self.requests.speculating)
         if speculating:
             self.speculator.before_schedule(self.batcher.running, self.max_model_len)
         batch = self.batcher.schedule()
         self.speculator.after_schedule(batch, self.batcher.running, speculating)
         return batch
+
+    def _release_outside_window(self) -> None:
+        """Give back the blocks no query to come attends to: every layer has a window
+        (``ModelConfig.max_window``), and a sequence's next query, at cache index
+        ``num_computed_tokens``, attends to indices past ``num_computed_tokens - window``."""
+        for group in self.batcher.running:
+            for seq in group.seqs:
+                index = seq.num_computed_tokens - self.window + 1
+                self.released_blocks += self.kv.release_before(seq.seq_id, index)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
@@ -323,7 +338,7 @@ class Engine:
     # ------------------------------------------------------------ inspection
     def check_integrity(self) -> None:
         reserved = [r.blocks for r in self.handoff.reservations]  # incoming transfers
-        self.kv.pool.check_integrity([*self.kv.tables.values(), *reserved])
+        self.kv.pool.check_integrity([*self.kv.held_tables(), *reserved])
         self.kv.check_block_ids()
         held = set(self.kv.tables)
         running = {seq.seq_id for group in self.batcher.running for seq in group.seqs}
@@ -354,6 +369,7 @@ class Engine:
             waiting=sum(len(group.seqs) for group in list(self.batcher.waiting)),
             phases=dict(phases),
             preemptions=self.batcher.num_preemptions,
+            released_blocks=self.released_blocks,
             total_blocks=self.kv.pool.num_blocks,
             free_blocks=self.kv.num_free_blocks,
             kv_usage=self.kv.usage,

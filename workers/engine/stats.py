@@ -49,6 +49,8 @@ class EngineStats:
     spec_accepted: int = 0  # of them accepted
     spec_steps: int = 0  # verification steps (one per speculating sequence and step)
     spec_tokens: int = 0  # tokens those steps produced
+    #: blocks given back because every layer's sliding window had passed them, ever
+    released_blocks: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

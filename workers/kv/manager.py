@@ -9,6 +9,12 @@ gives it a private copy (copy-on-write) and records ``(src, dst)`` in ``copies``
 model runner copies those blocks' K/V before the forward pass that writes them.
 Only partly computed blocks are ever copied: hits are full computed blocks, which no
 write touches.
+
+Sliding windows: where every layer of the model attends to a window, blocks wholly
+before every future query's window go back to the pool (``release_before``). Their
+place in the table is kept by ``RELEASED`` (block id 0: readers may gather it, but
+attention masks every index before the window), so a table always covers its
+sequence's indices from 0, and only a table's leading blocks are ever released.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ from dataclasses import dataclass
 
 from tessera.workers.kv.block_pool import Block, BlockPool
 from tessera.workers.kv.prefix_cache import PrefixCacheStats
+
+#: A released block's place in a table (``release_before``): not a pool block, never
+#: counted, freed, shared or cached; its id (0, a block that always exists) is what a
+#: reader that gathers it finds, masked.
+RELEASED = Block(0)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -151,6 +162,7 @@ class KVCacheManager:
             table = self.tables[w.seq_id]
             for i in range(w.start // bs, min(len(table), blocks_needed(w.end, bs))):
                 block = table[i]
+                assert block is not RELEASED, f"{w.seq_id} writes into a released block"
                 if block.ref_count > 1:
                     assert block.block_hash is None, f"{block} is cached and must not change"
                     (copy,) = self.pool.allocate(1)
@@ -168,7 +180,28 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             table = self.tables[seq_id]
             for i in range(start, end):
-                self.pool.cache(table[i], block_hashes[i])
+                if table[i] is not RELEASED:
+                    self.pool.cache(table[i], block_hashes[i])
+
+    def release_before(self, seq_id: str, index: int) -> int:
+        """Give back ``seq_id``'s blocks that hold only cache indices before ``index``
+        (no query to come attends to them: a sliding window has passed), each leaving
+        ``RELEASED`` in its place; a cached one stays findable by its hash until
+        evicted. Returns how many were released."""
+        table = self.tables.get(seq_id)
+        if not table or index < self.block_size:
+            return 0
+        end = min(index // self.block_size, len(table))
+        first = end  # released blocks are a prefix: walk back to its end
+        while first > 0 and table[first - 1] is not RELEASED:
+            first -= 1
+        if first == end:
+            return 0
+        dropped = table[first:end]
+        table[first:end] = [RELEASED] * (end - first)
+        self._ids.pop(seq_id, None)
+        self.pool.free(reversed(dropped))
+        return end - first
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
@@ -220,14 +253,16 @@ class KVCacheManager:
         return missing
 
     def _fork_table(self, table: list[Block], share: bool) -> list[Block] | None:
+        held = [block for block in table if block is not RELEASED]
         if share:
-            self.pool.share(table)
+            self.pool.share(held)
             return list(table)
-        if len(table) > self.pool.num_free:
+        if len(held) > self.pool.num_free:
             return None
-        copy = self.pool.allocate(len(table))
-        self.copies += [(a.block_id, b.block_id) for a, b in zip(table, copy, strict=True)]
-        return copy
+        copies = self.pool.allocate(len(held))
+        self.copies += [(a.block_id, b.block_id) for a, b in zip(held, copies, strict=True)]
+        fresh = iter(copies)
+        return [block if block is RELEASED else next(fresh) for block in table]
 
     def truncate(self, seq_id: str, num_tokens: int) -> None:
         """Return the blocks past the first ``num_tokens`` tokens to the pool (rejected
@@ -249,7 +284,7 @@ class KVCacheManager:
         table = self.tables.pop(seq_id, None)
         self._ids.pop(seq_id, None)
         if table:
-            self.pool.free(reversed(table))
+            self.pool.free(block for block in reversed(table) if block is not RELEASED)
 
     def block_ids(self, seq_id: str) -> list[int]:
         """The ids of ``seq_id``'s table, in order (empty without one). The list is
@@ -271,8 +306,12 @@ class KVCacheManager:
             cached_blocks=len(self.pool.cached),
         )
 
+    def held_tables(self) -> list[list[Block]]:
+        """Each table's pool blocks (its ``RELEASED`` places left out)."""
+        return [[b for b in table if b is not RELEASED] for table in self.tables.values()]
+
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.tables.values())
+        self.pool.check_integrity(self.held_tables())
         self.check_block_ids()
 
     def check_block_ids(self) -> None:
