@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -38,9 +39,11 @@ from tessera.cluster.openai_protocol import (
     invalid,
     max_prompt_chars,
 )
+from tessera.cluster.reasoning import REASONING_FORMATS, answer_grammar
 from tessera.scheduler.api import ClusterStats, DeadlineError
 from tessera.workers import validation
 from tessera.workers.api import RequestOutput, SamplingParams
+from tessera.workers.decoding import structured
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,12 @@ class FrontEnd:
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self.tool_format = tool_calls.tool_format(self.tokenizer.chat_template)
         self.template_takes_tools = tool_calls.template_takes_tools(self.tokenizer.chat_template)
+        #: How the model marks its reasoning (``--reasoning-parser``); None: not split.
+        self.reasoning = REASONING_FORMATS.get(config.reasoning_parser)
+        # its tags that are tokens of their own (a grammar names them as tokens)
+        tags = (self.reasoning.start, self.reasoning.end) if self.reasoning else ()
+        added = self.tokenizer.get_added_vocab() if tags else {}
+        self.special_tags = frozenset(tag for tag in tags if tag in added)
         self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
 
     @classmethod
@@ -169,7 +178,7 @@ class FrontEnd:
         conversation = body.conversation(self.template_takes_tools)
         self.check_size(sum(len(m["content"]) for m in conversation), "messages")
         offered = body.offered_tools() if isinstance(body, ChatCompletionRequest) else []
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = body.template_kwargs()
         if offered and self.template_takes_tools:
             extra["tools"] = [{"type": "function", "function": f} for f in offered]
         elif offered:  # our own tool prompt, in the system message
@@ -192,6 +201,16 @@ class FrontEnd:
         # The template wrote the special tokens (BOS) already.
         encoded = await self.off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
         return encoded.input_ids
+
+    def answer_only(self, sampling: SamplingParams) -> SamplingParams:
+        """With a reasoning parser, the request's structured output (or forced tool
+        calls) holds the answer only: the reasoning before it runs free."""
+        if self.reasoning is None or sampling.structured is None:
+            return sampling
+        answer = answer_grammar(self.reasoning, sampling.structured, self.special_tags)
+        with invalid_as(""):
+            structured.check(answer)
+        return dataclasses.replace(sampling, structured=answer)
 
     def check_token_ids(self, sampling: SamplingParams, prefix: str = "") -> None:
         """The request's stop token ids and logit-bias ids are in the vocabulary: checked

@@ -7,8 +7,10 @@ a choice's output). What a choice holds differs: a completion's text follows its
 prompt, whose tokens carry logprobs too (computed in the prefill); a chat choice is a
 message. A streamed chat choice's first chunk names its role; with tools offered, its
 calls are parsed once its output is whole, then streamed as OpenAI does: each call's id
-and name, then its arguments in pieces. A stream that fails after it began ends with an
-error event, then ``data: [DONE]``.
+and name, then its arguments in pieces. With a reasoning parser (``reasoning``), a chat
+choice's reasoning goes to ``reasoning_content`` (streamed as it comes, tools or not)
+and only its answer to ``content`` and the tool-call parser. A stream that fails after
+it began ends with an error event, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tessera.cluster.openai_errors import api_error
 from tessera.cluster.openai_logprobs import LogprobFormatter
 from tessera.cluster.openai_requests import CompletionRequest
 from tessera.cluster.openai_responses import parallel_sets, speculative_stats, usage
+from tessera.cluster.reasoning import ReasoningSplitter, split_reasoning
 from tessera.workers.api import RequestOutput
 
 #: Characters of a tool call's arguments per streamed delta.
@@ -142,19 +145,8 @@ class AnswerWriter:
             logprobs = None
             if body.logprobs:
                 logprobs = {"content": self.logprobs.chat(choice.logprobs)}
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
-            finish = choice.finish_reason
-            if job.tool_names:
-                content, calls = tool_calls.parse(
-                    message["content"], self.front.tool_format, job.tool_names
-                )
-                if calls:
-                    message = {
-                        "role": "assistant",
-                        "content": content,
-                        "tool_calls": [call.message() for call in calls],
-                    }
-                    finish = "tool_calls"
+            message = self._chat_message(job, "".join(choice.text))
+            finish = "tool_calls" if "tool_calls" in message else choice.finish_reason
             extras = choice_extras(choice)
             prompt_logprobs = self._prompt_logprobs(job, 0, body)
             choices.append(
@@ -233,6 +225,9 @@ class AnswerWriter:
             yield envelope(job, [], streamed=True, final=True)
 
     async def chat_chunks(self, job: Job, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+        fmt = self.front.reasoning
+        splitters: dict[int, ReasoningSplitter] = {}  # per choice, with a reasoning parser
+        answers: dict[int, list[str]] = {}  # per choice, with tools: its answer so far
         async with contextlib.aclosing(self.front.events(job)) as events:
             async for k, delta in events:
                 choice = self.front.record(job, k, delta)
@@ -242,19 +237,34 @@ class AnswerWriter:
                     role = {"role": "assistant", "content": ""}
                     entry = choice_entry(job.kind, index, role, None, None, streamed=True)
                     yield envelope(job, [entry], streamed=True)
-                if job.tool_names:  # calls are known once the output is whole
+                reasoning, content = "", delta.text
+                if fmt is not None:
+                    splitter = splitters.setdefault(index, ReasoningSplitter(fmt))
+                    reasoning, content = splitter.feed(delta.text)
                     if delta.finished:
-                        for entry in self._tool_call_entries(job, index, choice):
+                        held = splitter.finish()
+                        reasoning, content = reasoning + held[0], content + held[1]
+                if job.tool_names:  # calls are known once the answer is whole
+                    answers.setdefault(index, []).append(content)
+                    if reasoning:  # the reasoning streams as it comes
+                        piece = {"reasoning_content": reasoning}
+                        entry = choice_entry(job.kind, index, piece, None, None, streamed=True)
+                        yield envelope(job, [entry], streamed=True)
+                    if delta.finished:
+                        answer = "".join(answers.pop(index))
+                        for entry in self._tool_call_entries(job, index, choice, answer):
                             yield envelope(job, [entry], streamed=True)
                     continue
                 logprobs = None
                 if body.logprobs:
                     logprobs = {"content": self.logprobs.chat(delta.logprobs or ())}
-                content = {"content": delta.text} if delta.text else {}
+                message = {"reasoning_content": reasoning} if reasoning else {}
+                if content:
+                    message["content"] = content
                 finish = choice.finish_reason if delta.finished else None
                 extras = choice_extras(choice, delta)
                 entry = choice_entry(
-                    job.kind, index, content, logprobs, finish, streamed=True, extras=extras
+                    job.kind, index, message, logprobs, finish, streamed=True, extras=extras
                 )
                 yield envelope(job, [entry], streamed=True)
         if job.include_usage:
@@ -278,10 +288,28 @@ class AnswerWriter:
             return None
         return self.logprobs.prompt_logprobs(job.prompt_logprobs[k])
 
-    def _tool_call_entries(self, job: Job, index: int, choice: Choice) -> list[dict]:
+    def _chat_message(self, job: Job, text: str) -> dict[str, Any]:
+        """A whole chat choice's message: with a reasoning parser, its reasoning apart
+        (``reasoning_content``); with tools offered, the calls its answer makes."""
+        fmt = self.front.reasoning
+        if fmt is None:
+            reasoning, content = None, text
+        else:
+            reasoning, content = split_reasoning(fmt, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if fmt is not None:
+            message["reasoning_content"] = reasoning
+        if job.tool_names and content is not None:  # calls are in the answer only
+            rest, calls = tool_calls.parse(content, self.front.tool_format, job.tool_names)
+            if calls:
+                message["content"] = rest
+                message["tool_calls"] = [call.message() for call in calls]
+        return message
+
+    def _tool_call_entries(self, job: Job, index: int, choice: Choice, text: str) -> list[dict]:
         """A finished choice of a chat with tools, as OpenAI streams it: each call's
-        id and name, then its arguments in pieces; or the text, if it made no call."""
-        text = "".join(choice.text)
+        id and name, then its arguments in pieces; or the answer ``text``, if it made
+        no call."""
         content, calls = tool_calls.parse(text, self.front.tool_format, job.tool_names)
         if not calls:
             deltas = [{"content": text}] if text else []

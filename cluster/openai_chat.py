@@ -75,12 +75,37 @@ class NamedToolChoice(Body):
     function: ToolChoiceFunction
 
 
+#: The chat template call's own arguments (``apply_chat_template``'s, and the template's
+#: ``messages``): ``chat_template_kwargs`` may not set them.
+TEMPLATE_CALL_ARGUMENTS = (
+    "conversation", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+)  # fmt: skip
+
+
 class Conversation(Body):
     """A conversation as a chat template renders it."""
 
     messages: list[Message] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    #: Extra variables of the chat template (vLLM's extra), e.g. Qwen3's
+    #: ``{"enable_thinking": false}``.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs``, refusing a key that is the call's own argument."""
+        given = self.chat_template_kwargs or {}
+        for key in given:
+            if key in TEMPLATE_CALL_ARGUMENTS:
+                raise invalid(
+                    "chat_template_kwargs",
+                    f"{key!r} is an argument of the chat template call itself, not a "
+                    "template variable; it cannot be set here",
+                )
+        return dict(given)
 
     def conversation(self, template_takes_tools: bool = True) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (developer is system). Earlier

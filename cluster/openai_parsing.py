@@ -69,6 +69,11 @@ def validate_body(data: dict[str, Any], model: type[Body]) -> Any:
                 "must be a string, a list of strings, a list of token ids or a list of "
                 "lists of token ids"
             )
+        elif param == "chat_template_kwargs":
+            message = (
+                "must be an object of the chat template's extra variables with string keys, "
+                'e.g. {"enable_thinking": false}'
+            )
         elif param == "store":
             message = "must be false: this server keeps no completions to fetch later"
         elif param is not None and _MESSAGE_CONTENT.fullmatch(param):

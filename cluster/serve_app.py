@@ -177,7 +177,7 @@ class OpenAIServer(GenerationService):
             )
             self.front.check_length(prompt, max_tokens, field_name)
             body._tool_format = self.front.tool_format
-            sampling = body.sampling_for(max_tokens)
+            sampling = self.front.answer_only(body.sampling_for(max_tokens))
             self.front.check_token_ids(sampling)
             job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
             job.tool_names = frozenset(f["name"] for f in body.offered_tools())

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from tessera.cluster.cluster_config import ClusterConfig, ConfigError
 from tessera.cluster.memory_size import memory_value
+from tessera.cluster.reasoning import ReasoningParser
 
 
 class ServeConfig(ClusterConfig):
@@ -38,6 +39,15 @@ class ServeConfig(ClusterConfig):
         min_length=1,
         description="the model id clients pass as 'model' (default: the repo id, or the "
         "model file's or directory's name)",
+    )
+    reasoning_parser: ReasoningParser | None = Field(
+        None,
+        description="split a reasoning model's chat answers into message.reasoning_content "
+        "(its <think> part) and message.content, streamed as delta.reasoning_content and "
+        "delta.content: deepseek_r1 reads the output before the first </think> as "
+        "reasoning; qwen3 only an output that starts with <think> and closes it; tool "
+        "calls and structured outputs apply to the answer only; completions are not "
+        "split (default: off)",
     )
     min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
     max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")

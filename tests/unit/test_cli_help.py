@@ -34,8 +34,10 @@ def test_building_the_parser_imports_nothing_heavy():
         (["serve"], "--enable-prefix-caching, --no-enable-prefix-caching"),
         (["cluster"], "--speculative-method {ngram,draft}"),
         (["generate"], "--speculative-method {ngram,draft}"),
+        (["serve"], "--reasoning-parser {deepseek_r1,qwen3}"),
+        (["generate"], "--chat-template CHAT_TEMPLATE"),
     ],
-    ids=["tessera", "serve", "cluster", "generate"],
+    ids=["tessera", "serve", "cluster", "generate", "serve-reasoning", "generate-sources"],
 )
 def test_help_exits_zero(command: list[str], expected: str):
     done = subprocess.run(

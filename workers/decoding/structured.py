@@ -82,6 +82,19 @@ def check(params: StructuredParams) -> None:
     _cached_grammar(params.kind, params.spec)
 
 
+def embedded(params: StructuredParams) -> str:
+    """``params``' grammar as a Lark expression another Lark grammar can hold
+    (``%json {...}`` or a nested ``%lark {...}``): a grammar for the answer that follows
+    a reasoning model's free reasoning."""
+    grammar = _cached_grammar(params.kind, params.spec)
+    if not grammar.lstrip().startswith("{"):  # Lark text
+        return "%lark {\n" + grammar + "\n}"
+    (part,) = json.loads(grammar)["grammars"]
+    if part.get("json_schema") is not None:
+        return "%json " + json.dumps(part["json_schema"])
+    return "%lark {\n" + part["lark_grammar"] + "\n}"
+
+
 @functools.lru_cache(maxsize=256)
 def _cached_grammar(kind: str, spec: str) -> str:
     return grammar_text(StructuredParams(kind, spec))
