@@ -18,6 +18,11 @@ Per family, what the converter writes differently:
 - ``phi3``: q/k/v as one ``attn_qkv`` tensor, gate/up as one ``ffn_up``; LongRoPE's
   factors as ``rope_factors_short``/``rope_factors_long`` tensors, the rotary
   dimensions as ``rope.dimension_count``.
+- mixtures of experts (Mixtral under ``llama`` with an ``expert_count``, ``qwen2moe``,
+  ``qwen3moe``): the router ``ffn_gate_inp``, each projection's experts stacked
+  (``ffn_gate_exps`` ``[E, I, H]``, loaded dequantised), Qwen2-MoE's shared expert
+  (``*_shexp``); whether the top-k weights are renormalised is llama.cpp's per family
+  unless ``expert_weights_norm`` says; a layer without a router is dense.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
 
 # GGUF tensor names -> Hugging Face names (per layer: "blk.{i}.<name>").
@@ -66,6 +73,18 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "ffn_post_norm": "post_feedforward_layernorm",
 }
+#: A mixture of experts' layer tensors (each projection's experts stacked ``[E, out, in]``).
+_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_MOE_LAYER_NAMES = {**_LAYER_NAMES, **_EXPERT_NAMES}
 #: Each family's layer names where they differ from Llama's.
 _FAMILY_LAYER_NAMES = {
     "gemma2": _GEMMA_LAYER_NAMES,
@@ -75,7 +94,19 @@ _FAMILY_LAYER_NAMES = {
         "attn_qkv": "self_attn.qkv_proj",
         "ffn_up": "mlp.gate_up_proj",  # gate and up, stacked
     },
+    "mixtral": _MOE_LAYER_NAMES,  # (a llama file with experts)
+    "qwen2moe": _MOE_LAYER_NAMES,
+    "qwen3moe": _MOE_LAYER_NAMES,
 }
+#: llama.cpp's router keys, each with the values the router implements and what they
+#: mean: softmax scores (gguf's ``ExpertGatingFuncType.SOFTMAX``), weights unscaled.
+_ROUTER_KEYS = {
+    "expert_gating_func": ((1,), "1, softmax"),
+    "expert_weights_scale": ((0.0, 1.0), "1 or 0, unscaled"),
+}
+#: Whether llama.cpp renormalises a family's top-k weights (where the file has no
+#: ``expert_weights_norm``).
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -128,16 +159,17 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
     by_name = {t.name: t for t in reader.tensors}
     hf = _hf_config(reader.fields, arch, by_name, dequantize)
     config = ModelConfig.from_hf(hf)
+    family = "mixtral" if hf["model_type"] == "mixtral" else arch  # its tensor names
     extra = (ROPE_FREQS, *ROPE_FACTORS)  # read into the config above
     tensors = [t for t in reader.tensors if t.name not in extra]
     for tensor in tensors:  # every tensor has a place before any is read
-        hf_name(tensor.name, arch)
+        hf_name(tensor.name, family)
     state: dict[str, Weight] = {}
     expanded: Counter[str] = Counter()  # bytes in the file of each type expanded
     expanded_bytes = 0
     for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
         keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
-        name, base = hf_name(tensor.name, arch)
+        name, base = hf_name(tensor.name, family)
         # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(base)
         unpermute = arch == "llama" and heads is not None
@@ -201,6 +233,8 @@ def _hf_config(
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
     }
+    if field("expert_count"):
+        hf.update(_moe_fields(fields, arch, tensors))
     if rope_dims != head_dim:
         if arch != "phi3":
             raise ValueError(
@@ -266,6 +300,38 @@ def _hf_config(
     elif scaling is not None:
         hf["rope_scaling"] = scaling
     return hf
+
+
+def _moe_fields(fields: dict[str, Any], arch: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' config fields from llama.cpp's keys; its layers without a
+    router (``ffn_gate_inp``) are dense."""
+
+    def field(key: str, default: Any = None) -> Any:
+        return fields.get(f"{arch}.{key}", default)
+
+    for key, (implemented, meaning) in _ROUTER_KEYS.items():
+        if field(key) not in (None, *implemented):
+            raise ValueError(
+                f"model: GGUF {arch}.{key} {field(key)!r} is not supported ({meaning})"
+            )
+    num_layers = field("block_count")
+    moe = {
+        "model_type": "mixtral" if arch == "llama" else ARCHITECTURES[arch],
+        "num_local_experts": field("expert_count"),
+        "num_experts_per_tok": field("expert_used_count"),
+        "moe_intermediate_size": field("expert_feed_forward_length")
+        or field("feed_forward_length"),
+        "norm_topk_prob": bool(field("expert_weights_norm", _NORM_TOPK.get(arch, True))),
+        "mlp_only_layers": [
+            i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors
+        ],
+    }
+    if any(name.endswith(".ffn_gate_shexp.weight") for name in tensors):
+        shared = field("expert_shared_feed_forward_length") or field("feed_forward_length")
+        moe["shared_expert_intermediate_size"] = shared
+    if arch == "qwen2moe":
+        moe["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    return moe
 
 
 def _unpermute_rotary(weights: Any, num_heads: int) -> Any:

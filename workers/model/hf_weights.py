@@ -172,5 +172,6 @@ def _load_moe(
         moe.shared_gate_up.load_weight(gate_up, shared + "gate_up", bf16_matmuls)
         down = [take(shared + "down_proj.weight")]
         moe.shared_down.load_weight(down, shared + "down_proj", bf16_matmuls)
-        gate = [take(mlp + "shared_expert_gate.weight")]
+        # [1, hidden] (a GGUF file may store it as a vector)
+        gate = [dequantized(take(mlp + "shared_expert_gate.weight")).reshape(1, -1)]
         moe.shared_expert_gate.load_weight(gate, mlp + "shared_expert_gate", bf16_matmuls)
