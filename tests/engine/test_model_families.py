@@ -15,6 +15,7 @@ import transformers
 
 from tessera.workers.api import SamplingParams, SpeculativeParams
 from tessera.workers.config import EngineConfig
+from tessera.workers.engine.cuda_graphs import DecodeGraphs
 from tessera.workers.engine.engine import Engine
 from tests.engine.test_beam_search import assert_same_beams, engine_beam_search, hf_beam_search
 from tests.helpers import TransformersReference, assert_greedy_matches, run_engine, tokens_of
@@ -169,12 +170,14 @@ def test_beam_search_matches_transformers(family):
     assert_same_beams(ours, reference)
 
 
-def test_blocks_behind_every_window_are_given_back(tmp_path, smollm2):
+@pytest.mark.parametrize("static_decode", ["dynamic", "eager"])
+def test_blocks_behind_every_window_are_given_back(static_decode, tmp_path, smollm2):
     """A model whose every layer has a window gives back each block once no query to
     come attends to it: the sequence's next query, at index ``i``, attends to indices
     past ``i - window``. One request, its 37-token prompt and 24 tokens: the last step
     computes index 59, so blocks 0..12 (indices 0..51) are given back before it, and the
-    tokens stay transformers'."""
+    tokens stay transformers' (on the dynamic path, and on the static one that CUDA
+    graphs capture, run eagerly here)."""
     torch.manual_seed(0)
     config_cls, extra = FAMILIES["mistral-window"]
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**{**COMMON, **extra}))
@@ -186,9 +189,13 @@ def test_blocks_behind_every_window_are_given_back(tmp_path, smollm2):
     engine = Engine(
         EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64)
     )
+    if static_decode == "eager":  # the static path, without capturing graphs
+        runner = engine.runner
+        runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_cache, 4, capture=False)
     prompt = torch.randint(3, VOCAB, (37,), generator=torch.Generator().manual_seed(3)).tolist()
     engine.add_request("windowed", prompt, greedy())
     outputs = run_engine(engine)
+    assert static_decode == "dynamic" or engine.runner.decode_graphs.steps
     stats = engine.stats()
     assert stats.released_blocks == (37 + MAX_TOKENS - 2 - WINDOW + 1) // 4 == 13
     assert stats.free_blocks == stats.total_blocks

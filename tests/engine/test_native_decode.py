@@ -78,10 +78,12 @@ def one_step(
     seq_lens: list[int] = SEQ_LENS,
     chunks: list[tuple[int, int]] = (),
     linked: int = 0,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (of ``rows``, default all) and the cache after one step of decode rows of
     ``seq_lens`` tokens (the last ``linked`` one sequence's) and prompt ``chunks``
-    (``decode_batch``) over a cache of random K/V (NaN in the blocks no row reads)."""
+    (``decode_batch``) over a cache of random K/V (NaN in the blocks no row reads: with
+    a ``window``, the blocks wholly before it too)."""
     model, config = loaded.model, loaded.config
     lengths = [*seq_lens, *(n for _, n in chunks)]
     num_blocks = 13 + sum(-(-n // BLOCK_SIZE) for n in lengths)  # 24 for SEQ_LENS
@@ -91,7 +93,11 @@ def one_step(
     # bf16-representable values: every dtype's cache holds the same numbers
     cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16).to(dtype))
     meta = decode_batch(num_blocks, seq_lens, chunks, linked)
-    used = set(meta.block_tables.flatten().tolist())
+    used = set()
+    starts = meta.query_start_loc_list
+    for i, n in enumerate(lengths):
+        first = max(0, n - (starts[i + 1] - starts[i]) - window + 1) if window else 0
+        used.update(meta.block_tables[i, first // BLOCK_SIZE : -(-n // BLOCK_SIZE)].tolist())
     for block in range(num_blocks):
         if block not in used:
             cache[:, :, block] = float("nan")
@@ -555,3 +561,37 @@ def test_native_prompt_rows_are_as_close_to_float32_as_the_op_by_op_ones(smollm2
     assert all(native for native, _ in calls) and (True, 1) in calls, calls
     assert not torch.equal(native32, exact)
     torch.testing.assert_close(native32, exact, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def windowed_mistral(tmp_path_factory, smollm2):
+    """A tiny random Mistral whose layers attend to their last 10 positions: shorter
+    than most of the step's rows and chunks, and not a multiple of the block size."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        sliding_window=10, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("windowed-mistral")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return load_model(path, "float32")
+
+
+def test_native_windowed_step_equals_the_op_by_op_step(windowed_mistral):
+    """A sliding window in the native stack: decode rows attend from their window's
+    first index (inside a block or on its edge), causal chunks through the window's
+    mask, as the op-by-op layers do. The blocks wholly before every window are filled
+    with NaN: neither path reads them."""
+    loaded = windowed_mistral
+    assert loaded.model.native_layers() is not None
+    chunks = [(5, 40), (12, 30), (3, 9)]
+    logits, cache = one_step(loaded, native=True, chunks=chunks, window=10)
+    expected, expected_cache = one_step(loaded, native=False, chunks=chunks, window=10)
+    assert not logits.isnan().any()
+    assert (logits - expected).abs().max() <= 1e-3 * expected.abs().max()
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(cache, expected_cache, rtol=0, atol=1e-3, equal_nan=True)

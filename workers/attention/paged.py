@@ -125,6 +125,7 @@ def window_plan(
     nd = meta.num_decodes
     seq_lens = meta.seq_lens[:nd]
     first = seq_lens - window  # [B]: positions before it are outside the window
+    own = meta.slot_mapping[:nd, None]  # [B, 1]: each decode row's new token's slot
     # (host lengths: a tile before every sequence's window is not attended at all)
     first_host = min(meta.seq_lens_list[:nd]) - window
     windowed = []
@@ -133,6 +134,11 @@ def window_plan(
             continue
         positions = torch.arange(tile.start, tile.start + tile.tokens, device=seq_lens.device)
         outside = positions[None, :] < first[:, None]  # [B, tile]
+        # masked positions read the row's own new slot (written this step, so finite:
+        # behind the window may be a block given back and reused, or never written, and
+        # past the row's end the plan's stand-in, its first slot, may be such a block)
+        masked = outside | (positions[None, :] >= seq_lens[:, None])
+        slots = torch.where(masked, own, tile.slots.view(masked.shape)).reshape(-1)
         bias = torch.zeros(outside.shape, dtype=dtype, device=seq_lens.device)
         bias = bias.masked_fill_(outside, -math.inf)[:, None, None, :]
         if tile.bias is not None:
@@ -140,7 +146,7 @@ def window_plan(
         empty = (first >= tile.start + tile.tokens)[:, None, None]
         if tile.empty is not None:
             empty = empty | tile.empty
-        windowed.append(DecodeTile(tile.slots, bias, tile.tokens, empty, tile.start))
+        windowed.append(DecodeTile(slots, bias, tile.tokens, empty, tile.start))
     meta.window_plans[window] = plan = tuple(windowed)
     return plan
 
@@ -279,16 +285,16 @@ def _sequence_attention(
         raise ValueError(
             f"mask must be bool [{q_len}, {seq_len}], got {mask.dtype} {tuple(mask.shape)}"
         )
+    custom = mask is not None
     # Cache indices before ``first`` are outside every query's window: not gathered.
     first = max(0, seq_len - q_len - window + 1) if window else 0
-    windowed = window and seq_len > window
+    windowed = bool(window) and seq_len > window
     if windowed or softcap is not None:
-        # explicit mask: causal (or the given one), each query's window, from ``first``
-        allowed = causal_mask(q_len, seq_len, q.device) if mask is None else mask
-        if windowed:
-            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-            allowed = allowed & (torch.arange(seq_len, device=q.device)[None, :] > rows - window)
-        mask = allowed[:, first:]
+        # an explicit mask over the gathered keys: causal (or the given one) and windowed
+        keys = torch.arange(first, seq_len, device=q.device)[None, :]
+        rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+        allowed = mask[:, first:] if custom else keys <= rows
+        mask = allowed & (keys > rows - window) if windowed else allowed
     first_block = first // block_size
     ids = block_table[first_block : math.ceil(seq_len / block_size)]
     begin, end = first - first_block * block_size, seq_len - first_block * block_size
@@ -297,17 +303,19 @@ def _sequence_attention(
     k, v = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [H_kv, S, D]
     if softcap is not None:
         return _capped_attention(q, k, v, mask, scale, softcap)
-    if mask is not None:
-        is_causal = False
-    elif q.device.type == "cpu":
-        # Causal chunks on the CPU: torch's flash kernel (tiled, float32 sums) called
-        # directly, K/V repeated per query head; SDPA's dispatch took its math path for
-        # grouped-query K/V (scores materialised, masked with where/isneginf), ~3x slower
-        # for a 250-token prompt (5.8 against 1.8 ms a layer on 2 AVX2 cores; a 1,024-token
-        # prompt's prefill went from 212-216 to 307-330 tok/s).
+    if q.device.type == "cpu" and not custom:
+        # Causal (and windowed) chunks on the CPU: torch's flash kernel (tiled, float32
+        # sums) called directly, K/V repeated per query head; SDPA's dispatch took its
+        # math path for grouped-query K/V (scores materialised, masked with
+        # where/isneginf), ~3x slower for a 250-token prompt (5.8 against 1.8 ms a layer
+        # on 2 AVX2 cores; a 1,024-token prompt's prefill went from 212-216 to 307-330
+        # tok/s).
         group = num_heads // num_kv_heads
         bias = None
-        if q_len != seq_len:  # cached tokens before the chunk: its causal mask as a bias
+        if mask is not None:  # a window's: every row's keys past it
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~mask, -math.inf)
+        elif q_len != seq_len:  # cached tokens before the chunk: its causal mask as a bias
             bias = torch.zeros(q_len, seq_len, dtype=q.dtype, device=q.device)
             bias.masked_fill_(~causal_mask(q_len, seq_len, q.device), -math.inf)
         out, _ = _flash_cpu(
@@ -315,10 +323,12 @@ def _sequence_attention(
             k.repeat_interleave(group, dim=0)[None],
             v.repeat_interleave(group, dim=0)[None],
             bias,
-            q_len == seq_len,
+            mask is None and q_len == seq_len,
             scale,
         )
         return out[0].transpose(0, 1)
+    if mask is not None:
+        is_causal = False
     elif q_len == seq_len:
         # SDPA's causal mask is top-left aligned: right only when no tokens were cached before.
         is_causal = True

@@ -61,7 +61,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
         or config.sandwich_norms
         or config.hidden_activation != "silu"
         or config.attn_softcap is not None
-        or config.layer_windows
+        or len(set(config.layer_windows)) > 1
         or config.rotary_dim is not None
         or config.moe is not None
     )
@@ -74,6 +74,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
         config.intermediate_size,
         config.rms_norm_eps,
         config.scale,
+        config.window(0),  # every layer's, or 0
     )
     for layer in model.layers:
         stack.add_layer(

@@ -312,9 +312,9 @@ void register_decode_layers(pybind11::module& m) {
         py::arg("scales"), py::arg("mins"), py::arg("qtype"), py::arg("int4"),
         py::arg("int4_scales_zeros"), py::arg("int4_rows"), py::arg("bias"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double>(), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
-           py::arg("eps"), py::arg("scale"))
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0)
       .def("add_layer", &DecodeLayers::add_layer)
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       .def("forward", &DecodeLayers::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),

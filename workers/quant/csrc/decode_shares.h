@@ -87,7 +87,8 @@ inline int64_t DecodeLayers::row_shares(int64_t D, int64_t B, const int64_t* slo
   std::sort(written.begin(), written.end());
   const auto share_of = [D, shares](int64_t b) { return b < D ? b * shares / D : shares; };
   for (int64_t b = 0; b < D; ++b) {
-    for (int64_t j = 0; j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
+    for (int64_t j = skipped(seq_lens[b]) / block_size;
+         j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
       auto at = std::lower_bound(written.begin(), written.end(),
                                  std::pair<int64_t, int64_t>{tables[b * width + j], 0});
       for (; at != written.end() && at->first == tables[b * width + j]; ++at) {
@@ -293,7 +294,8 @@ inline void DecodeLayers::queue_next_kv(int64_t l, int64_t B, const C* k_cache,
   int64_t lines = 0;
   for (int64_t b = 0; b < decodes; ++b)
     for (const C* cache : {k_cache + layer_stride, v_cache + layer_stride})
-      for (int64_t j = 0; j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
+      for (int64_t j = skipped(seq_lens[b]) / block_size;
+           j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
         queue.add(cache + tables[b * width + j] * block_size * kv_size, block_bytes);
         lines += block_bytes / 64;
       }

@@ -67,16 +67,20 @@ constexpr int64_t kOneRun = 1;
 
 class DecodeLayers {
  public:
+  // window: every layer's sliding window (a row attends to its last `window` cache
+  // indices, its own included), 0 for none
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-               double eps, double scale)
+               double eps, double scale, int64_t window)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         intermediate_(intermediate),
+        window_(window),
         eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "DecodeLayers: heads must group over KV heads");
     TORCH_CHECK(head_dim % 2 == 0, "DecodeLayers: head_dim must be even");
+    TORCH_CHECK(window >= 0, "DecodeLayers: window must be >= 0");
   }
 
   void add_layer(const torch::Tensor& input_norm, const Linear& qkv, const Linear& o,
@@ -154,12 +158,17 @@ class DecodeLayers {
   void attend_all(const T* qkv, int64_t row, const C* k_cache, const C* v_cache,
                   const int64_t* seq_lens, const int64_t* tables, int64_t width,
                   int64_t block_size, int64_t B, T* out) const;
-  static c10::optional<torch::Tensor> causal_bias(const Prompt& prompt,
-                                                  const torch::TensorOptions& options);
+  // a decode row of seq_len tokens attends from this cache index on (its window's start)
+  int64_t skipped(int64_t seq_len) const {
+    return window_ ? std::max<int64_t>(0, seq_len - window_) : 0;
+  }
+  int64_t prompt_skip(const Prompt& prompt) const;
+  c10::optional<torch::Tensor> causal_bias(const Prompt& prompt,
+                                           const torch::TensorOptions& options) const;
   void attend_prompt(const torch::Tensor& qkv, const torch::Tensor& cache, const Prompt& prompt,
                      const c10::optional<torch::Tensor>& mask, torch::Tensor& attn) const;
 
-  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_, window_;
   float eps_, scale_;
   std::vector<Layer> layers_;
 };
