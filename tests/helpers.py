@@ -55,6 +55,12 @@ class TransformersReference:
         # A plain greedy loop over transformers' forward with its KV cache: generate()
         # would stop at EOS or mask it (min_new_tokens), while ignore_eos keeps going.
         tokens, gaps = [], []
+        # dynamic NTK RoPE keeps the longest length it has seen (transformers' rotary
+        # state outlives a sequence): each prompt starts from the model's fresh state
+        rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
+        if hasattr(rotary, "original_inv_freq"):
+            rotary.inv_freq.copy_(rotary.original_inv_freq)
+            rotary.max_seq_len_cached = rotary.original_max_seq_len
         with torch.no_grad():
             out = self.model(torch.tensor([prompt_ids]), use_cache=True)
             for _ in range(max_new_tokens):

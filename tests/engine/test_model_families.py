@@ -57,11 +57,27 @@ FAMILIES = {
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),
     ),
-    "phi3": (
+    # LongRoPE from a 32-token original context: the long prompt and every decode past
+    # it take the long factors
+    "phi3-longrope": (
         transformers.Phi3Config,
         dict(
             sliding_window=WINDOW,
-            rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5},
+            original_max_position_embeddings=32,
+            rope_parameters={
+                "rope_type": "longrope",
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.5, 2.0, 2.5],
+                "long_factor": [2.0, 4.0, 8.0, 16.0],
+            },
+        ),
+    ),
+    # dynamic NTK from a 32-token context: the long prompt and every decode past it
+    "llama-dynamic": (
+        transformers.LlamaConfig,
+        dict(
+            max_position_embeddings=32,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
         ),
     ),
     # experts on the outer layers (a shared one too), a dense middle layer
@@ -80,26 +96,32 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory, smollm2):
-    """The directory and transformers' model; weights scaled up so that the logits are
-    peaked (a random model's are nearly flat, and near-ties would hide mistakes)."""
-    config_cls, extra = FAMILIES[request.param]
+def build(name: str, path, tokenizer) -> transformers.PreTrainedModel:
+    """Family ``name``'s tiny model, saved with ``tokenizer`` at ``path``; weights scaled
+    up so that the logits are peaked (a random model's are nearly flat, and near-ties
+    would hide mistakes)."""
+    config_cls, extra = FAMILIES[name]
     torch.manual_seed(0)
     config = config_cls(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
                 param.normal_(0.5, 0.5)
-            elif name.endswith("mlp.gate.weight"):  # MoE routers: no near-tie choices
+            elif param_name.endswith("mlp.gate.weight"):  # MoE routers: no near-tie choices
                 param.normal_(0.0, 1.0)
             else:
                 param.mul_(4.0)
-    path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path, model
+    tokenizer.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory, smollm2):
+    """The directory and transformers' model."""
+    path = tmp_path_factory.mktemp(request.param)
+    return path, build(request.param, path, smollm2.tokenizer)
 
 
 def greedy(**kwargs) -> SamplingParams:
@@ -120,7 +142,7 @@ def test_engine_paths_match_transformers(family):
     # a 16-token step budget chunks the long prompt; 48 blocks of 4 tokens are too few
     # for all of them at full length, so the youngest is preempted and recomputed (where
     # every layer has a window, blocks behind it are given back: 20 are too few then)
-    windowed = bool(model.config.sliding_window) and all(
+    windowed = bool(getattr(model.config, "sliding_window", None)) and all(
         kind == "sliding_attention" for kind in getattr(model.config, "layer_types", None) or ()
     )
     engine = Engine(
@@ -202,3 +224,31 @@ def test_blocks_behind_every_window_are_given_back(static_decode, tmp_path, smol
     assert_greedy_matches(
         tokens_of(outputs["windowed"]), TransformersReference(model).greedy(tuple(prompt), 24)
     )
+
+
+def test_long_prompts_share_blocks_only_with_prompts_of_their_length(tmp_path, smollm2):
+    """Dynamic NTK: a prompt past the original context computes its K/V with the base its
+    whole length stretches (as transformers' forward over it), so two such prompts with a
+    common prefix share no block, while the same prompt again takes every full block from
+    the prefix cache; each answer is transformers'."""
+    model = build("llama-dynamic", tmp_path, smollm2.tokenizer)
+    reference = TransformersReference(model)
+    engine = Engine(
+        EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=96)
+    )
+    shared = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompts = {
+        "a": shared + [7, 8, 9],
+        "b": shared + [10, 11, 12, 13],
+        "a-again": shared + [7, 8, 9],
+    }
+    hits = []
+    for request_id, prompt in prompts.items():
+        before = engine.stats().prefix_cache.hits
+        engine.add_request(request_id, prompt, greedy())
+        outputs = run_engine(engine)
+        hits.append(engine.stats().prefix_cache.hits - before)
+        assert_greedy_matches(
+            tokens_of(outputs[request_id]), reference.greedy(tuple(prompt), MAX_TOKENS)
+        )
+    assert hits == [0, 0, (43 - 1) // 4 * 4]

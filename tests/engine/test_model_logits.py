@@ -142,6 +142,33 @@ CASES = {
             },
         ),
     ),
+    # a prompt past LongRoPE's original context: every position takes the long factors
+    # (transformers' forward sees the prompt's whole length), chunked or not
+    "phi3-longrope-past-original": (
+        transformers.Phi3Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+                "long_factor": [2.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0],
+            },
+            original_max_position_embeddings=16,
+        ),
+    ),
+    # dynamic NTK: a 30-token prompt past the 16-token context the base was set for
+    "llama-dynamic": (
+        transformers.LlamaConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+        ),
+    ),
     # fused q/k/v and gate/up, partial rotary (12 of 16 dimensions), LongRoPE inside
     # its original context (past it: ``test_longrope_past_the_original_context``), a
     # sliding window
@@ -218,14 +245,16 @@ def tiny_model_dir(request, tmp_path_factory, smollm2):
     return path, model.eval()
 
 
-def _run_ours(path, prompt: list[int]) -> dict[int, torch.Tensor]:
-    """Logits at the rows we compute: end of a prefill, end of a chunk, each decode."""
+def _run_ours(path, prompt: list[int], prompt_len: int | None = None) -> dict[int, torch.Tensor]:
+    """Logits at the rows we compute: end of a prefill, end of a chunk, each decode; the
+    request's prompt is ``prompt``'s first ``prompt_len`` tokens (default all), the rest
+    computed as if generated."""
     loaded = load_model(path, "float32")
     kv = KVCacheManager(num_blocks=16, block_size=4)
     cache = allocate_kv_cache(loaded.config, 16, 4, torch.float32, torch.device("cpu"))
     runner = ModelRunner(loaded.model, kv, cache)
     seq = Sequence(
-        request=Request("s", tuple(prompt)),
+        request=Request("s", tuple(prompt[:prompt_len])),
         seed=0,
         token_ids=[],
         detokenizer=None,
@@ -288,7 +317,7 @@ def test_longrope_past_the_original_context(tmp_path, smollm2):
         for i in range(13, 30):
             out = hf_model(torch.tensor([[prompt[i]]]), cache=out.cache, use_cache=True)
             expected[i] = out.logits[0, -1]
-    ours = _run_ours(tmp_path, prompt)
+    ours = _run_ours(tmp_path, prompt, prompt_len=13)
     assert sorted(ours) == [12, 18, *range(19, 30)]
     for row in ours:
         torch.testing.assert_close(

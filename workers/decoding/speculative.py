@@ -262,6 +262,7 @@ class Speculator:
                         seq.token_ids[start:],
                         start,
                         logits_rows=(seq.num_tokens - start - 1,),
+                        prompt_len=len(seq.request.prompt_token_ids),
                     )
                 )
             logits = draft.runner.execute(chunks)

@@ -138,7 +138,12 @@ class Engine:
         self.hash_keys: tuple[str, ...] = (self.loaded.model_id, self.loaded.precision)
         if self.loaded.kernels:
             self.hash_keys += (self.loaded.kernels,)
-        self.hasher = BlockHasher(self.kv, config.enable_prefix_caching, self.hash_keys)
+        self.hasher = BlockHasher(
+            self.kv,
+            config.enable_prefix_caching,
+            self.hash_keys,
+            self.loaded.model.rope.context_key,
+        )
         self.requests = LiveRequests(self.batcher)
         self.groups = self.requests.groups  # by request id
         self.counters = StepCounters(self.speculator)

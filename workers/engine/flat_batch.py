@@ -40,6 +40,8 @@ class Chunk:
     may attend; None means causal by cache index.
     ``logits_rows``: the new tokens (indices into ``token_ids``) whose next-token
     logits the caller wants, in this order.
+    ``prompt_len``: its sequence's prompt length, a token's RoPE context being
+    ``max(prompt_len, position + 1)`` (``rope.RotaryEmbedding``); 0: ``position + 1``.
     """
 
     seq_id: str
@@ -48,6 +50,7 @@ class Chunk:
     positions: Seq[int] | None = None
     mask: torch.Tensor | None = None
     logits_rows: Seq[int] = ()
+    prompt_len: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

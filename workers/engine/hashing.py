@@ -2,12 +2,15 @@
 prefix cache.
 
 A block's hash chains its parent's, its tokens and the keys that change its K/V
-besides them (model, precision, kernels, the request's salt). Blocks from a
+besides them (model, precision, kernels, the request's salt, and for a RoPE that
+depends on the sequence's length, a long prompt's length: ``prompt_keys``). Blocks from a
 sequence's first parallel set on are never hashed: their K/V depend on positions and
 masks, not tokens alone; ``block_hashes`` covers real tokens only (never drafts).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from tessera.workers.engine.sequence import Sequence
 from tessera.workers.kv.manager import KVCacheManager
@@ -15,10 +18,17 @@ from tessera.workers.kv.prefix_cache import extend_block_hashes
 
 
 class BlockHasher:
-    def __init__(self, kv: KVCacheManager, enabled: bool, hash_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        enabled: bool,
+        hash_keys: tuple[str, ...],
+        context_key: Callable[[int], str] = lambda prompt_len: "",
+    ) -> None:
         self.kv = kv
         self.enabled = enabled
         self.hash_keys = hash_keys
+        self.context_key = context_key  # RotaryEmbedding.context_key
         #: Sequences whose last token filled a block, hashed at the next step's start
         #: (``filled``): nothing reads a sequence's hashes before then but speculative
         #: verification, which hashes its own sequence first.
@@ -44,7 +54,7 @@ class BlockHasher:
         end = seq.parallel_sets[0][0] if seq.parallel_sets else len(seq.token_ids)
         if end // self.kv.block_size <= len(seq.block_hashes):
             return  # no block has filled (most tokens fill none)
-        keys = (*self.hash_keys, seq.request.cache_salt or "")
+        keys = self.prompt_keys(len(seq.request.prompt_token_ids), seq.request.cache_salt)
         if seq.request.sampling.prompt_logprobs is not None:
             # Every prompt position's logits are needed, and a cached block holds only
             # K/V: such a prompt runs whole, so it neither matches nor is matched (its
@@ -52,6 +62,13 @@ class BlockHasher:
             keys = (*keys, seq.request.request_id)
         token_ids = seq.token_ids if end == len(seq.token_ids) else seq.token_ids[:end]
         extend_block_hashes(seq.block_hashes, token_ids, self.kv.block_size, keys)
+
+    def prompt_keys(self, prompt_len: int, cache_salt: str | None) -> tuple[str, ...]:
+        """The hash keys of a request's blocks: the engine's, its salt's and what its
+        prompt's length changes (``RotaryEmbedding.context_key``)."""
+        keys = (*self.hash_keys, cache_salt or "")
+        context = self.context_key(prompt_len)
+        return (*keys, context) if context else keys
 
     def cache_computed(self, seq: Sequence, first_full: int) -> None:
         """Offer the prefix cache ``seq``'s full blocks from block ``first_full`` up to the

@@ -195,6 +195,7 @@ class Sequence:
             positions=None if self.positions is None else self.positions[start:end],
             mask=parallel_mask(self.parallel_sets, start, end, mode.mode) if mode else None,
             logits_rows=rows,
+            prompt_len=len(self.request.prompt_token_ids),
         )
 
 

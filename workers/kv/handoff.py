@@ -32,6 +32,10 @@ class _KVCacheHolder(Protocol):
     def kv_cache(self) -> torch.Tensor: ...  # [layers, 2, num_blocks, block_size, heads, dim]
 
 
+class _PromptKeys(Protocol):
+    def prompt_keys(self, prompt_len: int, cache_salt: str | None) -> tuple[str, ...]: ...
+
+
 class HandoffEngine(Protocol):
     """What a handoff needs of the engine that owns it (``Engine``): described here, not
     imported, because the engine imports this module."""
@@ -43,7 +47,7 @@ class HandoffEngine(Protocol):
     def runner(self) -> _KVCacheHolder: ...
 
     @property
-    def hash_keys(self) -> tuple[str, ...]: ...
+    def hasher(self) -> _PromptKeys: ...
 
     def exclusive(self) -> AbstractContextManager[None]:
         """Held: no engine step runs."""
@@ -79,7 +83,7 @@ class BlockHandoff:
     def prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
         """The content hashes of the prompt's full blocks (as the engine computes them)."""
         hashes: list[bytes] = []
-        keys = (*self.engine.hash_keys, cache_salt or "")
+        keys = self.engine.hasher.prompt_keys(len(token_ids), cache_salt)
         extend_block_hashes(hashes, token_ids, self.engine.kv.block_size, keys)
         return hashes
 

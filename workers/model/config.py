@@ -48,7 +48,7 @@ SUPPORTED_ARCHITECTURES = (
     "qwen2_moe",
     "qwen3_moe",
 )
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "freq_factors")
 #: ``freq_factors``: each rotary frequency divided by its own factor, as a GGUF file's
 #: ``rope_freqs`` tensor gives them (llama.cpp's converter writes Llama 3's scaling so)
 #: Gate activations of the MLP (``act(gate) * up``), by their transformers names.
@@ -304,6 +304,15 @@ class ModelConfig:
             scaling["original_max_position_embeddings"] = original  # Phi-3's takes precedence
         if scaling is not None and scaling["rope_type"] == "yarn":
             scaling.setdefault("original_max_position_embeddings", original)
+        max_positions = hf.get("max_position_embeddings", 2048)
+        if scaling is not None and scaling["rope_type"] == "dynamic":
+            # dynamic NTK scaling stretches the base past the configured context (its
+            # original length here), up to ``factor`` times it
+            factor = scaling.get("factor")
+            if not isinstance(factor, (int, float)) or factor < 1:
+                raise ValueError(f"rope_scaling.factor: must be a number >= 1, got {factor!r}")
+            scaling["original_max_position_embeddings"] = max_positions
+            max_positions = int(max_positions * factor)
         partial = hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         rotary_dim = None
         if partial != 1.0:
@@ -336,7 +345,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,

@@ -334,6 +334,7 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # [S]: rows of the batch whose next-token logits we need
         native: bool = False,
         argmax_only: bool = False,
+        rope_contexts: torch.Tensor | None = None,  # [T]: RotaryEmbedding.lookup's contexts
     ) -> torch.Tensor:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab],
         or with ``argmax_only`` each of those rows' argmax (int64 [S], ``argmax_rows``'
@@ -350,7 +351,7 @@ class LlamaModel(nn.Module):
             hidden = self.embed_tokens(input_ids).float()
         if self.config.embedding_scale is not None:  # (a float32 scalar, as transformers')
             hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=torch.float32)
-        cos, sin = self.rope.lookup(positions)
+        cos, sin = self.rope.lookup(positions, rope_contexts)
         stack = self.native_layers() if native and meta.attn_masks is None else None
         if stack is not None:
             decodes, starts = meta.num_decodes, meta.query_start_loc_list

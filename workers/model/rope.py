@@ -3,6 +3,16 @@
 The cos/sin tables are computed exactly as Hugging Face does (``position * inv_freq``
 in float32, elementwise), so a table lookup gives bit-identical values to
 transformers' on-the-fly computation.
+
+Two scalings depend on the length of the sequence as well as the position: LongRoPE
+(short factors up to the original context, long ones past it) and dynamic NTK (the base
+stretched for a sequence past the original context). transformers picks them from the
+length its forward sees, ``max(position) + 1``: a prompt's whole length at its prefill,
+``position + 1`` at each decode step. A token's **context** here is that length,
+``max(prompt length, position + 1)``, whatever the chunking (a prompt computed in
+chunks, recomputed after preemption or on another worker takes its prompt's length): the
+numbers transformers' ``generate`` gives. K/V of a prompt longer than the original
+context then depend on its length, which ``context_key`` adds to its blocks' hashes.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ def inverse_frequencies(config: ModelConfig, long: bool = False) -> torch.Tensor
         factors = scaling["long_factor" if long else "short_factor"]
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta**exponents)
     inv_freq = 1.0 / (config.rope_theta**exponents)
-    if scaling is None:
+    if scaling is None or scaling["rope_type"] == "dynamic":  # (dynamic: its unstretched base)
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
@@ -107,36 +117,88 @@ def attention_factor(config: ModelConfig) -> float:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin for every position up to the model's context length.
-
-    LongRoPE: positions inside the original context take the short factors, those past
-    it the long ones (a position's K/V never depends on how long its sequence grows, so
-    prefix caching and recomputation stay exact). transformers instead switches a whole
-    forward to the long factors once its longest position passes the original context:
-    the two agree on every position before it while no sequence passes it, and on every
-    position past it."""
+    """Precomputed cos/sin for every position up to the model's context length; for
+    LongRoPE a second table (its long factors), for dynamic NTK the stretched angles
+    computed per token (see the module docstring)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        scaling = config.rope_scaling or {}
+        self.kind = scaling.get("rope_type", "default")
+        self.original = scaling.get("original_max_position_embeddings") or 0
+        self.dtype, self.device = dtype, device
+        self.scale = attention_factor(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
-        freqs = positions[:, None] * inverse_frequencies(config)[None, :]  # [max_pos, dim // 2]
-        scaling = config.rope_scaling
-        if scaling is not None and scaling["rope_type"] == "longrope":
-            original = _yarn_original_context(config)
-            long = positions[original:, None] * inverse_frequencies(config, long=True)[None, :]
-            freqs[original:] = long
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, rotary_dims]
-        cos, sin = emb.cos(), emb.sin()
-        if (scale := attention_factor(config)) != 1.0:
-            cos, sin = cos * scale, sin * scale
-        self.cos = cos.to(device=device, dtype=dtype)
-        self.sin = sin.to(device=device, dtype=dtype)
+        self.cos, self.sin = self._table(positions, inverse_frequencies(config))
+        if self.kind == "longrope":
+            long = inverse_frequencies(config, long=True)
+            self.long_cos, self.long_sin = self._table(positions, long)
+        if self.kind == "dynamic":
+            self.base, self.factor = config.rope_theta, float(scaling["factor"])
+            dim = config.rotary_dims
+            self.exponents = (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim).to(
+                device
+            )
+            self.stretch = dim / (dim - 2)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for the batch's positions [T]; once per step, not per layer."""
-        return (
-            self.cos.index_select(0, positions).unsqueeze(1),
-            self.sin.index_select(0, positions).unsqueeze(1),
+    def _table(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None] * inv_freq[None, :]  # [positions, dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [positions, rotary_dims]
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(device=self.device, dtype=self.dtype), sin.to(
+            device=self.device, dtype=self.dtype
         )
+
+    @property
+    def context_dependent(self) -> bool:
+        """Whether a token's angles depend on its context, not its position alone."""
+        return self.kind in ("longrope", "dynamic")
+
+    def context_key(self, prompt_len: int) -> str:
+        """What a prompt of ``prompt_len`` tokens adds to its blocks' hash keys: its
+        length where that changes its K/V (past the original context), else nothing."""
+        if self.context_dependent and prompt_len > self.original:
+            return f"rope-context:{prompt_len}"
+        return ""
+
+    def lookup(
+        self, positions: torch.Tensor, contexts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for the batch's positions [T] (and each token's context
+        [T], ``max(prompt length, position + 1)``; None: ``position + 1``, as every token
+        of a decode step has); once per step, not per layer."""
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        if self.context_dependent:
+            if contexts is None:
+                contexts = positions + 1
+            past = (contexts > self.original)[:, None]  # past the original context
+            if self.kind == "longrope":
+                cos = torch.where(past, self.long_cos.index_select(0, positions), cos)
+                sin = torch.where(past, self.long_sin.index_select(0, positions), sin)
+            else:
+                stretched_cos, stretched_sin = self._stretched(positions, contexts)
+                cos, sin = (
+                    torch.where(past, stretched_cos, cos),
+                    torch.where(past, stretched_sin, sin),
+                )
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _stretched(
+        self, positions: torch.Tensor, contexts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic NTK's angles for each token's context, as transformers computes its
+        base for a forward of that length (float32, the same operations in order)."""
+        seq_len = contexts[:, None]  # [T, 1] int64
+        base = self.base * ((self.factor * seq_len / self.original) - (self.factor - 1)) ** (
+            self.stretch
+        )
+        inv_freq = 1.0 / (base**self.exponents)  # [T, dim // 2]
+        freqs = positions[:, None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
