@@ -93,6 +93,33 @@ def tokenizer_fields(smollm2_path) -> dict[str, list]:
     }
 
 
+def _random_k_blocks(
+    block_bytes: int, scales: tuple[int, ...]
+) -> Callable[[tuple[int, int]], np.ndarray]:
+    """Random valid blocks of a K-quant type (``gguf`` can read them but not write them):
+    random bytes, with the f16 scales at byte offsets ``scales`` of each block drawn
+    small and finite."""
+
+    def blocks(shape: tuple[int, int]) -> np.ndarray:
+        rows, cols = shape
+        rng = np.random.default_rng(rows * 7919 + cols)
+        data = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
+        for offset in scales:
+            f16 = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
+            data[:, :, offset : offset + 2] = f16.view(np.uint8).reshape(rows, cols // 256, 2)
+        return data.reshape(rows, -1)
+
+    return blocks
+
+
+#: How a test writes each K-quant type: its block size in bytes, its f16 scales' offsets.
+_K_QUANTS = {
+    GGMLQuantizationType.Q4_K: _random_k_blocks(144, (0, 2)),
+    GGMLQuantizationType.Q5_K: _random_k_blocks(176, (0, 2)),
+    GGMLQuantizationType.Q6_K: _random_k_blocks(210, (208,)),
+}
+
+
 def _write_gguf(
     path,
     model,
@@ -100,19 +127,22 @@ def _write_gguf(
     tokenizer: dict[str, list],
     extra: Callable[[GGUFWriter], None] | None = None,
     arch: str = "llama",
-    head_dim: int = HIDDEN // HEADS,
+    head_dim: int | None = None,
     rope_dims: int | None = None,
 ) -> None:
     """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors."""
+    config = model.config
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, KV_HEADS
+    head_dim = head_dim or hidden // heads
     writer = GGUFWriter(str(path), arch)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(model.config.num_hidden_layers)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(rope_dims or head_dim)
-    if head_dim != HIDDEN // HEADS:
+    if head_dim != hidden // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(10000.0)
@@ -135,12 +165,14 @@ def _write_gguf(
         if arch == "llama" and name.endswith(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
-            data = _permute_rotary(data, HEADS if "q_proj" in name else KV_HEADS)
+            data = _permute_rotary(data, heads if "q_proj" in name else kv_heads)
         kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(name, arch), data)
         else:
-            packed = quants.quantize(data, kind)
+            packed = (
+                _K_QUANTS[kind](data.shape) if kind in _K_QUANTS else quants.quantize(data, kind)
+            )
             writer.add_tensor(
                 _gguf_name(name, arch), packed, raw_shape=packed.shape, raw_dtype=kind
             )
@@ -216,22 +248,37 @@ def test_gguf_metadata_and_tensors_it_does_not_implement_are_refused(
     assert str(refused.value).startswith(message)
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
-def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields):
+@pytest.mark.parametrize(
+    "qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+)
+def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields, caplog):
+    """Each type read by us and by transformers (both dequantise with ``gguf``; Q4_0,
+    Q4_1 and Q8_0 stay packed on our side). The K-quants' blocks are random (``gguf``
+    cannot write them), on a model 256 wide (their blocks' width); the other types are
+    expanded at load, which one log line says."""
     torch.manual_seed(0)
-    model = _tiny_llama()
+    wide = qtype.endswith("_K")
+    model = _tiny_llama(hidden_size=256, intermediate_size=512) if wide else _tiny_llama()
     path = tmp_path / f"tiny-{qtype}.gguf"
     _write_gguf(path, model, GGMLQuantizationType[qtype], tokenizer_fields)
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     ).eval()
-    ours = load_model(path, "float32")
+    with caplog.at_level("INFO", logger="tessera.workers.model.gguf_model"):
+        ours = load_model(path, "float32")
+    expanded = [r.message for r in caplog.records if "expanded to float32" in r.message]
+    if qtype in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1"):
+        assert expanded == []
+    else:
+        assert len(expanded) == 1 and expanded[0].startswith(f"{path.name}: {qtype} expanded")
     prompt = ours.tokenizer("Quantised weights, read two ways.").input_ids
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
-    if qtype != "F32":  # the quantisation really happened: weights differ from the originals
+    if (
+        qtype != "F32" and not wide
+    ):  # the quantisation really happened: weights differ from the originals
         assert not torch.equal(
             ours.model.layers[0].down_proj.dense_weight().t(),
             model.model.layers[0].mlp.down_proj.weight,
