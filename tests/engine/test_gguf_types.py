@@ -210,8 +210,14 @@ def _tiny_llama(**config) -> transformers.LlamaForCausalLM:
             lambda w: (
                 w.add_rope_scaling_type(RopeScalingType.YARN),
                 w.add_rope_scaling_factor(4.0),
+                w.add_rope_scaling_orig_ctx_len(64),
+                w.add_rope_scaling_yarn_log_mul(0.1),
             ),
-            "model: GGUF llama.rope.scaling.type 'yarn' is not supported (none, linear)",
+            "model: GGUF llama.rope.scaling.yarn_log_multiplier 0.1",
+        ),
+        (
+            lambda w: w.add_rope_scaling_type(RopeScalingType.LONGROPE),
+            "model: GGUF LongRoPE scaling without a 'rope_factors_short.weight' tensor",
         ),
         (
             lambda w: w.add_tensor("blk.0.attn_sinks.weight", np.ones(HEADS, np.float32)),
@@ -233,7 +239,13 @@ def _tiny_llama(**config) -> transformers.LlamaForCausalLM:
             "model: GGUF tensor 'blk.0.ffn_gate_exps.weight' is not supported",
         ),
     ],
-    ids=["yarn-rope", "unknown-tensor", "experts", "two-rope-scalings"],
+    ids=[
+        "yarn-log-multiplier",
+        "longrope-without-factors",
+        "unknown-tensor",
+        "two-rope-scalings",
+        "experts",
+    ],
 )
 def test_gguf_metadata_and_tensors_it_does_not_implement_are_refused(
     extra, message, tmp_path, tokenizer_fields
@@ -467,6 +479,7 @@ def test_phi3_gguf_matches_transformers(tmp_path, tokenizer_fields):
 
     def extra(w: GGUFWriter) -> None:
         w.add_sliding_window(8)
+        w.add_rope_scaling_type(RopeScalingType.LONGROPE)
         w.add_rope_scaling_orig_ctx_len(64)
         w.add_rope_scaling_attn_factors(attn_factor)
         w.add_tensor("rope_factors_long.weight", np.array(long, np.float32))
@@ -480,6 +493,38 @@ def test_phi3_gguf_matches_transformers(tmp_path, tokenizer_fields):
     assert ours.config.rotary_dims == 12 and ours.config.layer_windows == (8, 8)
     prompt = ours.tokenizer(_LONG_PROMPT).input_ids
     assert 3 * 8 < len(prompt) <= 64
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_yarn_gguf_matches_transformers(tmp_path, tokenizer_fields):
+    """A Qwen2 with YaRN RoPE (Qwen2.5's long-context setting) as the converter writes it
+    (``rope.scaling.type`` yarn, its factor, original context and betas), read by us,
+    against transformers running the model it was written from, on a prompt past the
+    original context."""
+    torch.manual_seed(0)
+    scaling = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+    }  # fmt: skip
+    model = _peaked(
+        transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, rope_parameters=scaling))
+    )
+
+    def extra(w: GGUFWriter) -> None:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(16)
+        w.add_rope_scaling_yarn_beta_fast(32.0)
+        w.add_rope_scaling_yarn_beta_slow(1.0)
+
+    path = tmp_path / "tiny-yarn.gguf"
+    _write_gguf(path, model, GGMLQuantizationType.F32, tokenizer_fields, extra, arch="qwen2")
+    ours = load_model(path, "float32")
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    prompt = ours.tokenizer(_LONG_PROMPT).input_ids
+    assert len(prompt) > 16
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)

@@ -114,7 +114,18 @@ _GLOBAL_NAMES = {
 }
 #: GGUF RoPE scaling types implemented (``{arch}.rope.scaling.type``); any other would
 #: give wrong positions, so it is refused rather than ignored.
-ROPE_SCALING = ("none", "linear")
+ROPE_SCALING = ("none", "linear", "yarn", "longrope")
+#: YaRN keys as the converter writes them -> transformers' ``rope_scaling`` names.
+_YARN_KEYS = {
+    "rope.scaling.factor": "factor",
+    "rope.scaling.original_context_length": "original_max_position_embeddings",
+    "rope.scaling.yarn_beta_fast": "beta_fast",
+    "rope.scaling.yarn_beta_slow": "beta_slow",
+    "rope.scaling.yarn_attn_factor": "attention_factor",
+}
+#: YaRN keys that llama.cpp reads and transformers' YaRN has no counterpart for (other
+#: than their neutral value): refused unless neutral.
+_YARN_NEUTRAL = {"rope.scaling.yarn_ext_factor": 1.0, "rope.scaling.yarn_log_multiplier": 0.0}
 #: Per-frequency RoPE divisors (Llama 3's scaling, as llama.cpp's converter writes it).
 ROPE_FREQS = "rope_freqs.weight"
 #: LongRoPE's factors (Phi-3).
@@ -266,6 +277,16 @@ def _hf_config(
             f"({', '.join(ROPE_SCALING)})"
         )
     scaling = None
+    if scaling_type == "yarn":
+        scaling = {"rope_type": "yarn"}
+        for key, name in _YARN_KEYS.items():
+            if (value := field(key)) is not None:
+                scaling[name] = value
+        for key, neutral in _YARN_NEUTRAL.items():
+            if field(key, neutral) not in (neutral, -1.0):  # -1: llama.cpp's "derive it"
+                raise ValueError(
+                    f"model: GGUF {arch}.{key} {field(key)!r} is not supported ({neutral})"
+                )
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": field("rope.scaling.factor")}
 
@@ -281,10 +302,10 @@ def _hf_config(
         )
     if ROPE_FREQS in tensors:
         scaling = {"rope_type": "freq_factors", "factors": factors(ROPE_FREQS)}
-    elif any(name in tensors for name in ROPE_FACTORS):
+    elif scaling_type == "longrope" or any(name in tensors for name in ROPE_FACTORS):
         missing = [name for name in ROPE_FACTORS if name not in tensors]
         if missing:
-            raise ValueError(f"model: GGUF LongRoPE factors without {missing[0]!r}")
+            raise ValueError(f"model: GGUF LongRoPE scaling without a {missing[0]!r} tensor")
         scaling = {
             "rope_type": "longrope",
             "short_factor": factors(ROPE_FACTORS[0]),
