@@ -68,6 +68,12 @@ def validate_request(
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         token_ids = tuple(tokenize(prompt))
+        if token_ids and max(token_ids) >= model.vocab_size:  # another tokenizer's ids
+            raise InvalidRequestError(
+                "prompt",
+                f"the tokenizer gave token id {max(token_ids)}, out of the model's "
+                f"vocabulary [0, {model.vocab_size}) (is --tokenizer the model's?)",
+            )
     else:
         token_ids = tuple(prompt)
         check_prompt_ids(token_ids, model.vocab_size)

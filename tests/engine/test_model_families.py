@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tessera.workers.api import SamplingParams, SpeculativeParams
+from tessera.workers.api import InvalidRequestError, SamplingParams, SpeculativeParams
 from tessera.workers.config import EngineConfig
 from tessera.workers.engine.cuda_graphs import DecodeGraphs
 from tessera.workers.engine.engine import Engine
@@ -252,3 +252,16 @@ def test_long_prompts_share_blocks_only_with_prompts_of_their_length(tmp_path, s
             tokens_of(outputs[request_id]), reference.greedy(tuple(prompt), MAX_TOKENS)
         )
     assert hits == [0, 0, (43 - 1) // 4 * 4]
+
+
+def test_a_text_prompt_past_the_models_vocabulary_is_refused(tmp_path, smollm2):
+    """A tokenizer larger than the model's vocabulary (here SmolLM2's beside a 512-token
+    model) gives a clear error naming the field and the limit, never an index error."""
+    build("qwen3", tmp_path, smollm2.tokenizer)
+    engine = Engine(EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=16))
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.add_request("text", "Hello there", greedy())
+    assert str(refused.value) == (
+        "prompt: the tokenizer gave token id 19556, out of the model's vocabulary "
+        "[0, 512) (is --tokenizer the model's?)"
+    )
