@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
 import random
@@ -148,7 +149,16 @@ def report(
         print("  ".join(_fmt(r[k]).ljust(w) for k, w in zip(keys, widths, strict=True)))
     path = RESULTS / f"{name}.json"
     path.write_text(
-        json.dumps({"benchmark": name, "machine": machine(), **meta, "rows": rows}, indent=2)
+        json.dumps(
+            {
+                "benchmark": name,
+                "date": datetime.date.today().isoformat(),
+                "machine": machine(),
+                **meta,
+                "rows": rows,
+            },
+            indent=2,
+        )
     )
     import matplotlib
 

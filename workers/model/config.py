@@ -48,6 +48,10 @@ SUPPORTED_ARCHITECTURES = (
     "qwen2_moe",
     "qwen3_moe",
 )
+#: The families whose fast mode (``dtype="auto"`` on a CPU with the AVX512_BF16 kernels)
+#: met its quality contract against the exact mode (``benchmarks/fast_mode_families.py``,
+#: ``tests/engine/test_fast_mode_families.py``); ``auto`` is exact for the others.
+FAST_MODE_FAMILIES = SUPPORTED_ARCHITECTURES
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "freq_factors")
 #: ``freq_factors``: each rotary frequency divided by its own factor, as a GGUF file's
 #: ``rope_freqs`` tensor gives them (llama.cpp's converter writes Llama 3's scaling so)

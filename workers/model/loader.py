@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.hugepages import move_to_huge_pages
-from tessera.workers.model.config import NORM_PLUS_ONE, ModelConfig
+from tessera.workers.model.config import FAST_MODE_FAMILIES, NORM_PLUS_ONE, ModelConfig
 from tessera.workers.model.gguf_model import read_gguf
 from tessera.workers.model.llama import LlamaModel
 from tessera.workers.model.sources import (
@@ -180,7 +180,8 @@ def load_model(
     registers); otherwise every tensor is dequantised to a dense one at load.
 
     ``dtype="auto"``: the fast mode (``LoadedModel.precision == "fast"``) where
-    ``fast_mode_available`` and the file has packed Q4 matrices or a tied Q8_0 head: a
+    ``fast_mode_available``, the family met the fast mode's contract
+    (``FAST_MODE_FAMILIES``) and the file has packed Q4 matrices or a tied Q8_0 head: a
     float32 model whose Q4 matrices and head multiply bf16-rounded inputs through the
     AVX512_BF16 kernels; else float32."""
     if dtype not in (AUTO_DTYPE, *DTYPES):
@@ -196,6 +197,9 @@ def load_model(
         state = {k: v.to(device) if isinstance(v, PackedWeight) else v for k, v in state.items()}
     else:
         config, state = _read_hf_dir(resolved)
+    if fast and config.architecture not in FAST_MODE_FAMILIES:
+        logger.info("auto: %s is exact here (no fast mode measured for it)", config.architecture)
+        fast = False
     if tokenizer is None:  # else the caller's (``--tokenizer``, ``--chat-template``)
         tokenizer = load_tokenizer(resolved)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
