@@ -265,3 +265,37 @@ def test_a_text_prompt_past_the_models_vocabulary_is_refused(tmp_path, smollm2):
         "prompt: the tokenizer gave token id 19556, out of the model's vocabulary "
         "[0, 512) (is --tokenizer the model's?)"
     )
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "mistral-window", "gemma2"])
+def test_blocks_moved_between_engines_give_transformers_tokens(name, tmp_path, smollm2):
+    """Prefill on one engine, decode on another (the KV handoff of prefill/decode
+    disaggregation): a prompt past dynamic NTK's original context (its blocks hashed with
+    its length on both sides), past a window that gave its blocks back on the sender (they
+    stay in its prefix cache, where the handoff finds them), or past Gemma's local layers'
+    window; the receiver takes every moved block as a prefix hit and answers as
+    transformers does."""
+    model = build(name, tmp_path, smollm2.tokenizer)
+
+    def engine() -> Engine:
+        config = EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64)
+        return Engine(config)
+
+    sender, receiver = engine(), engine()
+    ids = torch.randint(3, VOCAB, (41,), generator=torch.Generator().manual_seed(6)).tolist()
+    sender.add_request("prefill", ids, SamplingParams(max_tokens=1, temperature=0))
+    run_engine(sender)
+    usable = (len(ids) - 1) // 4
+    hashes = sender.handoff.prompt_hashes(ids, None)[:usable]
+    blocks = sender.handoff.export(hashes)
+    assert blocks is not None and len(blocks) == usable
+    reservation = receiver.handoff.reserve(0, hashes)
+    for i, kv in enumerate(blocks):
+        receiver.handoff.write(reservation, i, kv)
+    receiver.handoff.commit(reservation)
+    receiver.add_request("decode", ids, greedy())
+    outputs = run_engine(receiver)
+    assert receiver.stats().prefix_cache.hits == usable * 4
+    assert_greedy_matches(
+        tokens_of(outputs["decode"]), TransformersReference(model).greedy(tuple(ids), MAX_TOKENS)
+    )
