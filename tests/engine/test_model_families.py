@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tessera.workers.api import InvalidRequestError, SamplingParams, SpeculativeParams
+from tessera.workers.api import InvalidRequestError, Resume, SamplingParams, SpeculativeParams
 from tessera.workers.config import EngineConfig
 from tessera.workers.engine.cuda_graphs import DecodeGraphs
 from tessera.workers.engine.engine import Engine
@@ -299,3 +299,21 @@ def test_blocks_moved_between_engines_give_transformers_tokens(name, tmp_path, s
     assert_greedy_matches(
         tokens_of(outputs["decode"]), TransformersReference(model).greedy(tuple(ids), MAX_TOKENS)
     )
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "phi3-longrope", "gemma3"])
+def test_a_resumed_request_continues_as_transformers(name, tmp_path, smollm2):
+    """Failover: a fresh engine resumes a request whose first tokens another worker sent
+    (recomputing them after the prompt, as the prompt's own length keeps the RoPE
+    contexts of dynamic NTK and LongRoPE as they were), and goes on with transformers'
+    tokens."""
+    model = build(name, tmp_path, smollm2.tokenizer)
+    ids = torch.randint(3, VOCAB, (20,), generator=torch.Generator().manual_seed(7)).tolist()
+    expected = TransformersReference(model).greedy(tuple(ids), MAX_TOKENS)
+    sent = list(expected.token_ids[:15])  # past the 32-token original context on resume
+    engine = Engine(
+        EngineConfig(model=str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64)
+    )
+    engine.add_request("again", ids, greedy(), resume=Resume(tuple(sent)))
+    rest = tokens_of(run_engine(engine)["again"])
+    assert_greedy_matches(sent + rest, expected)
