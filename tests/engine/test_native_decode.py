@@ -151,11 +151,37 @@ def smollm2_auto(smollm2_path):
     return loaded
 
 
-@pytest.mark.parametrize("which", ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama"])
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, smollm2):
+    """A tiny random Qwen3: each q and k head RMS-normed (random weights) before RoPE,
+    heads wider than hidden / heads."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.5)
+    path = tmp_path_factory.mktemp("qwen3")
+    model.save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return load_model(path, "float32")
+
+
+@pytest.mark.parametrize(
+    "which", ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama", "qwen3"]
+)
 def test_native_float32_step_equals_the_op_by_op_step(request, which):
     """Packed GGUF (SmolLM2, head_dim 64, 3 query heads a KV head) and dense (tiny random
-    Llamas, head_dim 16 with 2 or 6 query heads a KV head, and 24) float32 weights: the
-    two paths differ only in the order of float sums."""
+    Llamas, head_dim 16 with 2 or 6 query heads a KV head, and 24; a Qwen3 with its
+    per-head q/k norms) float32 weights: the two paths differ only in the order of float
+    sums."""
     loaded = request.getfixturevalue(which)
     if which == "tiny_llama":
         loaded = load_model(loaded[0], "float32")

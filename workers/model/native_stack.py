@@ -50,15 +50,14 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
 def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
-    dtype it has no kernels for, or a family whose layers it does not have (q/k norms,
-    Gemma's norms, GELU gates and soft-caps, sliding windows, partial rotary, mixtures
-    of experts)."""
+    dtype it has no kernels for, or a family whose layers it does not have (Gemma's norms,
+    GELU gates and soft-caps, windows that differ between layers, partial rotary,
+    mixtures of experts)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
     unsupported = (
-        config.qk_norm
-        or config.sandwich_norms
+        config.sandwich_norms
         or config.hidden_activation != "silu"
         or config.attn_softcap is not None
         or len(set(config.layer_windows)) > 1
@@ -84,5 +83,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
             layer.post_attention_layernorm.weight,
             native_linear(layer.gate_up_proj, kernels),
             native_linear(layer.down_proj, kernels),
+            layer.q_norm.weight if layer.qk_norm else None,
+            layer.k_norm.weight if layer.qk_norm else None,
         )
     return stack

@@ -104,6 +104,10 @@ inline torch::Tensor DecodeLayers::run(
     at::parallel_for(0, B, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {  // each token its own cache row
         T* r = qkv_p + b * row;
+        if (layer.q_norm.defined()) {  // Qwen3: each q and k head normed before RoPE
+          head_norms<T>(r, num_heads_, D, layer.q_norm.data_ptr<T>(), eps_);
+          head_norms<T>(r + q_size, num_kv_heads_, D, layer.k_norm.data_ptr<T>(), eps_);
+        }
         rotate<T>(r, num_heads_ + num_kv_heads_, D, cos_p + b * D, sin_p + b * D);
         store_kv(r + q_size, k_cache + slots[b] * kv_size, kv_size);
         store_kv(r + q_size + kv_size, v_cache + slots[b] * kv_size, kv_size);

@@ -315,7 +315,9 @@ void register_decode_layers(pybind11::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
            py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0)
-      .def("add_layer", &DecodeLayers::add_layer)
+      .def("add_layer", &DecodeLayers::add_layer, py::arg("input_norm"), py::arg("qkv"),
+           py::arg("o"), py::arg("post_norm"), py::arg("gate_up"), py::arg("down"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       .def("forward", &DecodeLayers::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
            py::arg("slots"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("kv_cache"),

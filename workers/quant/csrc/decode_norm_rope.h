@@ -42,6 +42,23 @@ void rms_norm(const float* x, const T* weight, T* y, int64_t rows, int64_t hidde
   });
 }
 
+// x [heads, D] in place: each head RMS-normed and times weight [D] (as rms_norm above,
+// from T inputs: llama.py's RMSNorm over a q or k head)
+template <typename T>
+void head_norms(T* x, int64_t heads, int64_t head_dim, const T* weight, float eps) {
+  std::vector<float> xf(head_dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) xf[i] = f32(xh[i]);
+    const float mean = sum_squares(xf.data(), head_dim) / static_cast<float>(head_dim);
+    const float inv = 1.f / std::sqrt(mean + eps);
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const T normed = round_to<T>(xf[i] * inv);
+      xh[i] = round_to<T>(f32(weight[i]) * f32(normed));
+    }
+  }
+}
+
 // x [heads, D] rotated in place by cos/sin [D] (rotate-half layout)
 template <typename T>
 void rotate(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {

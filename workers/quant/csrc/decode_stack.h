@@ -52,6 +52,7 @@ struct Linear {
 struct Layer {
   torch::Tensor input_norm, post_norm;  // [hidden] in T
   Linear qkv, o, gate_up, down;
+  torch::Tensor q_norm, k_norm;  // [head_dim] in T (Qwen3's per-head norms), or undefined
 };
 
 // A causal chunk of a sequence's tokens (a prompt, or a piece of one): rows first ..
@@ -83,12 +84,23 @@ class DecodeLayers {
     TORCH_CHECK(window >= 0, "DecodeLayers: window must be >= 0");
   }
 
+  // q_norm / k_norm: each q and k head RMS-normed by these [head_dim] weights before
+  // RoPE (Qwen3), or none
   void add_layer(const torch::Tensor& input_norm, const Linear& qkv, const Linear& o,
-                 const torch::Tensor& post_norm, const Linear& gate_up, const Linear& down) {
+                 const torch::Tensor& post_norm, const Linear& gate_up, const Linear& down,
+                 const c10::optional<torch::Tensor>& q_norm,
+                 const c10::optional<torch::Tensor>& k_norm) {
     TORCH_CHECK(input_norm.dim() == 1 && post_norm.sizes() == input_norm.sizes() &&
                     (layers_.empty() || input_norm.numel() == layers_[0].input_norm.numel()),
                 "DecodeLayers: every layer's norms must be [hidden]");
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up, down});
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value() &&
+                    (!q_norm.has_value() || (q_norm->numel() == head_dim_ &&
+                                             k_norm->numel() == head_dim_ &&
+                                             q_norm->scalar_type() == input_norm.scalar_type())),
+                "DecodeLayers: q/k norms must both be [head_dim] in the model's dtype");
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up,
+                            down, q_norm ? q_norm->contiguous() : torch::Tensor(),
+                            k_norm ? k_norm->contiguous() : torch::Tensor()});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
