@@ -174,14 +174,34 @@ def qwen3(tmp_path_factory, smollm2):
     return load_model(path, "float32")
 
 
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory, smollm2):
+    """A tiny random Phi-3 whose RoPE turns the first half of each head only."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("phi3")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    loaded = load_model(path, "float32")
+    assert loaded.config.rotary_dims == 8
+    return loaded
+
+
 @pytest.mark.parametrize(
-    "which", ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama", "qwen3"]
+    "which", ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama", "qwen3", "phi3"]
 )
 def test_native_float32_step_equals_the_op_by_op_step(request, which):
     """Packed GGUF (SmolLM2, head_dim 64, 3 query heads a KV head) and dense (tiny random
     Llamas, head_dim 16 with 2 or 6 query heads a KV head, and 24; a Qwen3 with its
-    per-head q/k norms) float32 weights: the two paths differ only in the order of float
-    sums."""
+    per-head q/k norms; a Phi-3 with partial rotary) float32 weights: the two paths
+    differ only in the order of float sums."""
     loaded = request.getfixturevalue(which)
     if which == "tiny_llama":
         loaded = load_model(loaded[0], "float32")
@@ -551,10 +571,10 @@ def _prompt_logprobs(loaded, native: bool, calls: list[tuple[bool, int]]) -> tor
     model = engine.runner.model
     forward = model.forward
 
-    def spy(*args, native: bool = False, argmax_only: bool = False):
+    def spy(*args, native: bool = False, **kwargs):
         meta = args[3]
         calls.append((native, meta.num_seqs - meta.num_decodes))
-        return forward(*args, native=native, argmax_only=argmax_only)
+        return forward(*args, native=native, **kwargs)
 
     model.forward = spy
     try:

@@ -51,8 +51,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
     dtype it has no kernels for, or a family whose layers it does not have (Gemma's norms,
-    GELU gates and soft-caps, windows that differ between layers, partial rotary,
-    mixtures of experts)."""
+    GELU gates and soft-caps, windows that differ between layers, mixtures of experts)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
@@ -61,7 +60,6 @@ def build_native_layers(model: nn.Module) -> Any | None:
         or config.hidden_activation != "silu"
         or config.attn_softcap is not None
         or len(set(config.layer_windows)) > 1
-        or config.rotary_dim is not None
         or config.moe is not None
     )
     if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported:
@@ -74,6 +72,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
         config.rms_norm_eps,
         config.scale,
         config.window(0),  # every layer's, or 0
+        config.rotary_dims,
     )
     for layer in model.layers:
         stack.add_layer(

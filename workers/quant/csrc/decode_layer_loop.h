@@ -108,7 +108,8 @@ inline torch::Tensor DecodeLayers::run(
           head_norms<T>(r, num_heads_, D, layer.q_norm.data_ptr<T>(), eps_);
           head_norms<T>(r + q_size, num_kv_heads_, D, layer.k_norm.data_ptr<T>(), eps_);
         }
-        rotate<T>(r, num_heads_ + num_kv_heads_, D, cos_p + b * D, sin_p + b * D);
+        rotate<T>(r, num_heads_ + num_kv_heads_, D, rotary_, cos_p + b * rotary_,
+                  sin_p + b * rotary_);
         store_kv(r + q_size, k_cache + slots[b] * kv_size, kv_size);
         store_kv(r + q_size + kv_size, v_cache + slots[b] * kv_size, kv_size);
       }

@@ -114,10 +114,10 @@ inline torch::Tensor DecodeLayers::forward(
               "DecodeLayers: kv_cache must be a contiguous [layers, 2, blocks, block_size, ",
               num_kv_heads_, ", ", head_dim_, "] tensor");
   const auto dtype = layers_[0].input_norm.scalar_type();  // the model's
-  TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, head_dim_}) && cos.is_contiguous() &&
+  TORCH_CHECK(cos.sizes() == torch::IntArrayRef({B, rotary_}) && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.is_contiguous() &&
                   cos.scalar_type() == dtype && sin.scalar_type() == dtype,
-              "DecodeLayers: cos/sin must be contiguous [B, head_dim] in the model's dtype");
+              "DecodeLayers: cos/sin must be contiguous [B, rotary_dim] in the model's dtype");
   const int64_t decodes = seq_lens.numel();
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
                   block_tables.scalar_type() == torch::kInt64 && slots.numel() == B &&
@@ -312,9 +312,10 @@ void register_decode_layers(pybind11::module& m) {
         py::arg("scales"), py::arg("mins"), py::arg("qtype"), py::arg("int4"),
         py::arg("int4_scales_zeros"), py::arg("int4_rows"), py::arg("bias"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0)
+           py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"), py::arg("window") = 0,
+           py::arg("rotary_dim") = 0)
       .def("add_layer", &DecodeLayers::add_layer, py::arg("input_norm"), py::arg("qkv"),
            py::arg("o"), py::arg("post_norm"), py::arg("gate_up"), py::arg("down"),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())

@@ -59,10 +59,11 @@ void head_norms(T* x, int64_t heads, int64_t head_dim, const T* weight, float ep
   }
 }
 
-// x [heads, D] rotated in place by cos/sin [D] (rotate-half layout)
+// x [heads, D]: each head's first `rotary` dimensions rotated in place by cos/sin
+// [rotary] (rotate-half layout; the rest, partial rotary's, left as they are)
 template <typename T>
-void rotate(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {
-  const int64_t half = head_dim / 2;
+void rotate(T* x, int64_t heads, int64_t head_dim, int64_t rotary, const T* cos, const T* sin) {
+  const int64_t half = rotary / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* xh = x + h * head_dim;
     int64_t i = 0;

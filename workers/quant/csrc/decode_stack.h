@@ -69,19 +69,23 @@ constexpr int64_t kOneRun = 1;
 class DecodeLayers {
  public:
   // window: every layer's sliding window (a row attends to its last `window` cache
-  // indices, its own included), 0 for none
+  // indices, its own included), 0 for none; rotary_dim: the leading dimensions of each
+  // head that RoPE rotates (partial rotary), 0 for all of them
   DecodeLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-               double eps, double scale, int64_t window)
+               double eps, double scale, int64_t window, int64_t rotary_dim)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
         intermediate_(intermediate),
         window_(window),
+        rotary_(rotary_dim ? rotary_dim : head_dim),
         eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)) {
     TORCH_CHECK(num_heads % num_kv_heads == 0, "DecodeLayers: heads must group over KV heads");
     TORCH_CHECK(head_dim % 2 == 0, "DecodeLayers: head_dim must be even");
     TORCH_CHECK(window >= 0, "DecodeLayers: window must be >= 0");
+    TORCH_CHECK(rotary_ % 2 == 0 && rotary_ <= head_dim,
+                "DecodeLayers: rotary_dim must be even and at most head_dim");
   }
 
   // q_norm / k_norm: each q and k head RMS-normed by these [head_dim] weights before
@@ -180,7 +184,7 @@ class DecodeLayers {
   void attend_prompt(const torch::Tensor& qkv, const torch::Tensor& cache, const Prompt& prompt,
                      const c10::optional<torch::Tensor>& mask, torch::Tensor& attn) const;
 
-  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_, window_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, intermediate_, window_, rotary_;
   float eps_, scale_;
   std::vector<Layer> layers_;
 };
