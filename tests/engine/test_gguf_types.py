@@ -528,3 +528,66 @@ def test_yarn_gguf_matches_transformers(tmp_path, tokenizer_fields):
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_llama_gguf_with_a_window_is_a_mistral(tmp_path, tokenizer_fields):
+    """``llama.attention.sliding_window`` (a Mistral as llama.cpp names it) windows every
+    layer, as transformers' Mistral with that window computes, on a prompt several windows
+    long: the key is read, not ignored."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**TINY, sliding_window=8)
+    model = _peaked(transformers.MistralForCausalLM(config))
+    path = tmp_path / "tiny-mistral.gguf"
+    _write_gguf(
+        path, model, GGMLQuantizationType.F32, tokenizer_fields, lambda w: w.add_sliding_window(8)
+    )
+    ours = load_model(path, "float32")
+    assert ours.config.architecture == "mistral" and ours.config.layer_windows == (8, 8)
+    prompt = ours.tokenizer(_LONG_PROMPT).input_ids
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra", "message"),
+    [
+        (
+            "qwen2",
+            lambda w: w.add_sliding_window(8),
+            "model: GGUF qwen2.attention.sliding_window 8 is not supported without "
+            "qwen2.attention.sliding_window_pattern (its windows cover some layers only)",
+        ),
+        (
+            "llama",
+            lambda w: (
+                w.add_sliding_window(8),
+                w.add_uint32("llama.attention.sliding_window_pattern", 2),
+            ),
+            "model: GGUF llama.attention.sliding_window_pattern 2 is not supported",
+        ),
+        (
+            "llama",
+            lambda w: w.add_tensor(
+                "blk.0.attn_q.bias",
+                np.zeros((1, 40), np.uint8),
+                raw_dtype=GGMLQuantizationType.Q8_1,
+            ),
+            "model: GGUF tensor 'blk.0.attn_q.bias' has type Q8_1, which gguf cannot dequantise",
+        ),
+    ],
+    ids=["qwen2-window-without-pattern", "llama-window-period", "unreadable-type"],
+)
+def test_windows_and_types_it_cannot_read_are_refused(
+    arch, extra, message, tmp_path, tokenizer_fields
+):
+    model = (
+        _tiny_llama()
+        if arch == "llama"
+        else transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+    )
+    path = tmp_path / f"refused-{arch}.gguf"
+    _write_gguf(path, model, GGMLQuantizationType.F32, tokenizer_fields, extra, arch=arch)
+    with pytest.raises(ValueError) as refused:
+        load_model(path, "float32")
+    assert str(refused.value).startswith(message)

@@ -32,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -156,7 +157,6 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
     """Read config and tensors: dequantised (every type ``gguf`` can dequantise), or,
     with ``packed``, Q4_0/Q4_1/Q8_0 matrices kept as the file stores them. One log line
     names the types that were expanded to float32 and what that costs."""
-    import numpy as np
     from gguf import GGMLQuantizationType, dequantize
 
     from tessera.workers.model.gguf_file import GGUFFile
@@ -173,8 +173,9 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
     family = "mixtral" if hf["model_type"] == "mixtral" else arch  # its tensor names
     extra = (ROPE_FREQS, *ROPE_FACTORS)  # read into the config above
     tensors = [t for t in reader.tensors if t.name not in extra]
-    for tensor in tensors:  # every tensor has a place before any is read
+    for tensor in tensors:  # every tensor has a place and a type gguf reads before any is read
         hf_name(tensor.name, family)
+        _check_readable(tensor)
     state: dict[str, Weight] = {}
     expanded: Counter[str] = Counter()  # bytes in the file of each type expanded
     expanded_bytes = 0
@@ -209,6 +210,29 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
             expanded_bytes / 2**20,
         )
     return config, state
+
+
+def _check_readable(tensor: Any) -> None:
+    """Refuse a tensor whose type ``gguf`` cannot dequantise, naming it and the type."""
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.constants import GGML_QUANT_SIZES
+
+    kind = GGMLQuantizationType(tensor.tensor_type)
+    if kind.name in _READABLE:
+        return
+    block, size = GGML_QUANT_SIZES[kind]
+    try:  # one block of zeros: the type's dequantisation exists or it does not
+        dequantize(np.zeros((1, size), dtype=np.uint8), kind)
+    except NotImplementedError:
+        raise ValueError(
+            f"model: GGUF tensor {tensor.name!r} has type {kind.name}, which gguf cannot "
+            "dequantise (this loader reads the types it can)"
+        ) from None
+    _READABLE.add(kind.name)
+
+
+#: GGUF types found readable so far (the float types always are).
+_READABLE = {"F32", "F16", "BF16"}
 
 
 def _hf_config(
@@ -254,6 +278,16 @@ def _hf_config(
             )
         hf["partial_rotary_factor"] = rope_dims / head_dim
     window = field("attention.sliding_window") or None
+    pattern = field("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True where the layer is local
+        hf["layer_types"] = [
+            "sliding_attention" if local else "full_attention" for local in pattern
+        ]
+    elif pattern is not None and not arch.startswith("gemma"):
+        raise ValueError(
+            f"model: GGUF {arch}.attention.sliding_window_pattern {pattern!r} is not supported "
+            "(a list of each layer's kind, or Gemma's period)"
+        )
     if arch.startswith("gemma"):
         hf["sliding_window"] = window
         hf["attn_logit_softcapping"] = field("attn_logit_softcapping")
@@ -261,15 +295,20 @@ def _hf_config(
         hf["hidden_activation"] = "gelu_pytorch_tanh"
         wide = num_layers == _GEMMA_27B_LAYERS[arch]
         hf["query_pre_attn_scalar"] = hidden // num_heads if wide else head_dim
-        pattern = field("attention.sliding_window_pattern")
-        if isinstance(pattern, list):  # per layer: True where the layer is local
-            hf["layer_types"] = [
-                "sliding_attention" if local else "full_attention" for local in pattern
-            ]
-        elif pattern is not None:
+        if pattern is not None and "layer_types" not in hf:
             hf["sliding_window_pattern"] = pattern
     elif arch == "phi3":
         hf["sliding_window"] = window
+    elif window is not None:  # Llama's files: every layer (Mistral); Qwen's: listed layers
+        if arch != "llama" and "layer_types" not in hf:
+            raise ValueError(
+                f"model: GGUF {arch}.attention.sliding_window {window} is not supported "
+                f"without {arch}.attention.sliding_window_pattern (its windows cover some "
+                "layers only)"
+            )
+        hf.update(sliding_window=window, use_sliding_window=True)
+        if hf["model_type"] == "llama":
+            hf["model_type"] = "mistral"
     scaling_type = field("rope.scaling.type")
     if scaling_type is not None and scaling_type not in ROPE_SCALING:
         raise ValueError(
