@@ -27,6 +27,7 @@ from benchmarks.common import report  # noqa: E402
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb  # noqa: E402
 from tessera.workers.process.kv_transfer import (  # noqa: E402
     API_VERSION,
+    BlockLayout,
     KVTransferClient,
     KVTransferServer,
     PrefillResult,
@@ -65,6 +66,7 @@ async def measure(n: int, repeats: int) -> dict:
                 request,
                 timeout_s=120,
                 on_block=lambda i, kv: pool[:, :, i].copy_(kv),
+                layout=BlockLayout.of_cache(pool),  # pool: [L, 2, n, bs, H, D]
             )
             grpc_times.append(time.perf_counter() - started)
             started = time.perf_counter()

@@ -20,6 +20,7 @@ from tessera.workers.process.protocol import DECODE, MIXED, PREFILL
 
 if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
     from tessera.workers.process.disaggregation import KVTransferConfig
+    from tessera.workers.process.kv_auth import ClusterSecret
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,18 @@ class ClusterConfig(EngineSettings):
     kv_transfer_tls_key: str | None = Field(None, description="...its private key (PEM file)")
     kv_transfer_tls_ca: str | None = Field(
         None, description="...and the CA that signed every worker's certificate (PEM file)"
+    )
+    kv_transfer_tls_server_name: str | None = Field(
+        None,
+        description="the name (DNS SAN) every worker's certificate carries, which decode "
+        "workers check instead of the prefill worker's IP, so one certificate can serve "
+        "every worker (default: the IP dialled)",
+    )
+    kv_transfer_max_concurrent_pulls: int = Field(
+        64,
+        ge=1,
+        description="KV transfers a prefill worker serves at once; it refuses more at once, "
+        "and their decode workers prefill themselves",
     )
 
     # -- placement and admission
@@ -341,7 +354,9 @@ class ClusterConfig(EngineSettings):
         low = low if low is not None else start
         return start, low, high if high is not None else max(start, low)
 
-    def kv_transfer_config(self) -> KVTransferConfig:
+    def kv_transfer_config(self, secret: ClusterSecret | None = None) -> KVTransferConfig:
+        """The workers' KV-transfer settings, with the cluster's ``secret`` (its launcher
+        makes one per cluster: ``ClusterSecret.generate()``)."""
         from tessera.workers.process.disaggregation import KVTransferConfig
         from tessera.workers.process.kv_transfer import TLSFiles
 
@@ -351,7 +366,13 @@ class ClusterConfig(EngineSettings):
                 self.kv_transfer_tls_cert, self.kv_transfer_tls_key, self.kv_transfer_tls_ca
             )
         return KVTransferConfig(
-            self.kv_transfer_host, self.kv_transfer_port, self.kv_transfer_timeout_s, tls
+            host=self.kv_transfer_host,
+            port=self.kv_transfer_port,
+            timeout_s=self.kv_transfer_timeout_s,
+            tls=tls,
+            tls_server_name=self.kv_transfer_tls_server_name,
+            secret=secret,
+            max_concurrent_pulls=self.kv_transfer_max_concurrent_pulls,
         )
 
     @property

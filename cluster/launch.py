@@ -31,6 +31,7 @@ from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.config import SchedulerConfig, WorkerPool
 from tessera.scheduler.worker_actors import STARTUP_TIMEOUT_S, worker_actors
 from tessera.workers.api import Request, SamplingParams
+from tessera.workers.process.kv_auth import ClusterSecret
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ def scheduler_config(
         worker_num_cpus=worker_num_cpus,
         worker_max_restarts=config.worker_max_restarts,
         role_resources=config.role_resources,
-        kv_transfer=config.kv_transfer_config(),
+        # one secret per cluster, for its workers only (kv_auth); never logged
+        kv_transfer=config.kv_transfer_config(ClusterSecret.generate()),
         placement=config.placement,
         max_ongoing_requests=config.capacity,
         max_queued_requests=config.max_queued_requests,

@@ -34,6 +34,7 @@ CHART_OWNED = {
     "kv_transfer_tls_cert",  # the kvTransferTLS Secret's files
     "kv_transfer_tls_key",
     "kv_transfer_tls_ca",
+    "kv_transfer_tls_server_name",  # kvTransferTLS.serverName, the shared certificate's name
 }
 SCHEMA_ERROR = (
     "Error: values don't meet the specifications of the schema(s) in the following chart(s):\n"

@@ -81,6 +81,8 @@ def test_gpu_example_starts_two_prefill_and_four_decode_workers_with_mtls(gpu_re
         "/etc/tessera/kv-tls/tls.key",
         "/etc/tessera/kv-tls/ca.crt",
     )
+    # one certificate for every worker: checked by its name, not the pod IP dialled
+    assert config.kv_transfer_tls_server_name == "tessera-kv"
     spec = only(gpu_render, "RayService")["spec"]["rayClusterConfig"]
     assert spec["enableInTreeAutoscaling"] is True
     groups = {group["groupName"]: group for group in spec["workerGroupSpecs"]}

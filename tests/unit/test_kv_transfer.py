@@ -1,6 +1,8 @@
 """KV transfer over real gRPC servers on 127.0.0.1: exact round trips (float32,
 bfloat16), chunking arithmetic, each injected fault and error status mapped to its
-failure reason, mutual TLS, and the byte counters."""
+failure reason, mutual TLS, and the byte counters. Who may pull and what a pull may
+cost (the secret, the caps, the deadline, the layout checks) is in
+``test_kv_transfer_admission``."""
 
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ from cryptography.x509.oid import NameOID
 
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb
 from tessera.protos.tessera.v1.kv_transfer_pb2_grpc import KVTransferStub
+from tessera.workers.process.kv_server import FAILED_TEXT, MISMATCH_TEXT
 from tessera.workers.process.kv_transfer import (
     API_VERSION,
     BlockAssembler,
+    BlockLayout,
     KVTransferClient,
     KVTransferServer,
     PrefillResult,
@@ -34,6 +38,8 @@ from tessera.workers.process.kv_transfer import (
 L, BS, H, D = 3, 4, 2, 8  # layers, block size, kv heads, head dim
 NUM_BLOCKS = 5
 LAYER_BYTES = 2 * BS * H * D * 4  # one float32 layer of one block: 512
+#: The receiver's cache: what every block it takes must be.
+LAYOUT = BlockLayout(torch.float32, L, (2, BS, H, D))
 
 
 def make_blocks(n: int = NUM_BLOCKS, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -84,9 +90,11 @@ def collector():
     return got, lambda i, kv: got.append((i, kv))
 
 
-async def pull(address, request, timeout_s=5.0, tls=None):
+async def pull(address, request, timeout_s=5.0, layout=LAYOUT, **kwargs):
     got, on_block = collector()
-    result = await pull_blocks(address, request, timeout_s=timeout_s, on_block=on_block, tls=tls)
+    result = await pull_blocks(
+        address, request, timeout_s=timeout_s, on_block=on_block, layout=layout, **kwargs
+    )
     return result, got
 
 
@@ -103,7 +111,7 @@ def test_a_block_splits_by_layers_under_the_limit_and_reassembles(limit):
         (s, min(s + per_chunk, L)) for s in range(0, L, per_chunk)
     ]
     assert all(len(c.data) <= limit and c.block_index == 7 and c.num_layers == L for c in chunks)
-    assembler = BlockAssembler(7, block_size=BS, num_blocks=1)
+    assembler = BlockAssembler(7, LAYOUT, num_blocks=1)
     done = [assembler.add(c) for c in chunks]
     assert done[:-1] == [None] * (len(chunks) - 1)
     index, back = done[-1]
@@ -129,12 +137,12 @@ def test_the_assembler_refuses_gaps_reorders_and_early_first_tokens():
     with pytest.raises(TransferError, match="first token after 1/2"):
         _feed(*a, finish=True)
     a[1].shape[1] = 3  # the data no longer matches the shape
-    with pytest.raises(TransferError, match="layout"):
+    with pytest.raises(TransferError, match=r"3 layers of \(3, 4, 2, 8\), not 3 of"):
         _feed(*a)
 
 
 def _feed(*chunks: pb.KVChunk, finish: bool = False) -> None:
-    assembler = BlockAssembler(0, block_size=BS, num_blocks=2)
+    assembler = BlockAssembler(0, LAYOUT, num_blocks=2)
     for chunk in chunks:
         assembler.add(chunk)
     if finish:
@@ -148,7 +156,8 @@ def _feed(*chunks: pb.KVChunk, finish: bool = False) -> None:
 async def test_round_trip_is_exact_from_skip_blocks_on(start_server, dtype):
     blocks = make_blocks(dtype=dtype)
     server = await start_server(serving(blocks))
-    result, got = await pull(server.address, make_request(skip_blocks=2))
+    layout = BlockLayout(dtype, L, (2, BS, H, D))
+    result, got = await pull(server.address, make_request(skip_blocks=2), layout=layout)
     assert [i for i, _ in got] == [2, 3, 4]
     for i, kv in got:
         assert kv.dtype == dtype and torch.equal(kv, blocks[i])
@@ -167,7 +176,7 @@ async def test_small_chunks_split_every_block_and_one_channel_serves_many_pulls(
             got, on_block = collector()
             request = make_request(skip_blocks=1)
             result = await client.pull_blocks(
-                server.address, request, timeout_s=5.0, on_block=on_block
+                server.address, request, timeout_s=5.0, on_block=on_block, layout=LAYOUT
             )
             assert [i for i, _ in got] == [1, 2, 3, 4]
             assert all(torch.equal(kv, blocks[i]) for i, kv in got)
@@ -224,17 +233,29 @@ async def test_a_bad_version_is_an_invalid_argument_naming_the_field(start_serve
 
 
 @pytest.mark.parametrize(
-    ("error", "code"),
-    [(ValueError("block_size 8 != 16"), "INVALID_ARGUMENT"), (KeyError(3), "INTERNAL")],
-)
-async def test_a_handler_error_reaches_the_client_as_remote(start_server, error, code):
+    ("error", "code", "text"),
+    [
+        (ValueError("model_fingerprint: not /models/private/x.gguf|float32"), "INVALID_ARGUMENT",
+         MISMATCH_TEXT),
+        (KeyError("/models/private/x.gguf"), "INTERNAL", FAILED_TEXT),
+    ],
+)  # fmt: skip
+async def test_a_handler_error_reaches_the_client_as_remote_and_generic(
+    start_server, error, code, text, caplog
+):
+    """Peers learn that the pull failed, never the handler's words (a model's path, an
+    exception's text): those go to the prefill worker's log."""
+
     async def failing(request, time_remaining):
         raise error
 
     server = await start_server(failing)
-    with pytest.raises(TransferError, match=f"{code}: .*{error}") as caught:
+    with pytest.raises(TransferError) as caught:
         await pull(server.address, make_request())
     assert caught.value.reason == "remote"
+    assert caught.value.message == f"{code}: {text}"
+    assert "/models/private" not in str(caught.value)
+    assert "/models/private" in caplog.text
 
 
 async def test_the_handler_sees_the_clients_deadline(start_server):
@@ -258,7 +279,9 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False) -> x509.Certificate:
+def _cert(
+    subject: str, key, issuer: str, issuer_key, *, ca: bool = False, dns: str | None = None
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
@@ -270,14 +293,19 @@ def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False) -> x5
         .not_valid_after(now + datetime.timedelta(hours=1))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
-    if not ca:
-        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-        builder = builder.add_extension(san, critical=False)
+    if not ca:  # the IP dialled, or only a name (one certificate for every worker)
+        name = (
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")) if dns is None else x509.DNSName(dns)
+        )
+        builder = builder.add_extension(x509.SubjectAlternativeName([name]), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def _write_pki(directory, ca_name: str, leaves: list[str]) -> dict[str, TLSFiles]:
-    """A CA and leaf certificates it signs, as PEM files; leaf name -> its TLSFiles."""
+def _write_pki(
+    directory, ca_name: str, leaves: list[str], dns: str | None = None
+) -> dict[str, TLSFiles]:
+    """A CA and leaf certificates it signs (for 127.0.0.1, or only for the name ``dns``),
+    as PEM files; leaf name -> its TLSFiles."""
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_path = directory / f"{ca_name}.pem"
     ca_path.write_bytes(
@@ -288,7 +316,7 @@ def _write_pki(directory, ca_name: str, leaves: list[str]) -> dict[str, TLSFiles
         key = ec.generate_private_key(ec.SECP256R1())
         cert_path, key_path = directory / f"{leaf}.crt", directory / f"{leaf}.key"
         cert_path.write_bytes(
-            _cert(leaf, key, ca_name, ca_key).public_bytes(serialization.Encoding.PEM)
+            _cert(leaf, key, ca_name, ca_key, dns=dns).public_bytes(serialization.Encoding.PEM)
         )
         key_path.write_bytes(
             key.private_bytes(
@@ -323,4 +351,26 @@ async def test_mutual_tls_round_trips_and_refuses_strangers(start_server, tmp_pa
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call.read()
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert server.stats.transfers == 1
+
+
+async def test_one_shared_certificate_serves_every_worker_under_a_pinned_name(
+    start_server, tmp_path
+):
+    """A certificate that names no IP, only 'tessera-kv', held by every worker: the client
+    checks that name instead of the address it dials (the pod IP), so one Secret serves a
+    whole cluster; without the pinned name the check fails."""
+    (shared,) = _write_pki(tmp_path, "ca", ["worker"], dns="tessera-kv").values()
+    blocks = make_blocks()
+    server = await start_server(serving(blocks), tls=shared)
+    result, got = await pull(
+        server.address, make_request(), tls=shared, tls_server_name="tessera-kv"
+    )
+    assert result.first_token == FIRST and all(torch.equal(kv, blocks[i]) for i, kv in got)
+    with pytest.raises(TransferError) as caught:  # checked against 127.0.0.1: refused
+        await pull(server.address, make_request(), timeout_s=2.0, tls=shared)
+    assert caught.value.reason == "unavailable"
+    with pytest.raises(TransferError):  # and a name the certificate does not carry
+        await pull(server.address, make_request(), timeout_s=2.0, tls=shared,
+                   tls_server_name="other")  # fmt: skip
     assert server.stats.transfers == 1

@@ -45,7 +45,12 @@ from tessera.workers.process.disaggregation import (
     PhaseManager,
     PrefillOrchestrator,
 )
-from tessera.workers.process.kv_transfer import KVTransferClient, KVTransferServer
+from tessera.workers.process.kv_transfer import (
+    KVTransferClient,
+    KVTransferServer,
+    PullGate,
+    PullLimits,
+)
 from tessera.workers.process.protocol import (
     PREFILL,
     Accepted,
@@ -94,9 +99,14 @@ class WorkerActor(DeltaChannels):
         self._pulls: dict[str, asyncio.Task] = {}  # decode worker: KV pulls under way
         self._aborted_pulls: set[str] = set()  # aborted before they reached the engine
         self.prefill = PrefillOrchestrator(self.engine, self.transfers)
+        client = KVTransferClient(
+            self.kv_config.tls,
+            secret=self.kv_config.secret,
+            tls_server_name=self.kv_config.tls_server_name,
+        )
         self.decode = DecodeOrchestrator(
             self.engine,
-            KVTransferClient(self.kv_config.tls),
+            client,
             self.transfers,
             self.phases,
             self.kv_config.timeout_s,
@@ -142,9 +152,22 @@ class WorkerActor(DeltaChannels):
         """A prefill worker serves ``KVTransfer`` (started in the actor's event loop, at
         its first report; the address reaches the scheduler with that report)."""
         if self.role == PREFILL and self.kv_server is None:
-            host = self.kv_config.host or ray.util.get_node_ip_address()
+            config, engine = self.kv_config, self.engine.engine
+            host = config.host or ray.util.get_node_ip_address()
+            secret = config.secret
+            limits = PullLimits(
+                max_concurrent_pulls=config.max_concurrent_pulls,
+                # no prompt this engine takes has more
+                max_blocks_per_pull=-(-engine.max_model_len // engine.config.block_size),
+                timeout_s=config.timeout_s,
+            )
             server = KVTransferServer(
-                self.prefill.handle, host, self.kv_config.port, self.kv_config.tls
+                self.prefill.handle,
+                host,
+                config.port,
+                config.tls,
+                gate=None if secret is None else PullGate(self.worker_id, secret),
+                limits=limits,
             )
             await server.start()
             self.kv_server = server

@@ -41,6 +41,8 @@ from tessera.workers.decoding.sampling_fields import (
 from tessera.workers.engine.async_engine import AsyncEngine, release_openmp_pool
 from tessera.workers.process.kv_transfer import (
     API_VERSION,
+    BlockLayout,
+    ClusterSecret,
     KVTransferClient,
     PrefillResult,
     TLSFiles,
@@ -180,8 +182,12 @@ class KVTransferConfig:
 
     host: str | None = None  # None: this worker's node IP, as Ray reports it
     port: int = 0  # 0: a free port
-    timeout_s: float = 30.0  # deadline of one pull
+    timeout_s: float = 30.0  # deadline of one pull (the client's and the server's)
     tls: TLSFiles | None = None  # mutual TLS between workers
+    tls_server_name: str | None = None  # the name workers' certificates carry (None: the IP)
+    # The cluster's, from its launcher: pulls are admitted, and answers taken, with it.
+    secret: ClusterSecret | None = None
+    max_concurrent_pulls: int = 64  # a prefill worker refuses pulls beyond these at once
 
 
 class DecodeOrchestrator:
@@ -220,6 +226,7 @@ class DecodeOrchestrator:
         hashes = handoff.prompt_hashes(token_ids, cache_salt)[: usable_blocks(len(token_ids), bs)]
         if not hashes:  # a prompt shorter than a block and a token: nothing to move
             return
+        layout = BlockLayout.of_cache(engine.runner.kv_cache)  # what a block must be here
         have = await self.engine.run(handoff.cached_prefix, hashes)
         if have == len(hashes):
             self.counters.local_hits += 1
@@ -249,13 +256,20 @@ class DecodeOrchestrator:
         started = time.perf_counter()
 
         def on_block(index: int, kv) -> None:
+            if (kv.dtype, tuple(kv.shape)) != (layout.dtype, layout.shape):  # never broadcast
+                raise TransferError("protocol", f"block {index} is {kv.dtype} {tuple(kv.shape)}")
             if self.phases.phases.get(request_id, ("",))[0] != "transferring":
                 self.phases.enter(request_id, "transferring", source.worker_id)
             handoff.write(reservation, index, kv)
 
         try:
             result = await self.client.pull_blocks(
-                source.address, request, timeout_s=self.timeout_s, on_block=on_block
+                source.address,
+                request,
+                timeout_s=self.timeout_s,
+                on_block=on_block,
+                layout=layout,
+                worker_id=source.worker_id,
             )
         except asyncio.CancelledError:  # the caller left (or its deadline passed)
             handoff.release(reservation)  # at once: this task may not await any more

@@ -1,6 +1,8 @@
 """The decode worker's side of KV transfer: pulls a prompt's blocks from a prefill worker
 over ``grpc.aio``, checking the stream as it arrives (see ``kv_transfer`` for the
-protocol and its invariants).
+protocol and its invariants): with the cluster secret, each pull carries a token for the
+worker it is meant for, and no block is taken before that worker's proof (``kv_auth``);
+every chunk must fit this worker's own cache layout before it is allocated.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import torch
 
 from tessera.protos.tessera.v1 import kv_transfer_pb2 as pb
 from tessera.protos.tessera.v1 import kv_transfer_pb2_grpc as pb_grpc
+from tessera.workers.process.kv_auth import AUTH_KEY, PROOF_KEY, ClusterSecret, metadata_value
 from tessera.workers.process.kv_wire import (
     API_VERSION,
     BlockAssembler,
+    BlockLayout,
     FailureReason,
     TLSFiles,
     TransferError,
@@ -28,6 +32,8 @@ _REASONS: dict[grpc.StatusCode, FailureReason] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.CANCELLED: "unavailable",  # the server went away mid-stream
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "busy",
 }
 
 
@@ -40,10 +46,21 @@ class TransferResult:
 
 
 class KVTransferClient:
-    """The decode worker's side: one channel per prefill worker address, reused."""
+    """The decode worker's side: one channel per prefill worker address, reused.
+    ``secret``: the cluster's (each pull then names its worker, and takes blocks only
+    from it); ``tls_server_name``: the name every worker's certificate carries, checked
+    instead of the address dialled, so that one certificate can serve every worker."""
 
-    def __init__(self, tls: TLSFiles | None = None) -> None:
+    def __init__(
+        self,
+        tls: TLSFiles | None = None,
+        *,
+        secret: ClusterSecret | None = None,
+        tls_server_name: str | None = None,
+    ) -> None:
         self._tls = tls
+        self._secret = secret
+        self._server_name = tls_server_name
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.KVTransferStub]] = {}
 
     def _stub(self, address: str) -> pb_grpc.KVTransferStub:
@@ -53,7 +70,10 @@ class KVTransferClient:
             else:
                 cert, key, ca = self._tls.read()
                 creds = grpc.ssl_channel_credentials(ca, private_key=key, certificate_chain=cert)
-                channel = grpc.aio.secure_channel(address, creds)
+                options = []
+                if self._server_name is not None:
+                    options.append(("grpc.ssl_target_name_override", self._server_name))
+                channel = grpc.aio.secure_channel(address, creds, options=options)
             self._stubs[address] = (channel, pb_grpc.KVTransferStub(channel))
         return self._stubs[address][1]
 
@@ -64,11 +84,23 @@ class KVTransferClient:
         *,
         timeout_s: float,
         on_block: Callable[[int, torch.Tensor], None],
+        layout: BlockLayout,
+        worker_id: str | None = None,
     ) -> TransferResult:
-        """Pull the blocks ``request`` names from ``address``, calling ``on_block(index,
-        kv [L, 2, bs, H, D])`` as each completes; raise ``TransferError`` on any failure
-        (the blocks already handed out are then to be discarded)."""
+        """Pull the blocks ``request`` names from worker ``worker_id`` at ``address``,
+        calling ``on_block(index, kv)`` as each completes, ``kv`` of exactly ``layout``
+        (this worker's cache's); raise ``TransferError`` on any failure (the blocks
+        already handed out are then to be discarded). With the cluster secret,
+        ``worker_id`` is required."""
         started = time.perf_counter()
+        metadata, nonce = (), None
+        if self._secret is not None:
+            if worker_id is None:
+                raise ValueError("worker_id: a pull with the cluster secret names its worker")
+            token, nonce = self._secret.pull_token(worker_id)
+            metadata = ((AUTH_KEY, token),)
+        if request.block_size not in (0, layout.block_size):
+            raise ValueError(f"block_size: {request.block_size}, the layout's {layout.block_size}")
         if request.version == 0:
             request, original = pb.PullBlocksRequest(), request
             request.CopyFrom(original)
@@ -77,13 +109,19 @@ class KVTransferClient:
         if request.block_size:
             total = usable_blocks(len(request.prompt_token_ids), request.block_size)
             num_blocks = max(total - request.skip_blocks, 0)
-        assembler = BlockAssembler(
-            request.skip_blocks, block_size=request.block_size or None, num_blocks=num_blocks
-        )
+        assembler = BlockAssembler(request.skip_blocks, layout, num_blocks)
         first_token = None
-        call = self._stub(address).PullBlocks(request, timeout=timeout_s)
+        call = self._stub(address).PullBlocks(request, timeout=timeout_s, metadata=metadata)
+        proven = self._secret is None
         try:
             async for response in call:
+                if not proven:  # the first message: its worker's proof came before it
+                    proof = metadata_value(await call.initial_metadata(), PROOF_KEY)
+                    if not self._secret.check_proof(worker_id, nonce, proof):
+                        raise TransferError(
+                            "unauthenticated", f"{address} did not prove to be {worker_id}"
+                        )
+                    proven = True
                 if response.version not in (0, API_VERSION):
                     raise TransferError("protocol", f"message version {response.version}")
                 if first_token is not None:
@@ -121,11 +159,22 @@ async def pull_blocks(
     *,
     timeout_s: float,
     on_block: Callable[[int, torch.Tensor], None],
+    layout: BlockLayout,
     tls: TLSFiles | None = None,
+    secret: ClusterSecret | None = None,
+    worker_id: str | None = None,
+    tls_server_name: str | None = None,
 ) -> TransferResult:
     """One pull on a channel of its own; a worker keeps a ``KVTransferClient`` instead."""
-    client = KVTransferClient(tls)
+    client = KVTransferClient(tls, secret=secret, tls_server_name=tls_server_name)
     try:
-        return await client.pull_blocks(address, request, timeout_s=timeout_s, on_block=on_block)
+        return await client.pull_blocks(
+            address,
+            request,
+            timeout_s=timeout_s,
+            on_block=on_block,
+            layout=layout,
+            worker_id=worker_id,
+        )
     finally:
         await client.close()

@@ -10,13 +10,19 @@ Protocol (``PullBlocks``, server streaming)::
                                      <---  KVChunk(block s+1, ...) ...
                                      <---  FirstToken                       (last message)
 
+Who may pull (``kv_auth``): with the cluster secret, a pull carries a token for the
+prefill worker it is meant for, checked before the request is read; the server answers
+with its proof, checked before the first block is taken. The server caps pulls at once,
+blocks per pull and each pull's time (``PullLimits``), tells peers nothing of its
+internals, and refuses to listen beyond loopback with neither the secret nor mutual TLS.
+
 Invariants the client checks (any breach raises ``TransferError``; the decode worker
 then discards what it got and prefills itself):
 
 - every message has ``version`` 0 or ``API_VERSION``;
 - every chunk's ``crc32`` is ``zlib.crc32(data)`` and its data length is what its
-  dtype and shape say; dtype, ``num_layers`` and per-layer shape are the same in all
-  chunks, and the block size is the request's;
+  dtype and shape say; dtype, ``num_layers`` and per-layer shape are those of the
+  receiver's own cache (``BlockLayout``), checked before anything is allocated;
 - blocks arrive in order from ``skip_blocks``, each block's layers contiguously from 0
   to ``num_layers``; the stream ends with ``first_token`` after exactly
   ``usable_blocks(len(prompt_token_ids), block_size) - skip_blocks`` complete blocks
@@ -27,15 +33,23 @@ A chunk carries at most ``min(request.max_chunk_bytes or server's, server's)`` p
 bytes and at least one layer. Tensor bytes travel raw (C order, little endian), so any
 dtype the wire carries round-trips exactly, bfloat16 included.
 
-The server is in ``kv_server``, the client in ``kv_client``, and what both share (the
-chunks, their reassembly and checks, the errors, the TLS files) in ``kv_wire``.
+The server is in ``kv_server``, the client in ``kv_client``, what both share (the
+chunks, their reassembly and checks, the errors, the TLS files) in ``kv_wire``, and
+the secret and its proofs in ``kv_auth``.
 """
 
+from tessera.workers.process.kv_auth import ClusterSecret, PullGate
 from tessera.workers.process.kv_client import KVTransferClient, pull_blocks
-from tessera.workers.process.kv_server import KVTransferServer, PrefillResult
+from tessera.workers.process.kv_server import (
+    KVServerSecurityError,
+    KVTransferServer,
+    PrefillResult,
+    PullLimits,
+)
 from tessera.workers.process.kv_wire import (
     API_VERSION,
     BlockAssembler,
+    BlockLayout,
     TLSFiles,
     TransferError,
     block_chunks,
@@ -45,9 +59,14 @@ from tessera.workers.process.kv_wire import (
 __all__ = [
     "API_VERSION",
     "BlockAssembler",
+    "BlockLayout",
+    "ClusterSecret",
+    "KVServerSecurityError",
     "KVTransferClient",
     "KVTransferServer",
     "PrefillResult",
+    "PullGate",
+    "PullLimits",
     "TLSFiles",
     "TransferError",
     "block_chunks",

@@ -1,5 +1,6 @@
 """What both ends of a KV transfer share: the version, a block's chunks on the wire (and
-their reassembly, with the checks the receiver makes), the errors, the TLS files.
+their reassembly, with the checks the receiver makes against its own cache's layout),
+the errors, the TLS files.
 
 The protocol and its invariants are in ``kv_transfer``'s docstring. Tensor bytes travel
 raw (C order, little endian), so any dtype in ``_DTYPES`` round-trips exactly, bfloat16
@@ -30,7 +31,10 @@ _DTYPES = {
     )
 }  # fmt: skip
 
-FailureReason = Literal["checksum", "short_stream", "deadline", "unavailable", "protocol", "remote"]
+FailureReason = Literal[
+    "checksum", "short_stream", "deadline", "unavailable", "protocol", "remote",
+    "unauthenticated", "busy",
+]  # fmt: skip
 
 
 def usable_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -59,6 +63,40 @@ class TLSFiles:
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         return Path(self.cert).read_bytes(), Path(self.key).read_bytes(), Path(self.ca).read_bytes()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """What one block of the receiver's KV cache is: its dtype and ``[num_layers, 2,
+    block_size, kv_heads, head_dim]``. Incoming chunks must match it exactly before
+    anything is allocated or copied: the sender's word sizes nothing."""
+
+    dtype: torch.dtype
+    num_layers: int
+    layer_shape: tuple[int, int, int, int]  # [2, block_size, kv_heads, head_dim]
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1 or len(self.layer_shape) != 4 or min(self.layer_shape) < 1:
+            raise ValueError(f"a block layout, got {self.num_layers} x {self.layer_shape}")
+
+    @classmethod
+    def of_cache(cls, kv_cache: torch.Tensor) -> BlockLayout:
+        """The layout of one block of ``kv_cache`` ``[layers, 2, num_blocks, block_size,
+        kv_heads, head_dim]``."""
+        layers, two, _, block_size, heads, dim = kv_cache.shape
+        return cls(kv_cache.dtype, layers, (two, block_size, heads, dim))
+
+    @property
+    def block_size(self) -> int:
+        return self.layer_shape[1]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, *self.layer_shape)
+
+    @property
+    def layer_bytes(self) -> int:
+        return math.prod(self.layer_shape) * self.dtype.itemsize
 
 
 def layers_per_chunk(kv: torch.Tensor, max_chunk_bytes: int) -> int:
@@ -104,19 +142,17 @@ def block_chunks(kv: torch.Tensor, block_index: int, max_chunk_bytes: int) -> li
 
 class BlockAssembler:
     """The inverse of ``block_chunks`` over a whole stream: writes chunks into
-    per-block tensors, checking the stream's invariants, and hands out each block
-    as soon as its last layer arrives."""
+    per-block tensors of the receiver's ``layout``, checking the stream's invariants,
+    and hands out each block as soon as its last layer arrives."""
 
     def __init__(
-        self, first_block: int = 0, *, block_size: int | None = None, num_blocks: int | None = None
+        self, first_block: int, layout: BlockLayout, num_blocks: int | None = None
     ) -> None:
         self.next_block = first_block
         self.blocks = 0
         self.bytes = 0
-        self._block_size = block_size
+        self.layout = layout
         self._num_blocks = num_blocks
-        # (dtype, num_layers, per-layer shape), fixed by the stream's first chunk.
-        self._layout: tuple[torch.dtype, int, tuple[int, ...]] | None = None
         self._partial: torch.Tensor | None = None  # [L, 2, bs, H, D], the block being filled
         self._next_layer = 0
 
@@ -125,35 +161,39 @@ class BlockAssembler:
         where = f"block {chunk.block_index} layers [{chunk.layer_start}, {chunk.layer_end})"
         if zlib.crc32(chunk.data) != chunk.crc32:
             raise TransferError("checksum", f"{where}: crc32 mismatch")
-        dtype = _DTYPES.get(chunk.dtype)
-        if dtype is None or len(chunk.shape) != 5:
-            raise TransferError("protocol", f"{where}: dtype {chunk.dtype!r} shape {chunk.shape}")
-        layout = (dtype, chunk.num_layers, tuple(chunk.shape[1:]))
-        if self._block_size not in (None, chunk.shape[2]):
-            raise TransferError("protocol", f"{where}: block size {chunk.shape[2]}")
-        self._layout = self._layout or layout
-        if layout != self._layout:
-            raise TransferError("protocol", f"{where}: layout {layout}, stream's {self._layout}")
+        layout = self.layout
+        # Everything the chunk says of its block is checked against the local cache
+        # before a byte is allocated or copied: a [1, 2, bs, 1, 1] chunk must not
+        # broadcast, and a sender's num_layers must not size anything.
+        if _DTYPES.get(chunk.dtype) != layout.dtype:
+            raise TransferError("protocol", f"{where}: dtype {chunk.dtype!r}, not {layout.dtype}")
+        if chunk.num_layers != layout.num_layers or tuple(chunk.shape[1:]) != layout.layer_shape:
+            raise TransferError(
+                "protocol",
+                f"{where}: {chunk.num_layers} layers of {tuple(chunk.shape[1:])}, not "
+                f"{layout.num_layers} of {layout.layer_shape}",
+            )
         if (chunk.block_index, chunk.layer_start) != (self.next_block, self._next_layer):
             expected = f"block {self.next_block} from layer {self._next_layer}"
             raise TransferError("protocol", f"{where}: expected {expected}")
         layers = chunk.layer_end - chunk.layer_start
-        layer_bytes = math.prod(layout[2]) * dtype.itemsize
-        if layers <= 0 or layers != chunk.shape[0] or chunk.layer_end > chunk.num_layers:
-            raise TransferError("protocol", f"{where} of {chunk.num_layers}, shape {chunk.shape}")
-        if len(chunk.data) != layers * layer_bytes:
+        if len(chunk.shape) != 5 or layers <= 0 or layers != chunk.shape[0]:
+            raise TransferError("protocol", f"{where}: shape {tuple(chunk.shape)}")
+        if chunk.layer_end > layout.num_layers:
+            raise TransferError("protocol", f"{where} of {layout.num_layers}")
+        if len(chunk.data) != layers * layout.layer_bytes:
             raise TransferError("protocol", f"{where}: {len(chunk.data)} bytes for {chunk.shape}")
         if self._partial is None:
             if self._num_blocks is not None and self.blocks == self._num_blocks:
                 raise TransferError("protocol", f"more than the {self._num_blocks} blocks expected")
-            self._partial = torch.empty((chunk.num_layers, *layout[2]), dtype=dtype)
+            self._partial = torch.empty(layout.shape, dtype=layout.dtype)
         # Write the bytes straight into the block: one copy, whatever the dtype.
         flat = self._partial.view(-1).view(torch.uint8).numpy()
-        offset = chunk.layer_start * layer_bytes
+        offset = chunk.layer_start * layout.layer_bytes
         flat[offset : offset + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)
         self.bytes += len(chunk.data)
         self._next_layer = chunk.layer_end
-        if chunk.layer_end < chunk.num_layers:
+        if chunk.layer_end < layout.num_layers:
             return None
         done = (self.next_block, self._partial)
         self._partial, self._next_layer = None, 0

@@ -110,6 +110,7 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- $_ := set $args "kv_transfer_tls_cert" (printf "%s/tls.crt" .mountPath) }}
 {{- $_ := set $args "kv_transfer_tls_key" (printf "%s/tls.key" .mountPath) }}
 {{- $_ := set $args "kv_transfer_tls_ca" (printf "%s/ca.crt" .mountPath) }}
+{{- $_ := set $args "kv_transfer_tls_server_name" .serverName }}
 {{- end }}
 {{- end }}
 {{- $app := dict
