@@ -31,6 +31,7 @@ from tessera.cluster import exit_status
 from tessera.cluster.cluster_config import ConfigError
 from tessera.cluster.environment import check_environment
 from tessera.cluster.grpc_api import SERVICER_FUNCTIONS
+from tessera.cluster.haproxy_guard import guard_haproxy
 from tessera.cluster.launch import Cluster
 from tessera.cluster.serve_config import ServeConfig
 
@@ -273,6 +274,8 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
         for name, value in local_ray_env().items():
             os.environ.setdefault(name, value)
         os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
+    # HAProxy's socket and files in a folder of this user's, its listeners on host
+    haproxy = guard_haproxy() if local_ray else None
     if owns_ray:
         _say("starting Ray ..." if config.address is None else f"joining Ray at {config.address}")
         ray.init(
@@ -344,5 +347,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
                 _say(f"the cluster did not stop cleanly ({type(error).__name__})")
         if owns_ray:
             ray.shutdown()
+        if haproxy is not None:
+            haproxy.remove()
         _say("stopped")
         sys.stdout.flush()
