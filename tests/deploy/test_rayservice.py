@@ -100,12 +100,10 @@ def test_model_from_a_host_path_is_mounted_read_only_on_every_ray_pod():
         group["template"]["spec"] for group in spec["workerGroupSpecs"]
     ]
     for pod in pods:
-        assert pod["volumes"] == [
-            {"name": "model", "hostPath": {"path": "/data/models", "type": "Directory"}}
-        ]
-        assert pod["containers"][0]["volumeMounts"] == [
-            {"name": "model", "mountPath": "/models", "readOnly": True}
-        ]
+        model = {"name": "model", "hostPath": {"path": "/data/models", "type": "Directory"}}
+        assert model in pod["volumes"]
+        mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mounts == [{"name": "model", "mountPath": "/models", "readOnly": True}]
 
 
 def test_gpu_groups_ask_kubernetes_for_their_gpus(gpu_render):

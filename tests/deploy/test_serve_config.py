@@ -50,24 +50,28 @@ def test_grpc_servicers_are_the_ones_tessera_serve_registers(default_render):
 
 
 def test_args_are_a_valid_serve_config_with_the_key_from_the_secret(render, monkeypatch):
-    """``args`` pass ``ServeConfig.create`` as the replica runs it: the API key is not in the
-    RayService but in $TESSERA_API_KEY, which every Ray container gets from the Secret."""
+    """``args`` pass ``ServeConfig.create`` as the app is built: the API key is not in the
+    RayService but in $TESSERA_API_KEY, which the head's container gets from the Secret (the
+    app is built where KubeRay deploys it, and its replicas get the key with their
+    deployment); no worker pod holds it."""
     from tessera.cluster.config import ServeConfig
 
     (app,) = serve_config(render)["applications"]
     assert "api_key" not in app["args"]
     monkeypatch.setenv("TESSERA_API_KEY", "from-the-secret")
     config = ServeConfig.create(**app["args"])
-    assert config.api_key == "from-the-secret"
+    key = config.api_key
+    assert getattr(key, "get_secret_value", lambda: key)() == "from-the-secret"
     assert config.role_resources is True
 
     spec = only(render, "RayService")["spec"]["rayClusterConfig"]
-    containers = [spec["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
-        group["template"]["spec"]["containers"][0] for group in spec["workerGroupSpecs"]
-    ]
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     from_secret = {"secretKeyRef": {"name": "tessera-api-key", "key": "api-key"}}
-    for container in containers:
-        assert {"name": "TESSERA_API_KEY", "valueFrom": from_secret} in container["env"]
+    assert {"name": "TESSERA_API_KEY", "valueFrom": from_secret} in head["env"]
+    for group in spec["workerGroupSpecs"]:
+        (worker,) = group["template"]["spec"]["containers"]
+        assert "TESSERA_API_KEY" not in {env["name"] for env in worker.get("env", [])}
+        assert "tessera-api-key" not in str(group)
 
 
 def test_gpu_example_starts_two_prefill_and_four_decode_workers_with_mtls(gpu_render):

@@ -130,8 +130,17 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- toYaml $config }}
 {{- end }}
 
-{{/* Environment of every Ray container. */}}
+{{/* Environment of every Ray container: the caches on their emptyDir. */}}
 {{- define "tessera.env" -}}
+- name: XDG_CACHE_HOME
+  value: {{ .Values.security.cachePath }}
+- name: TRITON_CACHE_DIR
+  value: {{ printf "%s/triton" .Values.security.cachePath }}
+{{- end }}
+
+{{/* The API key, for the head's container only: KubeRay deploys the app there (which reads
+it), and the front-end replicas get it with their deployment. */}}
+{{- define "tessera.apiKeyEnv" -}}
 {{- if .Values.apiKey.secretName }}
 - name: TESSERA_API_KEY
   valueFrom:
@@ -141,7 +150,17 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- end }}
 {{- end }}
 
+{{/* Every container's securityContext. */}}
+{{- define "tessera.containerSecurityContext" -}}
+securityContext:
+  {{- toYaml .Values.security.containerSecurityContext | nindent 2 }}
+{{- end }}
+
 {{- define "tessera.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: {{ .Values.security.cachePath }}
 {{- if ne .Values.model.source "image" }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
@@ -155,6 +174,10 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- end }}
 
 {{- define "tessera.volumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
 {{- if eq .Values.model.source "pvc" }}
 - name: model
   persistentVolumeClaim:
@@ -173,13 +196,14 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- end }}
 {{- end }}
 
-{{/* Pod spec fields shared by the head and the workers: volumes, pull secrets, placement.
+{{/* Pod spec fields shared by the head and the workers: the pod's securityContext, volumes,
+pull secrets, placement.
 Takes (dict "root" $ "placement" <head or worker group values>). */}}
 {{- define "tessera.podExtras" -}}
-{{- with include "tessera.volumes" .root | trim }}
+securityContext:
+  {{- toYaml .root.Values.security.podSecurityContext | nindent 2 }}
 volumes:
-{{- . | nindent 2 }}
-{{- end }}
+  {{- include "tessera.volumes" .root | trim | nindent 2 }}
 {{- with .root.Values.image.pullSecrets }}
 imagePullSecrets:
 {{- toYaml . | nindent 2 }}
