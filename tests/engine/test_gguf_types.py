@@ -50,9 +50,9 @@ def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
 #: Where a family's converter names a layer tensor differently from Llama's.
 _FAMILY_NAMES = {
     "gemma": {
-        "post_attention_layernorm": "attn_post_norm",
+        "post_attention_layernorm": "post_attention_norm",
         "pre_feedforward_layernorm": "ffn_norm",
-        "post_feedforward_layernorm": "ffn_post_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
     },
     "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
 }

@@ -11,7 +11,7 @@ Per family, what the converter writes differently:
 - ``llama``: q and k rows interleaved into llama.cpp's rotary layout (undone here);
   Llama 3's RoPE scaling as a ``rope_freqs`` tensor of per-frequency divisors.
 - ``gemma2``/``gemma3``: norms stored as 1 + w (the 1 already added), four norms a
-  layer (``attn_post_norm``, ``ffn_norm`` before the MLP, ``ffn_post_norm``), soft-caps
+  layer (``post_attention_norm``, ``ffn_norm`` before the MLP, ``post_ffw_norm``), soft-caps
   and the window as keys; the window pattern and the query scale are llama.cpp's per
   family (every other layer local in Gemma 2, five of six in Gemma 3; the scale
   ``(hidden / heads) ** -0.5`` for the 27B shapes, ``head_dim ** -0.5`` otherwise).
@@ -70,9 +70,9 @@ _LAYER_NAMES = {
 }
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
-    "attn_post_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
-    "ffn_post_norm": "post_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 #: A mixture of experts' layer tensors (each projection's experts stacked ``[E, out, in]``).
 _EXPERT_NAMES = {
