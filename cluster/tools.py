@@ -12,19 +12,24 @@
   with a grammar (llguidance Lark with the parameters' JSON schemas embedded), so the
   output is always a call whose arguments validate; ``auto`` decodes freely and
   ``parse`` finds the calls; ``none`` leaves the tools out of the prompt's reach.
+- **Parsing is linear.** A caller can steer the output (a structured output, a prompt),
+  so ``parse`` scans it with ``str.find`` (each character looked at a bounded number of
+  times) and ``json.loads`` on each block: no backtracking regex, whose cost an unclosed
+  ``<tool_call>`` and a run of spaces made cubic.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 ToolFormat = Literal["hermes", "llama3"]
 
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+#: A Hermes call block's tags.
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,26 +118,47 @@ def parse(text: str, fmt: ToolFormat, names: set[str]) -> tuple[str | None, list
         call = _call(stripped, names, "parameters")
         return (None, [call]) if call is not None else (text, [])
     kept, last = [], 0
-    for match in _HERMES_CALL.finditer(text):
-        call = _call(match.group(1), names, "arguments")
+    for start, end, block in _hermes_blocks(text):
+        call = _call(block, names, "arguments")
         if call is None:
             continue
-        kept.append(text[last : match.start()])
-        last = match.end()
+        kept.append(text[last:start])
+        last = end
         calls.append(call)
     kept.append(text[last:])
     rest = "".join(kept).strip()
     return (rest or None) if calls else text, calls
 
 
+def _hermes_blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """(start, end, inner text stripped) of each ``<tool_call>...</tool_call>`` block,
+    left to right: a block ends at the first close tag after its open tag, and the next
+    is looked for after it. An open tag with no close tag after it ends the scan (no
+    later one has one either). Linear in ``len(text)``: each ``find`` starts where the
+    last one stopped."""
+    pos = 0
+    while (start := text.find(CALL_OPEN, pos)) >= 0:
+        inner = start + len(CALL_OPEN)
+        close = text.find(CALL_CLOSE, inner)
+        if close < 0:
+            return
+        pos = close + len(CALL_CLOSE)
+        yield start, pos, text[inner:close].strip()
+
+
 def _call(text: str, names: set[str], key: str) -> ToolCall | None:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
-    if not isinstance(value, dict) or value.get("name") not in names:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if value["name"] not in names:
         return None
     arguments = value.get(key, value.get("arguments", value.get("parameters", {})))
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    try:
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    except RecursionError:  # arguments nested as deep as the parser allows
+        return None
