@@ -536,7 +536,7 @@ async def server_totals(
     totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     engine = dict.fromkeys(STEP_COUNTERS, 0.0)
     counter = {f"tessera_worker_engine_{name}_total": name for name in STEP_COUNTERS}
-    async with client.get(f"{target.url}/metrics") as response:
+    async with client.get(f"{target.url}/metrics", headers=target.headers) as response:
         text = await response.text()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

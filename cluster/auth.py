@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import hmac
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
 
 
 def bearer(api_key: str) -> str:
@@ -11,8 +15,10 @@ def bearer(api_key: str) -> str:
     return f"Bearer {api_key}"
 
 
-def expected_authorization(api_key: str | None) -> bytes | None:
+def expected_authorization(api_key: SecretStr | str | None) -> bytes | None:
     """What a request must present, as bytes; None when no key is set (open access)."""
+    if api_key is not None and not isinstance(api_key, str):  # pydantic's SecretStr
+        api_key = api_key.get_secret_value()
     return bearer(api_key).encode() if api_key else None
 
 

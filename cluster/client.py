@@ -155,7 +155,7 @@ class ClusterClient:
             )
         request_id = request.request_id
         if request_id in self._runs:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            raise InvalidRequestError("request_id", "another running request has this id")
         run = RequestRun(self, request, timeout_s)
         self._runs[request_id] = run
         try:

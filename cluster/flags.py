@@ -20,7 +20,11 @@ from tessera.cluster.memory_size import memory_size
 from tessera.workers.config import EngineConfig
 
 #: Settings written as sizes: their flags read "2GiB" as well as bytes.
-_PARSERS = {"kv_cache_memory": memory_size, "max_request_bytes": memory_size}
+_PARSERS = {
+    "kv_cache_memory": memory_size,
+    "max_request_bytes": memory_size,
+    "max_grammar_bytes": memory_size,
+}
 
 
 def add_config_arguments(

@@ -4,11 +4,18 @@
 One ``FrontEnd`` per Serve replica holds the cluster connection (``ClusterClient``),
 the model's limits, a thread pool that tokenizes off the event loop, and the request
 metrics. Every request passes its checks here once (model, text size, token ids,
-context length); the worker trusts them and guards only its own entry. A request's
-generation is a ``Job``: ``start`` submits its prompts, ``events`` merges their
-streams until the job's deadline, ``record`` keeps what each choice produced, and
-``finished`` records the request's metrics. The doors only parse their wire format,
-call these, and write their answers.
+context length, grammars, priority, salt); the worker trusts them and guards only its
+own entry. A request's generation is a ``Job``: ``start`` submits its prompts,
+``events`` merges their streams until the job's deadline, ``record`` keeps what each
+choice produced, and ``finished`` records the request's metrics. The doors only parse
+their wire format, call these, and write their answers.
+
+Nothing a request sends may stall the replica's event loop: each step whose cost grows
+with the request is bounded by a size checked before it (text by ``max_prompt_chars``
+before tokenizing, token ids by the context before their range, a grammar by
+``max_grammar_bytes`` before compiling, ``cache_salt`` by ``MAX_CACHE_SALT_CHARS``),
+and runs on the thread pool where it can take more than a millisecond (tokenizing, chat
+templates, compiling grammars, parsing long answers for tool calls).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -42,13 +50,29 @@ from tessera.cluster.openai_protocol import (
 from tessera.cluster.reasoning import REASONING_FORMATS, answer_grammar
 from tessera.scheduler.api import ClusterStats, DeadlineError
 from tessera.workers import validation
-from tessera.workers.api import RequestOutput, SamplingParams
+from tessera.workers.api import (
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    StructuredParams,
+    check_priority,
+)
 from tessera.workers.decoding import structured
 
 logger = logging.getLogger(__name__)
 
 #: Seconds between a replica's publications of its request metrics (``ReplicaBoard``).
 METRICS_PUBLISH_S = 2.0
+#: The longest ``cache_salt`` (vLLM has no limit). A salt joins the hash of every block
+#: of its prompt, so the front end hands the cluster its SHA-256 instead (hashed once
+#: per request, the same for every replica): a block's hash costs the same whatever
+#: the salt.
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def salt_key(cache_salt: str) -> str:
+    """What the cluster hashes blocks with for ``cache_salt``: its SHA-256, in hex."""
+    return hashlib.sha256(cache_salt.encode()).hexdigest()
 
 
 class FrontEnd:
@@ -157,12 +181,54 @@ class FrontEnd:
         return encoded.input_ids
 
     async def token_ids(self, prompt: str | list[int], field_name: str) -> list[int]:
-        """A prompt's token ids: text tokenized, or ids checked against the vocabulary."""
+        """A prompt's token ids: text tokenized, or ids checked against the context
+        (their count, first) and the vocabulary."""
         if isinstance(prompt, str):
             return await self.tokenize(prompt, field_name)
         with invalid_as(""):
-            validation.check_prompt_ids(prompt, self.vocab_size, field_name)
+            validation.check_prompt_ids(prompt, self.vocab_size, field_name, self.max_model_len)
         return prompt
+
+    def check_request(self, priority: int, cache_salt: str | None, prefix: str = "") -> None:
+        """A request's ``priority`` and ``cache_salt``, checked before any work on it
+        (``prefix``: gRPC's field path)."""
+        with invalid_as(prefix):
+            check_priority(priority)
+        if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise invalid(
+                f"{prefix}cache_salt",
+                f"is {len(cache_salt)} characters, over the limit of {MAX_CACHE_SALT_CHARS}",
+            )
+
+    async def check_structured(
+        self, params: StructuredParams | None, field_name: str, what: str | None = None
+    ) -> None:
+        """A structured output's grammar: within ``max_grammar_bytes`` (checked first),
+        then compiled on the thread pool. A grammar is compiled once per process:
+        compiled ones and refusals alike are cached (``structured.check``). ``what``
+        names the kind in the error (a tool's "schema", not "json")."""
+        if params is None:
+            return
+        spec = params.spec
+        size = len(spec) if spec.isascii() else len(spec.encode())
+        limit = self.config.max_grammar_bytes
+        if size > limit:
+            raise invalid(
+                field_name,
+                f"the grammar is {size} bytes, over the limit of {limit} bytes (max_grammar_bytes)",
+            )
+        try:
+            await self.off_loop(structured.check, params)
+        except InvalidRequestError as error:
+            message = error.message
+            if what is not None:
+                message = message.replace(f"is not a valid {params.kind}", f"is not a valid {what}")
+            raise invalid(field_name, message) from None
+
+    async def check_tools(self, body: ChatCompletionRequest) -> None:
+        """Each offered function's ``parameters`` is a JSON schema (``check_structured``)."""
+        for field_name, params in body.tool_schemas():
+            await self.check_structured(params, field_name, "schema")
 
     async def chat_prompt(
         self, body: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
@@ -202,15 +268,21 @@ class FrontEnd:
         encoded = await self.off_loop(self.tokenizer, text, add_special_tokens=add_special_tokens)
         return encoded.input_ids
 
-    def answer_only(self, sampling: SamplingParams) -> SamplingParams:
+    async def answer_only(self, sampling: SamplingParams) -> SamplingParams:
         """With a reasoning parser, the request's structured output (or forced tool
-        calls) holds the answer only: the reasoning before it runs free."""
+        calls) holds the answer only: the reasoning before it runs free. The answer's
+        grammar is built and compiled on the thread pool."""
         if self.reasoning is None or sampling.structured is None:
             return sampling
-        answer = answer_grammar(self.reasoning, sampling.structured, self.special_tags)
+
+        def answer() -> StructuredParams:
+            grammar = answer_grammar(self.reasoning, sampling.structured, self.special_tags)
+            structured.check(grammar)
+            return grammar
+
         with invalid_as(""):
-            structured.check(answer)
-        return dataclasses.replace(sampling, structured=answer)
+            grammar = await self.off_loop(answer)
+        return dataclasses.replace(sampling, structured=grammar)
 
     def check_token_ids(self, sampling: SamplingParams, prefix: str = "") -> None:
         """The request's stop token ids and logit-bias ids are in the vocabulary: checked
@@ -254,6 +326,7 @@ class FrontEnd:
         """Submit every prompt; on any refusal, abort the ones already started (the
         error raises as the ``APIError`` both doors map)."""
         job.started = time.monotonic()
+        salt = salt_key(cache_salt) if cache_salt is not None else None
         try:
             for k, prompt in enumerate(job.prompts):
                 remaining = job.deadline - time.monotonic()
@@ -264,7 +337,7 @@ class FrontEnd:
                     prompt,
                     job.sampling,
                     priority=priority,
-                    cache_salt=cache_salt,
+                    cache_salt=salt,
                     timeout_s=min(remaining, self.config.queue_timeout_s),
                 )
                 job.streams.append(stream)

@@ -15,7 +15,8 @@ health is exempt), ``NOT_FOUND`` (model), ``RESOURCE_EXHAUSTED`` (overloaded),
 Python client sends it, or ``request_timeout_s``), ``UNAVAILABLE`` (no healthy worker).
 
 Serve's gRPC proxy listens on every interface (it has no host setting): set an API
-key wherever the port is reachable from outside the machine.
+key wherever the port is reachable from outside the machine. Request ids are scoped to
+their caller, and messages bounded by ``max_request_bytes``: ``grpc_access``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tessera.cluster.auth import key_matches
+from tessera.cluster.grpc_access import caller, check_request_id, scoped_id
 from tessera.cluster.grpc_client import API_VERSION
 from tessera.cluster.openai_chat import TokenizeChatRequest
 from tessera.cluster.openai_errors import api_error, invalid
@@ -40,7 +42,7 @@ from tessera.protos.tessera.v1 import generation_pb2 as pb
 from tessera.protos.tessera.v1 import generation_pb2_grpc
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import FinishReason, InvalidRequestError, RequestOutput, SamplingParams
-from tessera.workers.decoding import sampling_fields, structured
+from tessera.workers.decoding import sampling_fields
 
 logger = logging.getLogger(__name__)
 
@@ -221,14 +223,17 @@ class GenerationService:
             self._grpc_authorize(grpc_context)
             _check_message(request)
             front.check_model(request.model or None)
+            front.check_request(request.priority, request.cache_salt or None)
             prompt, sampling = await self._grpc_prompt(request)
             timeout = None
             if request.HasField("timeout_s"):
                 if not (request.timeout_s > 0 and math.isfinite(request.timeout_s)):
                     raise invalid("timeout_s", f"must be a number > 0, got {request.timeout_s}")
                 timeout = request.timeout_s
+            check_request_id(request.request_id, allow_empty=True)
             request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-            job = front.job("generate", request_id, [prompt], sampling, arrival, timeout)
+            cluster_id = scoped_id(caller(grpc_context), request_id)
+            job = front.job("generate", cluster_id, [prompt], sampling, arrival, timeout)
             await front.start(job, request.priority, request.cache_salt or None)
             finished = 0
             async with contextlib.aclosing(front.events(job)) as events:
@@ -258,9 +263,9 @@ class GenerationService:
         try:
             self._grpc_authorize(grpc_context)
             _check_message(request)
-            if not request.request_id:
-                raise invalid("request_id", "must not be empty")
-            aborted = await self.front.client.abort(request.request_id)
+            check_request_id(request.request_id)
+            scoped = scoped_id(caller(grpc_context), request.request_id)
+            aborted = await self.front.client.abort(scoped)
         except Exception as error:
             raise self._grpc_fail(grpc_context, grpc_error(error)) from None
         return pb.AbortResponse(version=API_VERSION, aborted=aborted)
@@ -369,11 +374,7 @@ class GenerationService:
             prompt = await self.front.token_ids(list(request.token_ids.ids), "prompt")
         sampling = sampling_params(request.sampling)
         self.front.check_token_ids(sampling, "sampling.")
-        if sampling.structured is not None:
-            try:
-                structured.check(sampling.structured)
-            except InvalidRequestError as error:
-                raise invalid(f"sampling.{error.field}", error.message) from None
+        await self.front.check_structured(sampling.structured, "sampling.structured.spec")
         self.front.check_length(prompt, sampling.max_tokens, "sampling.max_tokens")
         return prompt, sampling
 

@@ -35,6 +35,10 @@ from tessera.workers.api import RequestOutput
 
 #: Characters of a tool call's arguments per streamed delta.
 TOOL_ARGUMENT_PIECE = 16
+#: An answer longer than this is parsed for tool calls on the replica's thread pool: the
+#: parser is linear, but a megabyte of calls takes ~0.2 s of JSON (every stream and
+#: ``/health`` would wait); below it a thread hop would cost more than the parse.
+TOOL_PARSE_ON_LOOP_CHARS = 8192
 #: Per endpoint (``Job.kind``), whole and streamed: a response's ``object``...
 _OBJECT = {
     "completion": ("text_completion", "text_completion"),
@@ -136,7 +140,7 @@ class AnswerWriter:
             )
         return envelope(job, choices)
 
-    def chat(self, job: Job, body: ChatCompletionRequest) -> dict:
+    async def chat(self, job: Job, body: ChatCompletionRequest) -> dict:
         """The whole chat response of a collected job: a tool call's message, when the
         model made calls to the tools offered."""
         choices = []
@@ -145,7 +149,7 @@ class AnswerWriter:
             logprobs = None
             if body.logprobs:
                 logprobs = {"content": self.logprobs.chat(choice.logprobs)}
-            message = self._chat_message(job, "".join(choice.text))
+            message = await self._chat_message(job, "".join(choice.text))
             finish = "tool_calls" if "tool_calls" in message else choice.finish_reason
             extras = choice_extras(choice)
             prompt_logprobs = self._prompt_logprobs(job, 0, body)
@@ -252,7 +256,8 @@ class AnswerWriter:
                         yield envelope(job, [entry], streamed=True)
                     if delta.finished:
                         answer = "".join(answers.pop(index))
-                        for entry in self._tool_call_entries(job, index, choice, answer):
+                        entries = await self._tool_call_entries(job, index, choice, answer)
+                        for entry in entries:
                             yield envelope(job, [entry], streamed=True)
                     continue
                 logprobs = None
@@ -288,7 +293,16 @@ class AnswerWriter:
             return None
         return self.logprobs.prompt_logprobs(job.prompt_logprobs[k])
 
-    def _chat_message(self, job: Job, text: str) -> dict[str, Any]:
+    async def _parse_calls(
+        self, job: Job, text: str
+    ) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """``tools.parse`` of a choice's answer, off the event loop when it is long."""
+        args = (text, self.front.tool_format, job.tool_names)
+        if len(text) <= TOOL_PARSE_ON_LOOP_CHARS:
+            return tool_calls.parse(*args)
+        return await self.front.off_loop(tool_calls.parse, *args)
+
+    async def _chat_message(self, job: Job, text: str) -> dict[str, Any]:
         """A whole chat choice's message: with a reasoning parser, its reasoning apart
         (``reasoning_content``); with tools offered, the calls its answer makes."""
         fmt = self.front.reasoning
@@ -300,17 +314,19 @@ class AnswerWriter:
         if fmt is not None:
             message["reasoning_content"] = reasoning
         if job.tool_names and content is not None:  # calls are in the answer only
-            rest, calls = tool_calls.parse(content, self.front.tool_format, job.tool_names)
+            rest, calls = await self._parse_calls(job, content)
             if calls:
                 message["content"] = rest
                 message["tool_calls"] = [call.message() for call in calls]
         return message
 
-    def _tool_call_entries(self, job: Job, index: int, choice: Choice, text: str) -> list[dict]:
+    async def _tool_call_entries(
+        self, job: Job, index: int, choice: Choice, text: str
+    ) -> list[dict]:
         """A finished choice of a chat with tools, as OpenAI streams it: each call's
         id and name, then its arguments in pieces; or the answer ``text``, if it made
         no call."""
-        content, calls = tool_calls.parse(text, self.front.tool_format, job.tool_names)
+        content, calls = await self._parse_calls(job, text)
         if not calls:
             deltas = [{"content": text}] if text else []
             finish = choice.finish_reason

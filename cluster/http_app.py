@@ -53,7 +53,14 @@ class _ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
-api = FastAPI(title="Tessera", summary="An OpenAI-compatible LLM server", docs_url="/docs")
+# /docs and /openapi.json are the ingress's own routes, behind the API key (serve_app).
+api = FastAPI(
+    title="Tessera",
+    summary="An OpenAI-compatible LLM server",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 api.add_middleware(_ReplicaHeader)
 
 

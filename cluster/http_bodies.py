@@ -1,5 +1,6 @@
-"""Request bodies as the HTTP door reads them: within ``max_request_bytes`` (413 above
-it, by ``Content-Length`` at once or as soon as the body passes it), within
+"""Request bodies as the HTTP door reads them: JSON (415 for another ``Content-Type``,
+``HttpAccess.check_json``), within ``max_request_bytes`` (413 above it, by
+``Content-Length`` at once or as soon as the body passes it), within
 ``body_timeout_s`` of their headers (408, and the connection closed), and only
 ``max_pending_bodies`` slow ones at a time per replica (503 beyond).
 """
@@ -11,6 +12,7 @@ import time
 
 from fastapi import Request
 
+from tessera.cluster.http_access import HttpAccess
 from tessera.cluster.openai_errors import RETRY_AFTER_S, APIError
 from tessera.cluster.serve_config import ServeConfig
 
@@ -53,6 +55,7 @@ class BodyReader:
         at once. Bodies that arrive with their headers (every ordinary client's) never
         count, so stalled uploads cannot crowd them out.
         """
+        HttpAccess.check_json(request)
         config = self.config
         limit = config.max_request_bytes
         length = request.headers.get("content-length", "")

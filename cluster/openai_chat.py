@@ -16,13 +16,7 @@ from pydantic import Field, PrivateAttr
 from tessera.cluster import tools as tool_calls
 from tessera.cluster.openai_errors import invalid
 from tessera.cluster.openai_requests import Body, SamplingBody
-from tessera.workers.api import (
-    MAX_TOP_LOGPROBS,
-    InvalidRequestError,
-    SamplingParams,
-    StructuredParams,
-)
-from tessera.workers.decoding import structured
+from tessera.workers.api import MAX_TOP_LOGPROBS, SamplingParams, StructuredParams
 
 
 class TextPart(Body):
@@ -169,17 +163,18 @@ class ChatCompletionRequest(SamplingBody, Conversation):
                 "tool_choice.function.name",
                 f"{choice.function.name!r} is not among the tools ({', '.join(names)})",
             )
-        for i, tool in enumerate(self.tools):
-            if tool.function.parameters is not None:
-                spec = json.dumps(tool.function.parameters)
-                try:
-                    structured.check(StructuredParams("json", spec))
-                except InvalidRequestError as error:
-                    message = error.message.replace("is not a valid json", "is not a valid schema")
-                    raise invalid(f"tools.{i}.function.parameters", message) from None
         if choice == "none":
             return []
         return [t.function.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_schemas(self) -> list[tuple[str, StructuredParams]]:
+        """(field, JSON schema) of each function's ``parameters``, for the front end to
+        check (bounded in size, compiled off the event loop) before anything uses them."""
+        return [
+            (f"tools.{i}.function.parameters", StructuredParams("json", json.dumps(parameters)))
+            for i, tool in enumerate(self.tools or ())
+            if (parameters := tool.function.parameters) is not None
+        ]
 
     @property
     def calls_forced(self) -> bool:

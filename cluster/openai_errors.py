@@ -11,7 +11,12 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from tessera.scheduler.api import DeadlineError, NoWorkerError, OverloadedError
+from tessera.scheduler.api import (
+    DeadlineError,
+    NoWorkerError,
+    OverloadedError,
+    RequestIdInUseError,
+)
 from tessera.workers.api import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -65,6 +70,8 @@ def api_error(error: BaseException) -> APIError:
         return error
     if isinstance(error, InvalidRequestError):
         return invalid(error.field, str(error))
+    if isinstance(error, RequestIdInUseError):
+        return invalid("request_id", str(error))
     retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(error, DeadlineError):
         return APIError(408, str(error), type="timeout_error", code="timeout")

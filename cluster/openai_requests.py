@@ -23,9 +23,7 @@ from tessera.workers.api import (
     ParallelTokensParams,
     SamplingParams,
     SpeculativeParams,
-    StructuredParams,
 )
-from tessera.workers.decoding import structured
 from tessera.workers.decoding.sampling_fields import WIRE_NAMES, defaults, sampling_params
 
 #: Most prompts one completions request may batch.
@@ -195,12 +193,8 @@ class SamplingBody(Body):
         values |= {"max_tokens": max_tokens, "logprobs": logprobs, "stop": stop,
                    "beam_width": beam_width}  # fmt: skip
         structured_given = self.structured()
-        if structured_given is not None:
-            values["structured"], source = structured_given
-            try:
-                structured.check(StructuredParams(**values["structured"]))
-            except InvalidRequestError as error:
-                raise invalid(source, error.message) from None
+        if structured_given is not None:  # its grammar: FrontEnd.check_structured
+            values["structured"], _ = structured_given
         try:
             if beam_width == 1:  # ignored without beams, but still checked
                 sampling_params({name: values[name] for name in _BEAMS_ONLY})

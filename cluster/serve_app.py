@@ -19,10 +19,13 @@ to run: ``tessera serve``, ``serve run tessera.cluster.serve_app:app_builder`` a
 tokenize, place each request through the scheduler and relay the worker's stream.
 
 **Errors** are OpenAI's error objects (``cluster.openai_errors.APIError``): 400
-naming the field, 401 without the API key, 404 for an unknown model or route, 408 past
-the request's deadline or a body slower than ``body_timeout_s``, 413 above the body
-limit, 429 with ``Retry-After`` when the cluster is overloaded, 503 when no worker is
-left or too many bodies are slow (``max_pending_bodies``).
+naming the field, 401 without the API key, 403 for a ``Host`` a keyless local server
+does not answer to (``http_access``), 404 for an unknown model or route, 408 past the
+request's deadline or a body slower than ``body_timeout_s``, 413 above the body limit,
+415 for a body that is not JSON, 429 with ``Retry-After`` when the cluster is
+overloaded, 503 when no worker is left or too many bodies are slow
+(``max_pending_bodies``). ``/docs``, ``/openapi.json`` and ``/metrics`` need the key
+too (``/metrics`` not with ``metrics_open``).
 
 **The event loop stays free.** Tokenizing and chat templates run on a thread pool of
 the machine's size; a text longer than any context could hold (``max_prompt_chars``)
@@ -37,12 +40,14 @@ import uuid
 from typing import Any
 
 from fastapi import Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from tessera.cluster.auth import expected_authorization, key_matches
 from tessera.cluster.front_end import FrontEnd
+from tessera.cluster.grpc_access import check_message_limit
 from tessera.cluster.grpc_api import GenerationService
+from tessera.cluster.http_access import HttpAccess
 from tessera.cluster.http_answers import AnswerWriter
 from tessera.cluster.http_app import REPLICA_HEADER, api, replica_name
 from tessera.cluster.http_bodies import BodyReader
@@ -79,12 +84,16 @@ class OpenAIServer(GenerationService):
         self.front = await FrontEnd.connect(config, replica_name())
         self.answers = AnswerWriter(self.front)
         self.bodies = BodyReader(config)
-        self._api_key = expected_authorization(config.api_key)
+        self.access = HttpAccess(config)
+        self._api_key = self.access.api_key  # the gRPC door's check (GenerationService)
+        if config.grpc_port is not None:
+            check_message_limit(config.max_request_bytes)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ routes
     @api.get("/health")
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
+        self.access.check_host(request)
         stats = await self.front.stats()
         workers = stats.workers if stats is not None else ()
         healthy = sum(w.status is WorkerStatus.HEALTHY for w in workers)
@@ -92,8 +101,26 @@ class OpenAIServer(GenerationService):
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     @api.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        self.access.authorize_metrics(request)
         return Response(await self.front.render_metrics(), media_type=CONTENT_TYPE)
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        """The app's OpenAPI schema (behind the key when one is set)."""
+        self._authorize(request)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        """Swagger UI over the schema, which the page holds (so that it needs no second
+        request, which a browser would send without the key)."""
+        self._authorize(request)
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{api.title} - Swagger UI",
+            swagger_ui_parameters={"spec": api.openapi()},
+        )
 
     def __del__(self) -> None:
         """Serve's graceful shutdown of this replica: its metrics leave the board."""
@@ -129,11 +156,13 @@ class OpenAIServer(GenerationService):
             self._authorize(request)
             body = parse_body(await self.bodies.read(request), CompletionRequest)
             self.front.check_model(body.model)
+            self.front.check_request(body.priority, body.cache_salt)
             prompts = [await self.front.token_ids(p, "prompt") for p in body.prompts()]
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
             for prompt in prompts:
                 self.front.check_length(prompt, max_tokens, "max_tokens")
             sampling = body.sampling_for(max_tokens)
+            await self.front.check_structured(sampling.structured, body.wire_name("structured"))
             self.front.check_token_ids(sampling)
             job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
             echo = [
@@ -159,6 +188,8 @@ class OpenAIServer(GenerationService):
             self._authorize(request)
             body = parse_body(await self.bodies.read(request), ChatCompletionRequest)
             self.front.check_model(body.model)
+            self.front.check_request(body.priority, body.cache_salt)
+            await self.front.check_tools(body)
             prompt = await self.front.chat_prompt(body)
             max_tokens = body.requested_max_tokens
             if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
@@ -177,7 +208,9 @@ class OpenAIServer(GenerationService):
             )
             self.front.check_length(prompt, max_tokens, field_name)
             body._tool_format = self.front.tool_format
-            sampling = self.front.answer_only(body.sampling_for(max_tokens))
+            sampling = body.sampling_for(max_tokens)
+            await self.front.check_structured(sampling.structured, body.wire_name("structured"))
+            sampling = await self.front.answer_only(sampling)
             self.front.check_token_ids(sampling)
             job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
             job.tool_names = frozenset(f["name"] for f in body.offered_tools())
@@ -188,7 +221,7 @@ class OpenAIServer(GenerationService):
         if body.stream:
             return self.answers.sse(job, self.answers.chat_chunks(job, body), "chat")
         await self.front.collect(job, "chat")
-        return JSONResponse(self.answers.chat(job, body))
+        return JSONResponse(await self.answers.chat(job, body))
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
@@ -226,17 +259,7 @@ class OpenAIServer(GenerationService):
 
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
-        if self._api_key is None:
-            return
-        given = request.headers.get("authorization")
-        if given is None:
-            raise APIError(
-                401,
-                "missing API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-        if not key_matches(self._api_key, given):
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
+        self.access.authorize(request)
 
     def _job(
         self,

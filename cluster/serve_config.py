@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import typing
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from tessera.cluster.cluster_config import ClusterConfig, ConfigError
 from tessera.cluster.memory_size import memory_value
 from tessera.cluster.reasoning import ReasoningParser
+
+#: The longest API key ``api_key_file`` may hold.
+MAX_KEY_FILE_CHARS = 4096
 
 
 class ServeConfig(ClusterConfig):
@@ -28,11 +31,24 @@ class ServeConfig(ClusterConfig):
         "port (behind HAProxy on host; Ray Serve's gRPC proxy, and the replica's own gRPC "
         "server behind HAProxy, listen on every interface); off when unset",
     )
-    api_key: str | None = Field(
+    api_key: SecretStr | None = Field(
         None,
         min_length=1,
-        description="require 'Authorization: Bearer KEY' on every route but /health and "
-        "/metrics (default: $TESSERA_API_KEY, else no key)",
+        description="require 'Authorization: Bearer KEY' on every route but /health (and "
+        "/metrics with metrics_open), and on every gRPC method but health; a flag's value "
+        "shows in ps: prefer $TESSERA_API_KEY or --api-key-file (default: $TESSERA_API_KEY, "
+        "else no key)",
+    )
+    api_key_file: str | None = Field(
+        None,
+        min_length=1,
+        description="read the API key from this file (its text, surrounding whitespace "
+        "dropped), so that it stays out of ps and of config files; not with api_key",
+    )
+    metrics_open: bool = Field(
+        False,
+        description="serve /metrics without the API key (for a scrape network that cannot "
+        "send it); /docs and /openapi.json always need the key when one is set",
     )
     served_model_name: str | None = Field(
         None,
@@ -63,7 +79,17 @@ class ServeConfig(ClusterConfig):
         "admission (--max-queued-requests) refuses overload before this",
     )
     max_request_bytes: int = Field(
-        4 * 2**20, ge=1, description="largest request body, e.g. 4MiB; larger ones get 413"
+        4 * 2**20,
+        ge=1,
+        description="largest request body, e.g. 4MiB; larger ones get 413 (HTTP), and "
+        "RESOURCE_EXHAUSTED before they are parsed (gRPC, in a Ray that tessera serve starts)",
+    )
+    max_grammar_bytes: int = Field(
+        128 * 2**10,
+        ge=1,
+        description="largest structured-output grammar (a JSON schema, regex, choice list "
+        "or Lark grammar, one tool's parameters or the tools' call grammar), e.g. 128KiB; "
+        "larger ones get 400 before they are compiled",
     )
     body_timeout_s: float = Field(
         10.0,
@@ -90,16 +116,24 @@ class ServeConfig(ClusterConfig):
         description="on Ctrl-C, how long ongoing requests may take to finish before they are cut",
     )
 
-    @field_validator("max_request_bytes", mode="before")
+    @field_validator("max_request_bytes", "max_grammar_bytes", mode="before")
     @classmethod
-    def _request_bytes(cls, value):
+    def _sizes(cls, value):
         return memory_value(value)
 
     @model_validator(mode="before")
     @classmethod
-    def _api_key_from_environment(cls, data):
-        """Every way to start (the CLI, ``serve run``, KubeRay) reads the key alike."""
-        if isinstance(data, dict) and data.get("api_key") is None:
+    def _api_key_from_file_or_environment(cls, data):
+        """Every way to start (the CLI, ``serve run``, KubeRay) reads the key alike:
+        ``api_key``, else ``api_key_file``'s text, else ``$TESSERA_API_KEY``."""
+        if not isinstance(data, dict):
+            return data
+        path = data.get("api_key_file")
+        if path is not None and data.get("api_key") is not None:
+            raise ValueError("api_key_file: give api_key or api_key_file, not both")
+        if path is not None and isinstance(path, str) and path:
+            data = {**data, "api_key": read_key_file(path)}
+        elif data.get("api_key") is None:
             key = os.environ.get("TESSERA_API_KEY")
             if key:
                 data = {**data, "api_key": key}
@@ -131,6 +165,24 @@ class ServeConfig(ClusterConfig):
         path = resolve_model_path(self.model)
         name = path.name.removesuffix(".gguf")
         return name.split(".")[0] if self.model is None else name  # built-in: drop ".Q4_1"
+
+
+def read_key_file(path: str) -> str:
+    """The API key in file ``path``: its text without surrounding whitespace."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            key = file.read(MAX_KEY_FILE_CHARS + 1).strip()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or "not UTF-8 text"
+        raise ValueError(f"api_key_file: cannot read {path!r} ({reason})") from None
+    if not key:
+        raise ValueError(f"api_key_file: {path!r} is empty")
+    if len(key) > MAX_KEY_FILE_CHARS or any(c.isspace() for c in key):
+        raise ValueError(
+            f"api_key_file: {path!r} must hold one key (no whitespace inside, at most "
+            f"{MAX_KEY_FILE_CHARS} characters)"
+        )
+    return key
 
 
 def load_config_file(path: str) -> dict[str, typing.Any]:

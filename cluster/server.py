@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 #: The Serve application's name.
 APP_NAME = "tessera"
+#: Ray Serve's gRPC message limit (read by its processes at import).
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+DEFAULT_MAX_REQUEST_BYTES: int = ServeConfig.model_fields["max_request_bytes"].default
 #: Ray Serve's controller loop period (``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``) in a Ray
 #: that ``tessera serve`` starts, unless set already. Serve's 0.1 s kept the idle
 #: controller at ~2.8% of a core (and GCS at ~1.7%): with the worker's threads on every
@@ -87,9 +90,15 @@ def haproxy_available() -> bool:
         return False
 
 
-def local_ray_env() -> dict[str, str]:
+def local_ray_env(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> dict[str, str]:
     """Ray Serve's settings for a Ray that ``tessera serve`` starts (its processes inherit
     this process's environment); a value already in the environment wins.
+
+    - gRPC's largest message (``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE``, the receive and send
+      limit of Serve's gRPC proxy and of a replica's own gRPC server behind HAProxy) is
+      ``max_request_bytes``, as HTTP's body limit: Serve's default, 2 GiB, let a caller
+      make the proxy take and parse that much before any key was checked. gRPC refuses
+      a larger message with ``RESOURCE_EXHAUSTED`` before it reads it.
 
     - Fewer wake-ups in the background: Serve's controller loop at
       ``SERVE_CONTROL_LOOP_S``, its replicas' metrics export at
@@ -113,6 +122,7 @@ def local_ray_env() -> dict[str, str]:
       8500, 9500) let only one such Ray run on a machine.
     """
     env = {
+        GRPC_MAX_MESSAGE_ENV: str(max_request_bytes),
         "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": SERVE_CONTROL_LOOP_S,
         "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": SERVE_METRICS_EXPORT_MS,
         "LOG_NAME_UPDATE_INTERVAL_S": LOG_NAME_UPDATE_S,
@@ -271,7 +281,7 @@ def run_server(config: ServeConfig, log_level: str = "WARNING") -> int:
     owns_ray = not ray.is_initialized()
     local_ray = owns_ray and config.address is None
     if local_ray:  # its processes get this environment
-        for name, value in local_ray_env().items():
+        for name, value in local_ray_env(config.max_request_bytes).items():
             os.environ.setdefault(name, value)
         os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
     # HAProxy's socket and files in a folder of this user's, its listeners on host

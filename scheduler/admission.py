@@ -40,6 +40,10 @@ class AdmissionQueue:
     def full(self) -> bool:
         return len(self._live) >= self.limit
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request waits here now."""
+        return request_id in self._live
+
     def waiting(self, role: str) -> int:
         return sum(waiter.role == role for waiter in self._live.values())
 

@@ -48,6 +48,11 @@ class NoWorkerError(ClusterError):
     retriable = True
 
 
+class RequestIdInUseError(ClusterError):
+    """Another request placed (or waiting) under this id, and this is no failover: two
+    front ends were given one id (placing it again would move the first's place)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a request runs. ``worker`` is the worker actor's handle."""

@@ -18,6 +18,7 @@ from tessera.scheduler.api import (
     OverloadedError,
     Placement,
     Refusal,
+    RequestIdInUseError,
     WorkerStatus,
 )
 from tessera.scheduler.config import SchedulerConfig
@@ -55,7 +56,15 @@ class Placer:
         ``block_hashes``: its prompt's full blocks, hashed by the front end as
         ``block_hashing`` says (empty: placement ignores the prefix caches).
         ``worker_request_ids``: the ids the front end will run it under on the worker
-        (for ``abort``). Placing a request that is already placed (``failover``) moves it."""
+        (for ``abort``). Placing a request that is already placed (``failover``) moves it;
+        a new request under the id of one placed or waiting is refused
+        (``RequestIdInUseError``), so that one front end's request cannot move
+        another's place."""
+        if not failover and (
+            request_id in self.registry.placements or self.queue.holds(request_id)
+        ):
+            self._refused += 1
+            return Refusal(RequestIdInUseError, "another running request has this id")
         self.release(request_id)
         if failover:
             self._failovers += 1

@@ -23,10 +23,15 @@ from tessera.workers.params import (
     fork_seed,
 )
 
+#: ``priority`` is within +-PRIORITY_LIMIT (vLLM leaves it unbounded): callers order
+#: their requests, but none can set one that no other caller could match.
+PRIORITY_LIMIT = 1000
+
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TOP_LOGPROBS",
     "PARALLEL_MODES",
+    "PRIORITY_LIMIT",
     "SPECULATIVE_METHODS",
     "FinishReason",
     "InvalidRequestError",
@@ -167,13 +172,22 @@ class Request:
             )
         if len(self.prompt_token_ids) == 0:
             raise InvalidRequestError("prompt", "must not be empty")
-        _check_number("priority", self.priority, integer=True)
+        check_priority(self.priority)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):
             raise InvalidRequestError(
                 "cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}"
             )
+
+
+def check_priority(priority: object) -> None:
+    """``priority``: an integer within +-``PRIORITY_LIMIT``."""
+    _check_number("priority", priority, integer=True)
+    if not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT:
+        raise InvalidRequestError(
+            "priority", f"must be in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {priority}"
+        )
 
 
 @dataclass(frozen=True, slots=True)

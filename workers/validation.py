@@ -10,28 +10,40 @@ from tessera.workers.kv.manager import blocks_needed
 from tessera.workers.model.config import ModelConfig
 
 
-def check_prompt_ids(token_ids: Sequence[object], vocab_size: int, field: str = "prompt") -> None:
-    """A prompt given as token ids: integers in the vocabulary."""
-    for token_id in token_ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
-            raise InvalidRequestError(field, f"token ids must be integers, got {token_id!r}")
-        if not 0 <= token_id < vocab_size:
+def check_prompt_ids(
+    token_ids: Sequence[object], vocab_size: int, field: str = "prompt", max_len: int | None = None
+) -> None:
+    """A prompt given as token ids: at most ``max_len`` of them (checked first), integers
+    in the vocabulary. The per-id checks are C loops (``map``, ``min``, ``max``), so a
+    long list costs microseconds, not a Python loop on the caller's event loop."""
+    if max_len is not None and len(token_ids) > max_len:
+        raise InvalidRequestError(
+            field,
+            f"{len(token_ids)} token ids, more than the model's context of {max_len} tokens",
+        )
+    if not set(map(type, token_ids)) <= {int}:  # bool (an int subclass) is no token id
+        wrong = next(t for t in token_ids if type(t) is not int)
+        raise InvalidRequestError(field, f"token ids must be integers, got {wrong!r}")
+    check_id_range(token_ids, vocab_size, field)
+
+
+def check_id_range(token_ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Integer ``token_ids`` are in ``[0, vocab_size)``: ``InvalidRequestError`` naming
+    the smallest or largest one that is not."""
+    if not token_ids:
+        return
+    for extreme in (min(token_ids), max(token_ids)):
+        if not 0 <= extreme < vocab_size:
             raise InvalidRequestError(
-                field, f"token id {token_id} is out of the vocabulary [0, {vocab_size})"
+                field, f"token id {extreme} is out of the vocabulary [0, {vocab_size})"
             )
 
 
 def check_sampling_ids(sampling: SamplingParams, vocab_size: int) -> None:
-    """The request's logit-bias and stop token ids are in the vocabulary."""
-    for name, ids in (
-        ("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
-        ("stop_token_ids", sampling.stop_token_ids),
-    ):
-        for token_id in ids:
-            if token_id >= vocab_size:
-                raise InvalidRequestError(
-                    name, f"token id {token_id} is out of the vocabulary [0, {vocab_size})"
-                )
+    """The request's logit-bias and stop token ids are in the vocabulary (their counts
+    are bounded by ``SamplingParams``)."""
+    check_id_range([token_id for token_id, _ in sampling.logit_bias], vocab_size, "logit_bias")
+    check_id_range(sampling.stop_token_ids, vocab_size, "stop_token_ids")
 
 
 def check_context(

@@ -64,7 +64,8 @@ def request_counts(server: Server) -> tuple[dict[str, float], int]:
     """/metrics: completions answered 200 per replica, and how many samples the
     cluster-wide queue gauge has."""
     per_replica, queue_samples = collections.Counter(), 0
-    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+    metrics = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    for family in text_string_to_metric_families(metrics):
         for s in family.samples:
             if s.name == "tessera_requests_total" and s.labels["endpoint"] == "completions":
                 per_replica[s.labels["replica"]] += s.value if s.labels["status"] == "200" else 0

@@ -9,11 +9,13 @@ checked for their status code and the field their message names.
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
 
 import grpc
+import httpx
 import pytest
 import ray
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -212,6 +214,35 @@ def test_abort_ends_the_stream_and_frees_the_blocks(server, client):
     assert client.abort("to-abort") is False  # over: nothing left to abort
 
 
+def test_request_ids_are_the_callers_own(server, client):
+    """A request runs under an id scoped to its caller: the same id running twice is
+    refused, Abort never reaches an HTTP request (whose id it may have seen), and a
+    message larger than max_request_bytes is refused before it is read."""
+    stream = client.generate(PROMPT, request_id="mine", **LONG)
+    next(stream)
+    error = _error(lambda: list(client.generate(PROMPT, request_id="mine", max_tokens=2)))
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "request_id: another running request has this id"
+    stream.close()
+
+    body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=60
+    ) as http:
+        lines = http.iter_lines()
+        http_id = json.loads(next(lines).removeprefix("data: "))["id"]
+        assert client.abort(http_id) is False  # the HTTP stream goes on to its end
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    _idle(server)
+
+    huge = generate_request("x" * (4 * 2**20 + 1), max_tokens=1)
+    stub = generation_pb2_grpc.GenerationStub(client.channel)
+    error = _error(lambda: list(stub.Generate(huge, metadata=client.metadata, timeout=30)))
+    assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    assert [d.text for d in client.generate("Hi", max_tokens=2, temperature=0)]
+
+
 def test_client_deadline_is_deadline_exceeded_and_aborts_the_request(server, client):
     started = time.monotonic()
     error = _error(lambda: list(client.generate(PROMPT, timeout=2.0, **LONG)))
@@ -270,6 +301,15 @@ INVALID = [
     (
         {"sampling": {"structured": {"kind": "json", "spec": "{oops"}}},
         "sampling.structured.spec: is not a valid json",
+    ),
+    # bounded before any work (hostile input)
+    ({"priority": 2**31 - 1}, "priority: must be in [-1000, 1000], got 2147483647"),
+    ({"cache_salt": "s" * 1025}, "cache_salt: is 1025 characters, over the limit of 1024"),
+    ({"request_id": "r" * 257}, "request_id: is 257 characters, over the limit of 256"),
+    ({"sampling": {"stop": ["a" * 1025]}}, "sampling.stop: stop strings are at most 1024"),
+    (
+        {"sampling": {"structured": {"kind": "regex", "spec": "a" * (128 * 2**10 + 1)}}},
+        "sampling.structured.spec: the grammar is 131073 bytes, over the limit of 131072",
     ),
 ]
 

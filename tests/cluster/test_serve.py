@@ -396,6 +396,34 @@ ERRORS = [
         "max_completion_tokens",
         "context length of 8192",
     ),
+    # bounded before any work (hostile input)
+    ("/v1/completions", {"prompt": "x", "priority": 10**30}, 400, "priority", "[-1000, 1000]"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": "s" * 1025}, 400, "cache_salt", "1024"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a" * 1025]}, 400, "stop", "at most 1024"),
+    ("/v1/completions", {"prompt": list(range(8193))}, 400, "prompt", "context of 8192"),
+    ("/detokenize", {"tokens": [1] * 8193}, 400, "tokens", "8193 token ids"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "structured_outputs": {"regex": "a" * (128 * 2**10 + 1)}},
+        400,
+        "structured_outputs.regex",
+        "over the limit of 131072 bytes (max_grammar_bytes)",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"description": "d" * 2**17}},
+                }
+            ],
+        },
+        400,
+        "tools.0.function.parameters",
+        "(max_grammar_bytes)",
+    ),
 ]
 
 
@@ -875,7 +903,7 @@ def test_unknown_route_and_huge_body(server):
     assert "4194304 bytes" in response.json()["error"]["message"]
 
 
-def test_api_key_is_required_except_for_health_and_metrics(server):
+def test_api_key_is_required_except_for_health(server):
     body = {"prompt": "Hi", "max_tokens": 2}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)
     assert missing.status_code == 401 and "Authorization" in missing.json()["error"]["message"]
@@ -887,7 +915,27 @@ def test_api_key_is_required_except_for_health_and_metrics(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0).models.list()
     assert httpx.get(f"{server.url}/health").status_code == 200
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    for path in ("/metrics", "/docs", "/openapi.json"):  # behind the key too
+        refused = httpx.get(f"{server.url}{path}")
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}{path}", headers=server.headers).status_code == 200
+    schema = httpx.get(f"{server.url}/openapi.json", headers=server.headers).json()
+    assert "/v1/chat/completions" in schema["paths"] and "/docs" not in schema["paths"]
+    docs = httpx.get(f"{server.url}/docs", headers=server.headers).text
+    assert "swagger-ui" in docs and '"/v1/chat/completions"' in docs  # the schema inline
+
+
+def test_only_json_bodies_are_read(server):
+    """A cross-site form or text/plain POST (no preflight) is never read as a request."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        response = server.post("/v1/completions", body, headers={"Content-Type": content_type})
+        assert response.status_code == 415, response.text
+        assert response.json()["error"]["param"] == "Content-Type"
+        assert content_type in response.json()["error"]["message"]
+    ok = server.post("/v1/completions", body, headers={"Content-Type": "application/json"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_overload_gets_429_with_retry_after(server):
@@ -1013,7 +1061,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
 
 def _samples(server) -> dict[tuple[str, tuple], float]:
     """/metrics, summed over the front-end replicas (the ``replica`` label)."""
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
     samples = collections.Counter()
     for family in text_string_to_metric_families(text):
         for s in family.samples:

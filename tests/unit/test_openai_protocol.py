@@ -271,8 +271,8 @@ def test_serve_config(tmp_path):
 
 def test_api_key_comes_from_the_environment_unless_given(monkeypatch):
     monkeypatch.setenv("TESSERA_API_KEY", "from-env")
-    assert ServeConfig.create().api_key == "from-env"
-    assert ServeConfig.create(api_key="given").api_key == "given"
+    assert ServeConfig.create().api_key.get_secret_value() == "from-env"
+    assert ServeConfig.create(api_key="given").api_key.get_secret_value() == "given"
     monkeypatch.delenv("TESSERA_API_KEY")
     assert ServeConfig.create().api_key is None
 

@@ -35,6 +35,7 @@ from tessera.workers.api import (
     SpeculativeParams,
     StructuredParams,
 )
+from tessera.workers.params import MAX_LOGIT_BIAS
 
 #: The params dataclasses a sampling field may hold (a nested object on the wire).
 NESTED = (SpeculativeParams, ParallelTokensParams, StructuredParams)
@@ -60,6 +61,10 @@ class WireField:
         """A wire value (not None) as the ``SamplingParams`` field takes it. A value of
         the wrong shape passes through, for ``SamplingParams`` to refuse by name."""
         if self.mapping and isinstance(value, Mapping):
+            if len(value) > MAX_LOGIT_BIAS:  # before converting every key
+                raise InvalidRequestError(
+                    self.name, f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}"
+                )
             try:
                 return tuple(sorted((int(k), v) for k, v in value.items()))
             except (TypeError, ValueError):

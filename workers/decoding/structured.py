@@ -8,7 +8,10 @@ matcher back by any number of tokens, and computes SmolLM2's 49,152-token mask i
 tokens; the first mask of a grammar, which builds its lexer, ~2 ms).
 
 A ``Grammars`` object per engine wraps the tokenizer once (~0.3 s, on the first
-structured request) and compiles each (kind, spec) once (cached). Each sequence owns
+structured request) and compiles each (kind, spec) once (cached, and so is a refusal:
+the same bad grammar sent again is refused from the cache, not compiled again; a large
+one can take seconds). The front ends bound a grammar's size before they compile it,
+and compile it off their event loop. Each sequence owns
 an ``LLMatcher``: forks (n > 1) take a copy, a resumed request (failover) replays the
 tokens it had sent, and preemption by recompute keeps it (no token is sampled again).
 """
@@ -53,6 +56,10 @@ def grammar_text(params: StructuredParams) -> str:
         raise InvalidRequestError(
             "structured.spec", f"is not a valid {params.kind}: {error}"
         ) from None
+    except RecursionError:  # JSON nested past the parser's depth
+        raise InvalidRequestError(
+            "structured.spec", f"is not a valid {params.kind}: nested too deeply"
+        ) from None
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if failed:
         raise InvalidRequestError(
@@ -95,9 +102,21 @@ def embedded(params: StructuredParams) -> str:
     return "%lark {\n" + part["lark_grammar"] + "\n}"
 
 
-@functools.lru_cache(maxsize=256)
 def _cached_grammar(kind: str, spec: str) -> str:
-    return grammar_text(StructuredParams(kind, spec))
+    compiled = _compiled(kind, spec)
+    if isinstance(compiled, InvalidRequestError):
+        raise InvalidRequestError(compiled.field, compiled.message)
+    return compiled
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, spec: str) -> str | InvalidRequestError:
+    """The grammar, or why it was refused: both cached (``lru_cache`` keeps no
+    exceptions)."""
+    try:
+        return grammar_text(StructuredParams(kind, spec))
+    except InvalidRequestError as error:
+        return error
 
 
 class Grammars:
