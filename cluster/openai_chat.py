@@ -18,6 +18,10 @@ from tessera.cluster.openai_errors import invalid
 from tessera.cluster.openai_requests import Body, SamplingBody
 from tessera.workers.api import MAX_TOP_LOGPROBS, SamplingParams, StructuredParams
 
+#: The most functions one request may offer (OpenAI's limit): each one's schema is
+#: compiled on the replica's thread pool.
+MAX_TOOLS = 128
+
 
 class TextPart(Body):
     type: Literal["text"]
@@ -136,7 +140,7 @@ class ChatCompletionRequest(SamplingBody, Conversation):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[ToolDef] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     # OpenAI's bookkeeping, which changes no token: taken and not used (like ``user``)

@@ -5,6 +5,7 @@ its thread pool, and a refusal names the field, the limit and what was given."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -13,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tessera.cluster.front_end import MAX_CACHE_SALT_CHARS, FrontEnd, salt_key
+from tessera.cluster.openai_chat import MAX_TOOLS, ChatCompletionRequest
 from tessera.cluster.openai_errors import APIError
+from tessera.cluster.openai_parsing import parse_body
 from tessera.cluster.serve_config import ServeConfig
 from tessera.workers import validation
 from tessera.workers.api import (
@@ -178,3 +181,13 @@ def test_sampling_ids_out_of_the_vocabulary_are_named():
     sampling = SamplingParams(stop_token_ids=(3, VOCAB + 5), logit_bias=((2, 1.0),))
     with pytest.raises(InvalidRequestError, match="^stop_token_ids: token id 1005 is out"):
         validation.check_sampling_ids(sampling, VOCAB)
+
+
+def test_at_most_128_tools_are_offered():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool] * (MAX_TOOLS + 1)}
+    with pytest.raises(APIError, match="^tools: List should have at most 128 items") as caught:
+        parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    assert caught.value.param == "tools"
+    body["tools"] = [tool] * MAX_TOOLS
+    assert len(parse_body(json.dumps(body).encode(), ChatCompletionRequest).tool_schemas()) == 128
