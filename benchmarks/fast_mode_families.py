@@ -65,6 +65,7 @@ def measure(path: Path, sequences: int, length: int, decisive_gap: float) -> dic
     fast = load_model(path, "auto")
     generator = torch.Generator().manual_seed(0)
     vocab = exact.config.vocab_size
+    length = min(length, exact.config.max_position_embeddings)  # (a file's own context)
     agree = decisive = decisive_agree = positions = 0
     kl = nll_exact = nll_fast = 0.0
     for _ in range(sequences):
@@ -87,6 +88,7 @@ def measure(path: Path, sequences: int, length: int, decisive_gap: float) -> dic
         "family": exact.config.architecture,
         "file": path.name,
         "fast_precision": fast.precision,
+        "length": length,
         "positions": positions,
         "agreement": agree / positions,
         "decisive_positions": decisive,

@@ -47,6 +47,14 @@ FAMILIES = {
             w.add_attn_logit_softcapping(50.0),
         ),
     ),  # fmt: skip
+    # not in FAST_MODE_FAMILIES: auto is exact for it
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {"head_dim": 64, "sliding_window": 32, "query_pre_attn_scalar": 64},
+        "gemma3",
+        64,
+        lambda w: w.add_sliding_window(32),
+    ),
 }
 
 

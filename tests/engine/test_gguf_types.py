@@ -591,3 +591,46 @@ def test_windows_and_types_it_cannot_read_are_refused(
     with pytest.raises(ValueError) as refused:
         load_model(path, "float32")
     assert str(refused.value).startswith(message)
+
+
+def test_a_gguf_with_fused_qkv_matches_transformers(tmp_path, tokenizer_fields):
+    """A Llama converted with ``--fuse-qkv``: one ``attn_qkv`` tensor (and bias) a layer,
+    q's and k's rows interleaved as the converter always writes them."""
+    torch.manual_seed(0)
+    model = _peaked(_tiny_llama(attention_bias=True))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+    tensors = model.state_dict()
+    state = {}
+    for name, tensor in tensors.items():
+        if "k_proj" in name or "v_proj" in name:
+            continue
+        if "q_proj" in name:
+            q, k, v = (
+                tensors[name.replace("q_proj", p)].numpy() for p in ("q_proj", "k_proj", "v_proj")
+            )
+            fused = [_permute_rotary(q, HEADS), _permute_rotary(k, KV_HEADS), v]
+            state[name.replace("q_proj", "qkv_proj")] = torch.from_numpy(np.concatenate(fused))
+        else:
+            state[name] = tensor
+
+    class Fused:  # what _write_gguf reads of a model: its config and its tensors
+        config = model.config
+
+        @staticmethod
+        def state_dict() -> dict[str, torch.Tensor]:
+            return state
+
+    path = tmp_path / "tiny-fused.gguf"
+    _LAYER_NAMES["self_attn.qkv_proj"] = "attn_qkv"
+    try:
+        _write_gguf(path, Fused, GGMLQuantizationType.F32, tokenizer_fields)
+    finally:
+        del _LAYER_NAMES["self_attn.qkv_proj"]
+    ours = load_model(path, "float32")
+    prompt = ours.tokenizer("Fused projections, read two ways.").input_ids
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(ours, prompt), expected, atol=1e-4, rtol=1e-4)

@@ -51,7 +51,9 @@ SUPPORTED_ARCHITECTURES = (
 #: The families whose fast mode (``dtype="auto"`` on a CPU with the AVX512_BF16 kernels)
 #: met its quality contract against the exact mode (``benchmarks/fast_mode_families.py``,
 #: ``tests/engine/test_fast_mode_families.py``); ``auto`` is exact for the others.
-FAST_MODE_FAMILIES = SUPPORTED_ARCHITECTURES
+FAST_MODE_FAMILIES = tuple(a for a in SUPPORTED_ARCHITECTURES if a != "gemma3_text")
+#: (Gemma 3's fast mode missed it: mean KL 2.4e-4 nats over the 2e-4 bar, every other
+#: family's at most 1.1e-4.)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic", "freq_factors")
 #: ``freq_factors``: each rotary frequency divided by its own factor, as a GGUF file's
 #: ``rope_freqs`` tensor gives them (llama.cpp's converter writes Llama 3's scaling so)

@@ -65,6 +65,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # the converter's --fuse-qkv: q, k, v rows stacked
     "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3
     "attn_k_norm": "self_attn.k_norm",
 }
@@ -183,22 +184,19 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
         keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
         name, base = hf_name(tensor.name, family)
         # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
-        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(base)
-        unpermute = arch == "llama" and heads is not None
+        rows = _rotary_rows(config, base) if arch == "llama" else None
         if keep:
             weight = PackedWeight.from_gguf(tensor)
-            if unpermute:  # a permutation of output rows: done on the packed rows
-                weight = weight.select_rows(
-                    torch.from_numpy(_unpermute_rotary(np.arange(weight.out_features), heads))
-                )
+            if rows is not None:  # a permutation of output rows: done on the packed rows
+                weight = weight.select_rows(torch.from_numpy(rows))
             state[name] = weight
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             expanded[GGMLQuantizationType(tensor.tensor_type).name] += tensor.data.nbytes
             expanded_bytes += weights.size * 4
-        if unpermute:
-            weights = _unpermute_rotary(weights, heads)
+        if rows is not None:
+            weights = weights[rows]
         # np.array copies: F32 tensors come back as read-only memory maps of the file.
         state[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
     if expanded:
@@ -248,6 +246,12 @@ def _hf_config(
     num_layers = field("block_count")
     # (Qwen3's and Gemma's heads are not hidden / heads wide: the key length says how wide)
     head_dim = field("attention.key_length") or hidden // num_heads
+    value_dim = field("attention.value_length", head_dim)
+    if value_dim != head_dim:  # the attention's values are as wide as its keys
+        raise ValueError(
+            f"model: GGUF {arch}.attention.value_length {value_dim} differs from the keys' "
+            f"{head_dim} (values as wide as keys only)"
+        )
     rope_dims = field("rope.dimension_count") or head_dim
     hf: dict[str, Any] = {
         "model_type": ARCHITECTURES[arch],
@@ -263,7 +267,7 @@ def _hf_config(
         "rope_theta": field("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         # a Llama with biases (Qwen2's q/k/v biases come with its architecture)
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
+        "attention_bias": arch == "llama" and _has_qkv_bias(tensors),
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
@@ -390,8 +394,29 @@ def _moe_fields(fields: dict[str, Any], arch: str, tensors: dict[str, Any]) -> d
         shared = field("expert_shared_feed_forward_length") or field("feed_forward_length")
         moe["shared_expert_intermediate_size"] = shared
     if arch == "qwen2moe":
-        moe["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+        moe["qkv_bias"] = _has_qkv_bias(tensors)
     return moe
+
+
+def _has_qkv_bias(tensors: dict[str, Any]) -> bool:
+    """Whether the first layer's q/k/v have biases (separate, or fused by --fuse-qkv)."""
+    return "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
+
+
+def _rotary_rows(config: ModelConfig, base: str | None) -> Any:
+    """The row order that undoes the converter's q/k interleaving of a Llama tensor
+    (``attn_q``, ``attn_k``, or ``attn_qkv``: q's rows, then k's, then v's), or None."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    q = _unpermute_rotary(np.arange(q_rows), config.num_heads)
+    k = _unpermute_rotary(np.arange(kv_rows), config.num_kv_heads)
+    if base == "attn_q":
+        return q
+    if base == "attn_k":
+        return k
+    if base == "attn_qkv":
+        return np.concatenate([q, q_rows + k, np.arange(q_rows + kv_rows, q_rows + 2 * kv_rows)])
+    return None
 
 
 def _unpermute_rotary(weights: Any, num_heads: int) -> Any:

@@ -93,11 +93,13 @@ def load_hf_state_dict(
             )
             layer.qkv_proj.load_weight(qkv, attn + "qkv", bf16_matmuls)
             if layer.qkv_proj.bias is not None:
-                copy_checked(
-                    layer.qkv_proj.bias,
-                    torch.cat([dequantized(take(attn + f"{n}_proj.bias")) for n in "qkv"]),
-                    attn + "qkv.bias",
+                fused_bias = attn + "qkv_proj.bias"  # a GGUF file's fused q/k/v biases
+                bias = (
+                    dequantized(take(fused_bias))
+                    if fused_bias in state
+                    else torch.cat([dequantized(take(attn + f"{n}_proj.bias")) for n in "qkv"])
                 )
+                copy_checked(layer.qkv_proj.bias, bias, attn + "qkv.bias")
             layer.o_proj.load_weight([take(attn + "o_proj.weight")], attn + "o_proj", bf16_matmuls)
             if layer.o_proj.bias is not None:
                 copy_checked(
