@@ -27,6 +27,7 @@ from tests.deploy.helm import (
 #: ServeConfig fields the chart sets itself, so its values refuse them under ``tessera``.
 CHART_OWNED = {
     "api_key",  # from the Secret in apiKey, never in the RayService in clear
+    "api_key_file",  # likewise: the chart hands the key over from its Secret
     "host",  # Serve's proxy listens on 0.0.0.0 in a pod
     "address",  # the app runs inside the Ray cluster
     "role_resources",  # worker groups offer tessera-<role>; always on
@@ -199,7 +200,28 @@ def test_service_monitor_selects_the_serve_service():
     labels = only(docs, "RayService")["spec"]["serveService"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     endpoint = {"port": "serve", "path": "/metrics", "interval": "30s"}
-    assert monitor["spec"]["endpoints"] == [endpoint]
+    # /metrics needs the API key: sent from its Secret as a bearer token
+    bearer = {"type": "Bearer", "credentials": {"name": "tessera-api-key", "key": "api-key"}}
+    assert monitor["spec"]["endpoints"] == [{**endpoint, "authorization": bearer}]
+    docs = documents(
+        template(sets=("metrics.serviceMonitor.enabled=true", "tessera.metrics_open=true"))
+    )
+    assert only(docs, "ServiceMonitor")["spec"]["endpoints"] == [endpoint]
+
+
+def test_serve_grpc_message_cap_is_the_request_cap():
+    """Serve's gRPC proxy takes no message larger than ``max_request_bytes`` (given as a
+    size, as the settings take it), on every Ray container."""
+    for size, expected in (("4MiB", "4194304"), ("512KiB", "524288"), ("2MB", "2000000")):
+        docs = documents(template(sets=(f"tessera.max_request_bytes={size}",)))
+        spec = only(docs, "RayService")["spec"]["rayClusterConfig"]
+        pods = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+        for pod in pods:
+            for container in pod["template"]["spec"]["containers"]:
+                if container["name"] == "autoscaler":
+                    continue
+                env = {e["name"]: e.get("value") for e in container.get("env", [])}
+                assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == expected, container["name"]
 
 
 def test_k8s_manifests_equal_a_fresh_render():

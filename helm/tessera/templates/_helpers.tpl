@@ -136,6 +136,22 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
   value: {{ .Values.security.cachePath }}
 - name: TRITON_CACHE_DIR
   value: {{ printf "%s/triton" .Values.security.cachePath }}
+{{- /* Serve's gRPC proxy reads no larger message than a request body may be */}}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ include "tessera.bytes" (.Values.tessera.max_request_bytes | default "4MiB") | quote }}
+{{- end }}
+
+{{/* A size as Tessera's settings take it ('4MiB', '512KiB', '4MB' or a number of bytes;
+case and a trailing B ignored; whole numbers here), in bytes. */}}
+{{- define "tessera.bytes" -}}
+{{- $text := toString . | trim -}}
+{{- $number := regexFind "^[0-9]+" $text -}}
+{{- $unit := trimPrefix $number $text | trim | lower | trimSuffix "b" -}}
+{{- $scale := dict "" 1 "k" 1000 "m" 1000000 "g" 1000000000 "ki" 1024 "mi" 1048576 "gi" 1073741824 -}}
+{{- if or (not $number) (not (hasKey $scale $unit)) -}}
+{{- fail (printf "tessera.max_request_bytes: %q is not a size (a whole number of bytes, or with KiB, MiB, GiB, KB, MB or GB)" $text) -}}
+{{- end -}}
+{{- mul (int64 $number) (get $scale $unit) -}}
 {{- end }}
 
 {{/* The API key, for the head's container only: KubeRay deploys the app there (which reads
