@@ -6,7 +6,8 @@ local server answers to, and JSON bodies only.
   ``/openapi.json`` and ``/metrics`` (unless ``metrics_open``, for a scrape network
   that cannot send it). Compared in constant time (``tessera.cluster.auth``).
 - **The Host** of a server with no key, listening on loopback: only ``localhost``,
-  ``127.0.0.1`` or ``[::1]`` (with or without its port). A web page's script can send
+  ``127.0.0.1`` or ``[::1]``, with or without a port (any: behind ``serve run`` or a
+  proxy the app does not know the port it is reached on). A web page's script can send
   requests to 127.0.0.1 through a name of its own that resolves there (DNS
   rebinding); its requests carry that name, so they are refused (403). A server with a
   key, or listening beyond loopback, is named however its network names it.
@@ -26,7 +27,7 @@ from tessera.cluster.auth import expected_authorization, key_matches
 from tessera.cluster.openai_errors import APIError
 from tessera.cluster.serve_config import ServeConfig
 
-#: The names a keyless loopback server answers to (each alone or with ``:<port>``).
+#: The names a keyless loopback server answers to (each alone or with a ``:<port>``).
 LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
@@ -38,6 +39,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _name(host: str) -> str:
+    """A ``Host`` header's name, its ``:<port>`` (digits only) dropped, lowercased."""
+    name, colon, port = host.lower().rpartition(":")
+    if colon and port.isdigit() and (name.endswith("]") or ":" not in name):
+        return name
+    return host.lower()
 
 
 def is_json(content_type: str) -> bool:
@@ -57,21 +66,19 @@ class HttpAccess:
         self.metrics_open = config.metrics_open
         self.hosts: frozenset[str] | None = None  # None: any Host
         if self.api_key is None and is_loopback(config.host):
-            names = [*LOCAL_NAMES, *(f"{name}:{config.port}" for name in LOCAL_NAMES)]
-            self.hosts = frozenset(names)
-        self.port = config.port
+            self.hosts = frozenset(LOCAL_NAMES)
 
     def check_host(self, request: Request) -> None:
         """403 for a ``Host`` this server does not answer to (see the module)."""
         if self.hosts is None:
             return
         host = request.headers.get("host")
-        if host is not None and host.lower() not in self.hosts:
+        if host is not None and _name(host) not in self.hosts:
             raise APIError(
                 403,
                 f"Host: {host[:100]!r} is not a name of this server: a server with no API "
-                f"key on loopback answers only to localhost, 127.0.0.1 or [::1] (port "
-                f"{self.port}); set an API key to serve it under other names",
+                "key on loopback answers only to localhost, 127.0.0.1 or [::1]; set an API "
+                "key to serve it under other names",
                 type="permission_error",
                 param="Host",
                 code="invalid_host",

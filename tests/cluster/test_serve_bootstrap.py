@@ -36,7 +36,8 @@ def test_app_builder_bootstraps_the_scheduler_and_workers(ray_session):
         serve.run(app_builder(args), name="bootstrap", route_prefix="/")
         scheduler = ray.get_actor("tessera-scheduler", namespace=NAMESPACE)
         url = f"http://127.0.0.1:{port}"
-        assert httpx.get(f"{url}/health").json()["healthy_workers"] == 1
+        health = httpx.get(f"{url}/health")
+        assert health.json().get("healthy_workers") == 1, (health.status_code, health.text)
         done = httpx.post(
             f"{url}/v1/completions",
             json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
