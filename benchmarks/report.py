@@ -84,11 +84,24 @@ def _step_overhead(d: dict[str, Any]) -> str:
 
 
 def _soak(d: dict[str, Any]) -> str:
+    if d.get("hostile"):
+        return _soak_hostile(d)
     s = d["soak"]
     return (
         f"{s['ok']} requests through {len(d['faults'])} faults: {s['altered']} altered, "
         f"{s['lost']} lost, {s['unclean']} unclean; {x(d['ratio_vs_no_faults'])} the "
         "fault-free throughput"
+    )
+
+
+def _soak_hostile(d: dict[str, Any]) -> str:
+    u = d["under_hostile"]
+    unexpected = sum(r["unexpected"] for r in d["hostile_outcomes"].values())
+    return (
+        f"{u['ok']} valid requests beside {d['hostile_requests']} hostile ones "
+        f"({unexpected} with an unexpected outcome): {u['lost']} lost, {u['altered']} altered; "
+        f"p99 latency {x(d['p99_latency_ratio'])} the baseline's (target "
+        f"{x(d['p99_target'])})"
     )
 
 

@@ -1,4 +1,5 @@
-"""Chaos soak: a streaming load on a real `tessera serve` while its parts are killed.
+"""Soaks: a streaming load on a real `tessera serve` while its parts are killed, or
+(`--hostile`, benchmarks/soak_hostile.py) while hostile traffic runs beside it.
 
 Peer: the same server and load without faults (run first, ``--baseline-s``); the ratio
 is the output tokens per second under chaos over that. Every request is a greedy
@@ -22,6 +23,7 @@ workers and the scheduler, Serve replaces the replica.
 
     python benchmarks/soak.py                   # 10 minutes of chaos, 2 of baseline
     python benchmarks/soak.py --duration-s 120 --baseline-s 0
+    python benchmarks/soak.py --hostile         # 60 s without, then 60 s with hostile traffic
 
 The test (tests/cluster/test_soak.py) runs the same ``Soak`` for 2 minutes.
 """
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import random
 import signal
@@ -91,6 +94,8 @@ class Tally:
     tokens: int = 0
     failures: collections.Counter = field(default_factory=collections.Counter)
     finished_at: list[float] = field(default_factory=list)  # per ok request, since start
+    latencies: list[float] = field(default_factory=list)  # per ok request, retries included
+    ttfts: list[float] = field(default_factory=list)  # per ok request, its last attempt's
 
     def record(self) -> dict[str, Any]:
         return {
@@ -101,7 +106,17 @@ class Tally:
             "unclean": self.unclean,
             "output_tokens": self.tokens,
             "failures": dict(self.failures.most_common()),
+            "latency_s": {f"p{q}": percentile(self.latencies, q) for q in (50, 99)},
+            "ttft_s": {f"p{q}": percentile(self.ttfts, q) for q in (50, 99)},
         }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``values``; None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)], 4)
 
 
 def references(
@@ -176,8 +191,11 @@ class Soak:
         return ray.get_actor(self.scheduler_name, namespace=self.namespace)
 
     # ---------------------------------------------------------------- the load
-    async def _attempt(self, client: httpx.AsyncClient, prompt: str) -> tuple[str, str]:
-        """("done", text) or (failure kind, "retriable" | "unclean")."""
+    async def _attempt(
+        self, client: httpx.AsyncClient, prompt: str
+    ) -> tuple[str, str, float | None]:
+        """("done", text, seconds to its first text) or (failure kind, "retriable" |
+        "unclean", None)."""
         body = {
             "model": self.model,
             "prompt": prompt,
@@ -186,6 +204,7 @@ class Soak:
             "stream": True,
         }
         timeout = httpx.Timeout(30.0, read=self.stall_s)
+        start, first = time.monotonic(), None
         try:
             async with client.stream(
                 "POST",
@@ -202,39 +221,47 @@ class Soak:
                         # Serve's proxy: the replica died after the request reached it
                         # and before it answered (Ray Serve sends no body of its own for
                         # that, so uvicorn's plain 500 goes out); nothing had started
-                        return "HTTP 500 from Serve's proxy (its replica died)", "retriable"
+                        return "HTTP 500 from Serve's proxy (its replica died)", "retriable", None
                     kind = "retriable" if response.status_code in RETRIABLE_STATUS else "unclean"
-                    return f"HTTP {response.status_code}", kind
+                    return f"HTTP {response.status_code}", kind, None
                 text = ""
                 async for line in response.aiter_lines():
                     if line == "data: [DONE]":
-                        return "done", text
+                        return "done", text, first
                     if not line.startswith("data: "):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
                         kind = event["error"].get("type")
-                        return f"error event {kind}", (
-                            "retriable" if kind in RETRIABLE_TYPES else "unclean"
+                        return (
+                            f"error event {kind}",
+                            ("retriable" if kind in RETRIABLE_TYPES else "unclean"),
+                            None,
                         )
                     text += event["choices"][0]["text"]
-                return "ended without [DONE]", "unclean"
+                    if first is None and text:
+                        first = time.monotonic() - start
+                return "ended without [DONE]", "unclean", None
         except httpx.ReadTimeout:
-            return f"silent for {self.stall_s} s", "unclean"
+            return f"silent for {self.stall_s} s", "unclean", None
         except httpx.TransportError as error:  # cut or refused: a replica died
-            return f"connection {type(error).__name__}", "retriable"
+            return f"connection {type(error).__name__}", "retriable", None
 
     async def _client(self, client: httpx.AsyncClient, tally: Tally, start: float, stop: float):
         while time.monotonic() < stop:
             prompt = self.random.choice(list(self.expected))
+            begun = time.monotonic()
             for _ in range(self.attempts):
-                outcome, detail = await self._attempt(client, prompt)
+                outcome, detail, ttft = await self._attempt(client, prompt)
                 if outcome == "done":
                     text, tokens = self.expected[prompt]
                     if detail == text:
                         tally.ok += 1
                         tally.tokens += len(tokens)
                         tally.finished_at.append(time.monotonic() - start)
+                        tally.latencies.append(time.monotonic() - begun)
+                        if ttft is not None:
+                            tally.ttfts.append(ttft)
                     else:
                         tally.altered += 1
                         tally.failures[f"altered: {prompt[:30]!r}"] += 1
@@ -366,7 +393,8 @@ async def soak(
 
 
 # ------------------------------------------------------------------ the benchmark
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The command line of both soaks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=600, help="the chaos soak")
     parser.add_argument("--baseline-s", type=float, default=120, help="the same load, no faults")
@@ -379,7 +407,30 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--stall-s", type=float, default=60)
     parser.add_argument("--attempts", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--hostile",
+        action="store_true",
+        help="the hostile-neighbour soak instead (benchmarks/soak_hostile.py)",
+    )
+    parser.add_argument("--phase-s", type=float, default=60, help="--hostile: each phase")
+    parser.add_argument(
+        "--fuzz-examples", type=int, default=25, help="--hostile: fuzzer cases per route and mode"
+    )
+    parser.add_argument(
+        "--hostile-kinds",
+        help="--hostile: some kinds of hostile traffic only, comma-separated (default: all "
+        "of benchmarks/hostile.py's KINDS)",
+    )
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
+    if args.hostile:
+        from benchmarks.soak_hostile import main as hostile_main
+
+        hostile_main(args)
+        return
 
     from benchmarks.common import machine, report
     from benchmarks.serve_load import start_server, stop_server
