@@ -37,6 +37,7 @@ _LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",  # the converter's --fuse-qkv (and Phi-3's own)
 }
 
 
@@ -624,11 +625,7 @@ def test_a_gguf_with_fused_qkv_matches_transformers(tmp_path, tokenizer_fields):
             return state
 
     path = tmp_path / "tiny-fused.gguf"
-    _LAYER_NAMES["self_attn.qkv_proj"] = "attn_qkv"
-    try:
-        _write_gguf(path, Fused, GGMLQuantizationType.F32, tokenizer_fields)
-    finally:
-        del _LAYER_NAMES["self_attn.qkv_proj"]
+    _write_gguf(path, Fused, GGMLQuantizationType.F32, tokenizer_fields)
     ours = load_model(path, "float32")
     prompt = ours.tokenizer("Fused projections, read two ways.").input_ids
     with torch.no_grad():
