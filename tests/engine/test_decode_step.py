@@ -20,17 +20,18 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
-def lean_steps(engine, argmax_only: list[bool] | None = None) -> list[int]:
+def lean_steps(engine, argmax_only: list | None = None) -> list[int]:
     """The number of sequences of each lean step the engine runs from now on (and into
-    ``argmax_only``, whether the step asked the forward for its rows' argmax alone)."""
+    ``argmax_only``, whether the step asked the forward for its rows' argmax, and the
+    rows whose logits it asked for beside them)."""
     calls: list[int] = []
     execute = engine.runner.execute_decodes
 
-    def counted(seq_ids, token_ids, starts, only=False):
+    def counted(seq_ids, token_ids, starts, only=False, logits_for=()):
         calls.append(len(seq_ids))
         if argmax_only is not None:
-            argmax_only.append(only)
-        return execute(seq_ids, token_ids, starts, only)
+            argmax_only.append(only if not logits_for else (only, list(logits_for)))
+        return execute(seq_ids, token_ids, starts, only, logits_for)
 
     engine.runner.execute_decodes = counted
     return calls
@@ -38,7 +39,7 @@ def lean_steps(engine, argmax_only: list[bool] | None = None) -> list[int]:
 
 def test_plain_decodes_take_the_lean_path_and_match_transformers(make_engine, hf_reference):
     engine = make_engine()
-    argmax_only: list[bool] = []
+    argmax_only: list = []
     calls = lean_steps(engine, argmax_only)
     prompts = [tuple(engine.tokenize(text)) for text in PROMPTS]
     for i, prompt in enumerate(prompts):
@@ -50,7 +51,8 @@ def test_plain_decodes_take_the_lean_path_and_match_transformers(make_engine, hf
     outputs = run_engine(engine)
     assert calls and set(calls) == {3}  # only once the forked request has ended
     assert len(calls) == 40 - 10  # its last step ran the others' 10th token with it
-    assert not any(argmax_only)  # r2's logprobs need the logits
+    # r2's logprobs need its logits; the other two rows take their argmax alone
+    assert argmax_only == [(True, [2])] * len(calls)
     for i, prompt in enumerate(prompts):
         assert_greedy_matches(tokens_of(outputs[f"r{i}"]), hf_reference.greedy(prompt, 40))
     assert all(len(d.logprobs) == len(d.token_ids) for d in outputs["r2"])

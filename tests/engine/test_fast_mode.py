@@ -300,7 +300,7 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
         taken.append(indices is not None)
         return indices
 
-    asked: list[tuple[str, bool]] = []
+    asked: list[tuple[str, bool, list[int]]] = []
     real_execute, real_decodes = ModelRunner.execute, ModelRunner.execute_decodes
 
     def checked(out, rows: int, argmax_only: bool):
@@ -310,13 +310,18 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
         return out
 
     def spy_execute(self, chunks, argmax_only=False):
-        asked.append(("execute", argmax_only))
+        asked.append(("execute", argmax_only, []))
         rows = sum(len(chunk.logits_rows) for chunk in chunks)
         return checked(real_execute(self, chunks, argmax_only), rows, argmax_only)
 
-    def spy_decodes(self, seq_ids, token_ids, starts, argmax_only=False):
-        asked.append(("decodes", argmax_only))
-        out = real_decodes(self, seq_ids, token_ids, starts, argmax_only)
+    def spy_decodes(self, seq_ids, token_ids, starts, argmax_only=False, logits_for=()):
+        asked.append(("decodes", argmax_only, list(logits_for)))
+        out = real_decodes(self, seq_ids, token_ids, starts, argmax_only, logits_for)
+        if logits_for:  # the others' argmax, and these rows' logits
+            argmax, logits = out
+            checked(argmax, len(seq_ids) - len(logits_for), True)
+            checked(logits, len(logits_for), False)
+            return out
         return checked(out, len(seq_ids), argmax_only)
 
     screened: list[int] = []
@@ -335,17 +340,20 @@ def test_greedy_steps_take_the_heads_own_argmax(mode, monkeypatch):
     with_head = run()
     # the prompts' step, two decode steps, the late prompt's two chunks beside decodes
     # (the first samples nothing for it), then decode steps: every one the argmax alone
-    kinds = [kind for kind, _ in asked[:5]]
+    kinds = [kind for kind, _, _ in asked[:5]]
     assert kinds == ["execute", "decodes", "decodes", "execute", "execute"]
     steps = len(asked)
-    assert steps >= 14 and all(only for _, only in asked)
+    assert steps >= 14 and all(only and not rows for _, only, rows in asked)
     assert not taken  # no logits written, none read
     head = loaded.model.head_q8
     if head is not None and head.screen is not None and not native.amx_in_use():
         assert len(screened) == steps  # every step's argmax through the screen
     asked.clear()
     assert run(logprobs=True) == with_head
-    assert len(asked) >= steps and not any(only for _, only in asked)
+    # every step gives the logprobs row its logits: all the logits, or (a decode step
+    # beside other rows) its row's and the others' argmax
+    assert len(asked) >= steps and all(not only or rows for _, only, rows in asked)
+    assert any(rows for _, _, rows in asked)
     native_head = head is not None  # else the head is quant_matmul
     assert len(taken) == len(asked) and all(t == native_head for t in taken)  # every step's
     monkeypatch.setattr(engine_module, "taken_argmax", lambda logits: None)

@@ -176,3 +176,70 @@ def test_grammar_with_speculation_preemption_and_a_busy_batch_equals_grammar_alo
     assert {rid: tokens_of(out[rid]) for rid in references} == references
     for i in range(3):
         assert tokens_of(out[f"g{i}"]) == expected
+
+
+def test_a_grammar_row_takes_logits_and_the_other_rows_their_argmax_alone(
+    make_engine, monkeypatch
+):
+    """A decode step of plain greedy rows and one constrained row asks the forward for
+    the argmax of the plain rows and the logits of the constrained one only (the head's
+    argmax screen stays on for the others); every output is what it is alone."""
+    params = StructuredParams("json", json.dumps(PERSON))
+    prompts = [f"Item {i}: the lighthouse" for i in range(3)]
+    references = {}
+    for i, prompt in enumerate(prompts):
+        engine = make_engine()
+        engine.add_request("p", prompt, SamplingParams(max_tokens=12, temperature=0))
+        references[f"p{i}"] = tokens_of(run_engine(engine)["p"])
+    alone = make_engine()
+    alone.add_request("g", PROMPT, SamplingParams(max_tokens=12, temperature=0, structured=params))
+    references["g"] = tokens_of(run_engine(alone)["g"])
+    engine = make_engine()
+    calls = []
+    forward = type(engine.runner.model).forward
+
+    def spy(model, *args, **kwargs):
+        calls.append((kwargs.get("argmax_only"), kwargs.get("logits_for")))
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine.runner.model), "forward", spy)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request("g", PROMPT, SamplingParams(max_tokens=12, temperature=0, structured=params))
+    out = run_engine(engine)
+    assert {rid: tokens_of(outs) for rid, outs in out.items()} == references
+    split = [rows.tolist() for argmax_only, rows in calls if argmax_only and rows is not None]
+    assert split and all(rows == [3] for rows in split), calls
+    assert not any(argmax_only is False for argmax_only, _ in calls[1:]), calls
+
+
+async def test_the_async_engine_builds_a_grammars_matcher_beside_the_step_loop(make_engine):
+    """The matcher of a structured request is built off the engine thread (a large
+    grammar's takes tens of milliseconds that every stream would wait), and the request
+    runs as the engine alone runs it."""
+    import threading
+
+    from tessera.workers.engine.async_engine import AsyncEngine
+
+    sampling = SamplingParams(
+        max_tokens=10, temperature=0, structured=StructuredParams("json", json.dumps(PERSON))
+    )
+    alone = make_engine()
+    alone.add_request("g", PROMPT, sampling)
+    expected = tokens_of(run_engine(alone)["g"])
+    engine = make_engine()
+    threads = []
+    build = engine.grammars.matcher
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return build(*args)
+
+    engine.grammars.matcher = spy
+    front = AsyncEngine(engine)
+    try:
+        outputs = [out async for out in await front.add_request("g", PROMPT, sampling)]
+    finally:
+        await front.close()
+    assert tokens_of(outputs) == expected
+    assert len(threads) == 1 and not threads[0].startswith("tessera-engine"), threads

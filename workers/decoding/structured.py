@@ -12,7 +12,8 @@ structured request) and compiles each (kind, spec) once (cached, and so is a ref
 the same bad grammar sent again is refused from the cache, not compiled again; a large
 one can take seconds). The front ends bound a grammar's size before they compile it,
 and compile it off their event loop. Each sequence owns
-an ``LLMatcher``: forks (n > 1) take a copy, a resumed request (failover) replays the
+an ``LLMatcher`` (``AsyncEngine`` builds it beside the step loop: a large grammar's
+takes tens of milliseconds): forks (n > 1) take a copy, a resumed request (failover) replays the
 tokens it had sent, and preemption by recompute keeps it (no token is sampled again).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -127,9 +129,14 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
+        self._wrapping = threading.Lock()  # matchers are built on several threads
 
     @property
     def tokenizer(self):
+        with self._wrapping:
+            return self._wrapped()
+
+    def _wrapped(self):
         if self._tokenizer is None:
             import llguidance.hf
 

@@ -216,15 +216,28 @@ class AsyncEngine:
         """Validate and start a request (errors raise here, before any output), then
         return an async iterator over its output deltas (of all ``n`` outputs)."""
         self._check_open(request_id)
+        sampling = sampling or SamplingParams()
+        grammar = await self._grammar(sampling, resume)
+        self._check_open(request_id)
         request = self.engine.add_request(
-            request_id, prompt, sampling, priority, cache_salt, resume
+            request_id, prompt, sampling, priority, cache_salt, resume, grammar
         )
         return self._open_stream(request)
 
     async def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
         """``add_request`` for a request built whole (``Engine.submit``)."""
         self._check_open(request.request_id)
-        return self._open_stream(self.engine.submit(request))
+        grammar = await self._grammar(request.sampling, request.resume)
+        self._check_open(request.request_id)
+        return self._open_stream(self.engine.submit(request, grammar))
+
+    async def _grammar(self, sampling: SamplingParams, resume: Resume | None) -> object | None:
+        """A structured request's matcher, built on the loop's default executor: beside
+        the step loop (llguidance releases the GIL), not in it."""
+        if sampling.structured is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.engine.grammar_matcher, sampling, resume)
 
     def _check_open(self, request_id: str) -> None:
         if self._closing:

@@ -206,31 +206,45 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: Resume | None = None,
+        grammar: object | None = None,
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` naming the field.
 
         ``resume`` continues a request another worker had started (failover): its
-        tokens are recomputed here, not generated or sent again.
+        tokens are recomputed here, not generated or sent again. ``grammar``: its
+        structured output's matcher, built off the engine thread (``grammar_matcher``);
+        without it the step that admits the request builds it.
         """
         sampling = sampling or SamplingParams()
         token_ids = self.validate(prompt, sampling, resume)
         request = Request(
             request_id, token_ids, sampling, priority, time.monotonic(), cache_salt, resume
         )
-        return self._queue(request)
+        return self._queue(request, grammar)
 
-    def submit(self, request: Request) -> Request:
+    def submit(self, request: Request, grammar: object | None = None) -> Request:
         """Queue a request a front end built (``add_request``'s, whole), checked here
         against the model and the pool; its arrival is this engine's clock."""
         token_ids = self.validate(request.prompt_token_ids, request.sampling, request.resume)
         arrived = time.monotonic()
         return self._queue(
-            dataclasses.replace(request, prompt_token_ids=token_ids, arrival_time=arrived)
+            dataclasses.replace(request, prompt_token_ids=token_ids, arrival_time=arrived),
+            grammar,
         )
 
-    def _queue(self, request: Request) -> Request:
+    def grammar_matcher(self, sampling: SamplingParams, resume: Resume | None) -> object | None:
+        """The structured output's matcher for a request with ``sampling`` and
+        ``resume`` (None without one), at the grammar's start or past the resumed tokens.
+        Any thread may call it: a large grammar's matcher takes tens of milliseconds,
+        which the step loop should not wait for (``AsyncEngine`` builds it beside it)."""
+        if sampling.structured is None:
+            return None
+        replay = resume.token_ids if resume is not None else ()
+        return self.grammars.matcher(sampling.structured, replay)
+
+    def _queue(self, request: Request, grammar: object | None) -> Request:
         self.requests.reserve(request.request_id)
-        self._inbox.append(("add", request))
+        self._inbox.append(("add", (request, grammar)))
         return request
 
     def abort(self, request_id: str) -> None:
@@ -301,12 +315,12 @@ class Engine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                self._admit(payload)
+                self._admit(*payload)
             elif (group := self.groups.get(payload)) is not None:
                 outputs += self.post.abort_group(group)
         return outputs
 
-    def _admit(self, request: Request) -> None:
+    def _admit(self, request: Request, grammar: object | None) -> None:
         sampling, resume = request.sampling, request.resume
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         seq = Sequence(
@@ -325,9 +339,7 @@ class Engine:
             seq.cumulative_logprob = resume.cumulative_logprob
         if sampling.prompt_logprobs is not None and resume is None:
             seq.prompt_logprobs = [None]  # the first token has none
-        if sampling.structured is not None:
-            replay = resume.token_ids if resume is not None else ()
-            seq.grammar = self.grammars.matcher(sampling.structured, replay)
+        seq.grammar = grammar if grammar is not None else self.grammar_matcher(sampling, resume)
         seq.argmax_only = argmax_only(sampling) and sampling.parallel_tokens is None
         seq.plain = sampling.num_samples == 1 and sampling.parallel_tokens is None
         self.hasher.update(seq)

@@ -21,6 +21,9 @@ from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.llama import LlamaModel
 from tessera.workers.quant.kernels import argmax_rows
 
+#: A forward's answer: logits or argmax, or ``execute_decodes``' (argmax, logits) pair.
+Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
 #: Causal chunks of at most this many tokens run as one decode entry per token: the
 #: batched decode kernel then takes a verification step's rows along with the plain
 #: decodes (a per-sequence prefill call would run for each). Each entry reads its own
@@ -188,11 +191,14 @@ class ModelRunner:
         token_ids: list[int],
         starts: list[int],
         argmax_only: bool = False,
-    ) -> torch.Tensor:
+        logits_for: Seq[int] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``execute`` of one plain decode per sequence, without building its chunks:
         ``Chunk(seq_ids[i], [token_ids[i]], starts[i], logits_rows=(0,))`` for each ``i``
         (its token at cache index and position ``starts[i]``, causal), the logits in this
         order, or with ``argmax_only`` each row's argmax (int64, ``argmax_rows``' answer).
+        With ``argmax_only`` and ``logits_for`` (ascending rows), the pair (the other rows'
+        argmax, in order; ``logits_for``'s logits), as ``LlamaModel.forward`` gives it.
         The steady state of serving: 64 decodes' chunks and entries took ~0.25 ms.
         """
         self._apply_copies()
@@ -203,6 +209,9 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(num):
             logits = self._timed(graphs.prepare(token_ids, starts, starts, tables, rows))
+            if argmax_only and logits_for:
+                others = [row for row in rows if row not in set(logits_for)]
+                return argmax_rows(logits[others]), logits[list(logits_for)]
             return argmax_rows(logits) if argmax_only else logits
         bs = self.block_size
         slots = [t[start // bs] * bs + start % bs for t, start in zip(tables, starts, strict=True)]
@@ -218,6 +227,7 @@ class ModelRunner:
             [],
             num,
             argmax_only,
+            logits_for=logits_for,
         )
 
     def _apply_copies(self) -> None:
@@ -238,12 +248,13 @@ class ModelRunner:
         num_decodes: int,
         argmax_only: bool = False,
         contexts: list[int] | None = None,
-    ) -> torch.Tensor:
+        logits_for: Seq[int] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward over a flattened batch (the layout in ``flat_batch``'s docstring):
         its first ``num_decodes`` sequences are decodes of one row each, causal; ``masks``
         holds one entry (a mask or None) for each of the others; ``contexts``, each
         row's RoPE context (None: its position + 1). The logits, or with ``argmax_only``
-        their rows' argmax."""
+        their rows' argmax (and ``logits_for``: ``execute_decodes``' pair)."""
         # Every integer input in one host list, then one buffer (``HostInts``,
         # ``int64_tensors``): seven tensors built from lists took ~0.15 ms a step.
         width = max(len(t) for t in tables)
@@ -286,9 +297,14 @@ class ModelRunner:
         )
         inputs = (ids_t, positions_t, self.kv_cache, meta, rows_t)
         rope_contexts = None if contexts is None else torch.tensor(contexts, device=dev)
+        full = torch.tensor(logits_for, device=dev) if argmax_only and logits_for else None
         return self._timed(
             lambda: self.model(
-                *inputs, native=native, argmax_only=argmax_only, rope_contexts=rope_contexts
+                *inputs,
+                native=native,
+                argmax_only=argmax_only,
+                rope_contexts=rope_contexts,
+                logits_for=full,
             )
         )
 
@@ -310,10 +326,11 @@ class ModelRunner:
         run = self.decode_graphs.prepare(input_ids, positions, indices, tables, logits_rows)
         return self._timed(run)
 
-    def _timed(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _timed(self, forward: Callable[[], Out]) -> Out:
         started = time.perf_counter()
         logits = forward()
-        if logits.is_cuda:  # sampling waits for it anyway; the time then means the forward
-            torch.cuda.synchronize(logits.device)
+        device = (logits[1] if isinstance(logits, tuple) else logits).device
+        if device.type == "cuda":  # sampling waits for it anyway; the time is the forward's
+            torch.cuda.synchronize(device)
         self.forward_time = time.perf_counter() - started
         return logits

@@ -172,10 +172,11 @@ class BatchRunner:
         counters = self.counters
         bs = self.kv.block_size
         prompt_tokens = counters.prompt_tokens
-        argmax_only = True  # every token a plain argmax: the forward gives those, no logits
-        for seq in seqs:
+        # rows that need their logits; the others a plain argmax, which the forward gives
+        logits_for: list[int] = []
+        for row, seq in enumerate(seqs):
             if not seq.takes_argmax:
-                argmax_only = False
+                logits_for.append(row)
             start = seq.num_computed_tokens
             seq_ids.append(seq.seq_id)
             token_ids.append(seq.token_ids[-1])
@@ -186,8 +187,14 @@ class BatchRunner:
                 filled.append(seq)
             if len(seq.token_ids) == seq.num_prompt_tokens:  # the prompt's last token
                 counters.prompt_tokens += 1
+        # Some rows take the argmax, others (a grammar's) their logits: the forward gives
+        # both (plain sequences are each their group's only one, sampled alone)
+        split = 0 < len(logits_for) < len(seqs)
+        argmax_only = not logits_for or split
         try:
-            out = self.runner.execute_decodes(seq_ids, token_ids, starts, argmax_only)
+            out = self.runner.execute_decodes(
+                seq_ids, token_ids, starts, argmax_only, logits_for if split else ()
+            )
         except BaseException:
             for seq, start in zip(seqs, starts, strict=True):
                 seq.num_computed_tokens = start
@@ -195,6 +202,13 @@ class BatchRunner:
             raise
         for seq in filled:
             self.post.hasher.cache_computed(seq, seq.num_computed_tokens // bs - 1)
+        if split:
+            argmax, logits = out
+            full = set(logits_for)
+            plain = [target for row, target in enumerate(targets) if row not in full]
+            outputs = self.post.append_argmax(plain, argmax.tolist())
+            sampled = [targets[row] for row in logits_for]
+            return outputs + self.post.sample(sampled, logits, taken_argmax(logits))
         if argmax_only:
             return self.post.append_argmax(targets, out.tolist())
         return self.post.sample(targets, out, taken_argmax(out))

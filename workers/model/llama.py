@@ -335,10 +335,14 @@ class LlamaModel(nn.Module):
         native: bool = False,
         argmax_only: bool = False,
         rope_contexts: torch.Tensor | None = None,  # [T]: RotaryEmbedding.lookup's contexts
-    ) -> torch.Tensor:
+        logits_for: torch.Tensor | None = None,  # [K]: with argmax_only, rows of the S
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab],
         or with ``argmax_only`` each of those rows' argmax (int64 [S], ``argmax_rows``'
         answer; a Q8_0 head on the native kernels takes it without writing the logits).
+        With ``argmax_only`` and ``logits_for`` (ascending indices into the S rows: rows a
+        grammar masks), the pair (the other rows' argmax in order, ``logits_for``'s
+        logits): one constrained row does not cost the others their argmax-only head.
 
         ``native``: a batch without masks (decodes, then causal chunks) runs its layers
         through ``native_layers()`` where that exists, not op by op; the chunks' attention
@@ -387,12 +391,20 @@ class LlamaModel(nn.Module):
                 c, s = (cos, sin) if local is None or not layer.window else local
                 hidden = layer(hidden, c, s, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
             hidden = self.norm(hidden)
+        if argmax_only and logits_for is not None:
+            others = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+            others[logits_for] = False
+            return self._argmax(hidden[others]), self._logits(hidden.index_select(0, logits_for))
         if argmax_only:
-            capped = self.config.final_softcap is not None  # ties as the capped logits have them
-            if self.lm_head is None and self.head_q8 is not None and not capped:
-                return self.head_q8.argmax(hidden.float())
-            return argmax_rows(self._logits(hidden))
+            return self._argmax(hidden)
         return self._logits(hidden)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each final-normed row's argmax of its logits (int64 [S])."""
+        capped = self.config.final_softcap is not None  # ties as the capped logits have them
+        if self.lm_head is None and self.head_q8 is not None and not capped:
+            return self.head_q8.argmax(hidden.float())
+        return argmax_rows(self._logits(hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab] of the final-normed rows ``hidden`` [S, hidden]
