@@ -38,6 +38,17 @@ build crashed in its AMX tile set-up):
 Then:
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llamacpp-python /work/peers/llama/bin/python
+
+With ``--llama-bench PATH`` (llama.cpp's own ``llama-bench``, built from the same sdist's
+``vendor/llama.cpp``: ``cmake --build build --target llama-bench``) it joins the rounds as
+``llama-bench`` (``-p``/``-n`` as above, one repetition a round, its own timing) and becomes
+the baseline the ratios divide by. ``--memory`` loads each mode again in a fresh process
+and reports its peak resident memory against the file plus the KV pool (the target:
+``RSS_TARGET`` times, over what ``import torch`` and Tessera's modules hold before any
+load). A ``--model`` other than the built-in one writes ``results/vs_llamacpp_<stem>``:
+
+    .venv/bin/python benchmarks/vs_llamacpp.py --model llama1b-Q4_K_M.gguf \\
+        --llama-bench llama.cpp/build/bin/llama-bench --memory --modes exact fast
 """
 
 from __future__ import annotations
@@ -87,9 +98,36 @@ MODES = (
 MODES_BY_NAME = {m.name: m for m in MODES}
 DEFAULT_MODES = tuple(MODES_BY_NAME)
 
-#: Tessera's targets: Tessera / llama.cpp (``eval loop``), best runs.
-DECODE_TARGETS = {"fast": 1.0, "exact": 0.5}
-PROMPT_EVAL_TARGET = 1.0
+#: Tessera's targets: Tessera / llama.cpp (the baseline), best runs.
+DECODE_TARGETS = {"fast": 1.0, "exact": 0.7}
+PROMPT_EVAL_TARGET = 1.5
+#: Peak resident memory at most this many times the file plus the KV pool (``--memory``).
+RSS_TARGET = 1.25
+LLAMA_BENCH = "llama-bench"
+
+# Loads one mode in a fresh process, runs one request, and prints its peak resident
+# memory (``ru_maxrss``), the same before the load, and the KV pool's bytes, as JSON.
+MEMORY_CHILD = r"""
+import json, resource, sys
+import torch
+from tessera.workers.api import SamplingParams
+from tessera.workers.config import EngineConfig
+from tessera.workers.engine.engine import Engine
+
+job = json.loads(sys.argv[1])
+torch.set_num_threads(job["threads"])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+engine = Engine(EngineConfig(model=job["model"], num_kv_blocks=job["kv_blocks"], **job["settings"]))
+engine.add_request("m", job["prompt"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+while engine.has_work():
+    engine.step()
+kv = engine.runner.kv_cache
+print(json.dumps({
+    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "before_load_bytes": before,
+    "kv_pool_bytes": kv.numel() * kv.element_size(),
+}))
+"""
 
 
 # Runs under llama-cpp-python's python, one JSON object per line both ways. Reads the job
@@ -232,6 +270,58 @@ class LlamaCpp:
         return json.loads(line)
 
 
+def llama_bench_once(
+    binary: str, model: Path, threads: int, prompt_tokens: int, new_tokens: int
+) -> dict[str, Any]:
+    """One ``llama-bench`` repetition of prompt eval (``-p``) and decode (``-n``), as
+    llama.cpp times them (its own prompt of that length; EOS plays no part)."""
+    command = [binary, "-m", str(model), "-t", str(threads), "-p", str(prompt_tokens)]
+    command += ["-n", str(new_tokens), "-r", "1", "-o", "json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"llama-bench failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    entries = json.loads(done.stdout)
+    prompt = next(e for e in entries if e["n_prompt"] and not e["n_gen"])
+    decode = next(e for e in entries if e["n_gen"] and not e["n_prompt"])
+    return {
+        "prompt_eval_tok_s": prompt["avg_ts"],
+        "decode_tok_s": decode["avg_ts"],
+        "build": f"{decode.get('build_commit', '')} ({decode.get('build_number', '')})",
+    }
+
+
+def peak_memory(mode: Mode, model: Path, prompt: list[int], threads: int) -> dict[str, Any]:
+    """``MEMORY_CHILD`` for ``mode``: its peak RSS against the file plus the KV pool."""
+    job = {
+        "model": str(model),
+        "settings": mode.settings,
+        "prompt": prompt,
+        "threads": threads,
+        "kv_blocks": KV_BLOCKS,
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_CHILD, json.dumps(job)],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    )
+    if done.returncode:
+        raise SystemExit(f"the memory run of {mode.name} failed: {done.stderr[-2000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    file_bytes = model.stat().st_size
+    loaded = got["peak_rss_bytes"] - got["before_load_bytes"]
+    budget = file_bytes + got["kv_pool_bytes"]
+    return {
+        "mode": mode.name,
+        "file_bytes": file_bytes,
+        **got,
+        "rss_over_file_and_kv": loaded / budget,
+        "peak_rss_over_file_and_kv": got["peak_rss_bytes"] / budget,
+        "target": RSS_TARGET,
+        "status": "met" if loaded / budget <= RSS_TARGET else "missed",
+    }
+
+
 def run_tessera_once(engine, request_id: str, prompt: list[int], new: int) -> dict[str, Any]:
     """One greedy request through ``add_request`` / ``step``, timed like the peer."""
     from tessera.workers.api import SamplingParams
@@ -343,6 +433,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs after a warm-up")
+    parser.add_argument(
+        "--llama-bench", metavar="PATH", help="llama.cpp's llama-bench: run it, the baseline"
+    )
+    parser.add_argument(
+        "--memory", action="store_true", help="each mode's peak RSS in a fresh process"
+    )
     args = parser.parse_args()
 
     import torch
@@ -378,6 +474,12 @@ def main() -> None:
     engines = {m.name: tessera_engine(m, model) for m in modes}
     request_ids = itertools.count()
     contenders = {(PEER, method): functools.partial(peer.run, method) for method in PEER_METHODS}
+    baseline = (PEER, BASELINE)
+    if args.llama_bench:
+        baseline = (PEER, LLAMA_BENCH)
+        contenders[baseline] = functools.partial(
+            llama_bench_once, args.llama_bench, model, args.threads, len(prompt), new
+        )
     for mode in modes:
         contenders["tessera", mode.name] = lambda engine=engines[mode.name][0]: run_tessera_once(
             engine, f"r{next(request_ids)}", prompt, new
@@ -388,7 +490,8 @@ def main() -> None:
         peer.close()
     load_at_end = os.getloadavg()
 
-    base = summary(samples[PEER, BASELINE])
+    memory = [peak_memory(m, model, prompt, args.threads) for m in modes] if args.memory else []
+    base = summary(samples[baseline])
     peer_tokens = samples[PEER, BASELINE][0]["tokens"]
     rows = []
     for (who, mode), runs in samples.items():
@@ -400,6 +503,16 @@ def main() -> None:
         rows.append(row)
 
     goals = targets(rows, modes)
+    for m in memory:
+        goals.append(
+            {
+                "target": f"{m['mode']} peak RSS <= {RSS_TARGET}x the file plus the KV pool",
+                "goal": RSS_TARGET,
+                "mode": m["mode"],
+                "ratio": m["rss_over_file_and_kv"],
+                "status": m["status"],
+            }
+        )
 
     def plot(ax) -> None:
         left, right = side_panels(ax, [1, 1])
@@ -414,7 +527,7 @@ def main() -> None:
                 labels,
                 [r[f"{key}_tok_s"] for r in tessera],
                 [base[f"{key}_tok_s"]] * len(tessera),
-                ("tessera", f"llama.cpp ({BASELINE})"),
+                ("tessera", f"llama.cpp ({baseline[1]})"),
                 [r[f"{key}_ratio"] for r in tessera],
                 ylabel,
                 legend=panel is left,
@@ -432,8 +545,9 @@ def main() -> None:
                 color="grey",
             )
 
+    builtin = args.model is None or model == builtin_model_path()
     report(
-        NAME,
+        NAME if builtin else f"{NAME}_{model.stem}",
         rows,
         {
             "peer": f"llama.cpp via llama-cpp-python {peer.info['version']}, same GGUF, "
@@ -444,7 +558,8 @@ def main() -> None:
             "threads": args.threads,
             "repeats": args.repeats,
             "headline": "best run; *_median: the median run (runs interleaved, see samples)",
-            "baseline": f"{PEER} {BASELINE} (ratios divide by its best run)",
+            "baseline": f"{' '.join(baseline)} (ratios divide by its best run)",
+            "memory": memory,
             "targets": goals,
             "tessera_modes": {
                 m.name: {
