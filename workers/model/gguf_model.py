@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.hf_weights import Weight
-from tessera.workers.quant import PackedWeight
+from tessera.workers.quant import PackedWeight, QuantType
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,12 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
     expanded: Counter[str] = Counter()  # bytes in the file of each type expanded
     expanded_bytes = 0
     for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
-        keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
+        keep = (
+            packed
+            and len(tensor.shape) == 2
+            and PackedWeight.supports(tensor.tensor_type)
+            and not QuantType(tensor.tensor_type).is_k  # until the model's layers take them
+        )
         name, base = hf_name(tensor.name, family)
         # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
         rows = _rotary_rows(config, base) if arch == "llama" else None

@@ -108,14 +108,15 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features).contiguous()
     on_cpu = x.device.type == "cpu"
-    module = None if backend == "torch" or not on_cpu else native_kernels()
+    native = backend != "torch" and on_cpu and not weight.qtype.is_k  # K-quants: torch's
+    module = native_kernels() if native else None
     if not on_cpu and backend == "native":
         raise RuntimeError(f"quant_matmul: the native GGUF kernel runs on the CPU, not {x.device}")
     if module is None and backend == "native":
         raise RuntimeError("quant_matmul: the native GGUF kernel could not be built")
     if module is not None:
         y = module.gguf_mm(x2, weight.qs, weight.scales, weight.mins, int(weight.qtype))
-    elif not on_cpu and backend == "auto" and triton_mm.available():
+    elif not on_cpu and backend == "auto" and not weight.qtype.is_k and triton_mm.available():
         y = triton_mm.gguf_mm(x2, weight)
     else:
         y = _torch_matmul(x2, weight)
@@ -125,7 +126,7 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
 def embedding(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """``weight.embedding(ids)``, the same values, through the native ``gguf_rows`` for
     CPU tensors where it is built (the torch ops took ~0.2 ms of a 64-row decode step)."""
-    if ids.device.type == "cpu" and weight.device.type == "cpu":
+    if ids.device.type == "cpu" and weight.device.type == "cpu" and not weight.qtype.is_k:
         module = native_kernels()
         if module is not None:
             flat = ids.reshape(-1).long()
