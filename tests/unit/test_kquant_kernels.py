@@ -127,3 +127,48 @@ def test_torch_fallback_matmul(qtype, rows, monkeypatch):
     packed, dense = random_k(qtype, SHAPES[0], seed=rows)
     x = torch.randn(rows, packed.in_features, generator=torch.Generator().manual_seed(rows))
     assert_product(quant_matmul(x, packed, backend="torch"), x, dense)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_native_matmul_odd_shapes(native, qtype, rows, shape):
+    packed, dense = random_k(qtype, shape, seed=rows + shape[0])
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
+    assert_product(quant_matmul(x, packed, backend="native"), x, dense)
+    assert_product(quant_matmul(x[None], packed)[0], x, dense)  # leading dims kept
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+@pytest.mark.parametrize("rows", (1, 3, 5, 8))
+def test_native_buffered_loop_at_register_row_counts(native, qtype, rows):
+    """Both loops at the row counts where either may run: the same products."""
+    packed, dense = random_k(qtype, SHAPES[0], seed=rows)
+    x = torch.randn(rows, packed.in_features)
+    for register_rows in (0, rows):
+        assert_product(native.kquant_mm(x, packed.qs, int(qtype), register_rows), x, dense)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_native_embedding_rows_are_ggufs_dequantisation(native, qtype, monkeypatch):
+    packed, dense = random_k(qtype, SHAPES[0])
+    ids = torch.tensor([96, 0, 5, 5, 41])
+    assert torch.equal(native.kquant_rows(ids, packed.qs, int(qtype)), dense[ids])
+    assert torch.equal(kernels.embedding(packed, ids.view(1, 5)), dense[ids].view(1, 5, -1))
+    many = torch.arange(packed.out_features).repeat(4)  # enough rows to split between threads
+    assert torch.equal(kernels.embedding(packed, many), dense[many])
+    with pytest.raises(RuntimeError, match=r"kquant_rows: id 97 at 1 is outside the matrix's 97"):
+        native.kquant_rows(torch.tensor([0, 97]), packed.qs, int(qtype))
+    monkeypatch.setattr(kernels, "native_kernels", lambda: None)  # the torch path: the same
+    assert torch.equal(kernels.embedding(packed, ids.view(1, 5)), dense[ids].view(1, 5, -1))
+
+
+def test_native_refuses_what_it_cannot_read(native):
+    packed, _ = random_k(QuantType.Q4_K, SHAPES[1])
+    x = torch.randn(2, packed.in_features)
+    with pytest.raises(RuntimeError, match="unsupported GGML type 2"):
+        native.kquant_mm(x, packed.qs, 2)
+    with pytest.raises(RuntimeError, match=r"contiguous uint8 \[out, in / 256 \* 210\]"):
+        native.kquant_mm(x, packed.qs, int(QuantType.Q6_K))
+    with pytest.raises(RuntimeError, match="x has 256 features, W takes 512"):
+        native.kquant_mm(x, torch.cat([packed.qs, packed.qs], dim=1), int(QuantType.Q4_K))

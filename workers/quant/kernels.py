@@ -1,7 +1,8 @@
 """``quant_matmul``: ``x @ dequant(W).T`` on packed GGUF weights, fp32 in and out; and
 the native extension that holds it.
 
-The extension (``csrc/gguf_mm.cpp``, the packed matmul; ``csrc/decode_layers.cpp``,
+The extension (``csrc/gguf_mm.cpp``, the packed matmul, and ``csrc/kquant_mm.cpp``, its
+K-quant form; ``csrc/decode_layers.cpp``,
 every decoder layer of a decode step in one call; ``csrc/rows.cpp``, the sampler's row
 argmax, and the stack's bf16 rounding for tests) is compiled on first use with
 ``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
@@ -16,8 +17,9 @@ half-way is started again by the next process.
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
 path runs instead: each call dequantises the weight in row chunks and multiplies. On
 CUDA, ``triton_mm`` multiplies with the packed blocks in one kernel where Triton is
-there, else the torch path runs (its dequantised rows are bit for bit the dense
-weights). Both are captured in the decode steps' CUDA graphs.
+there (not the K-quants, which take the torch path), else the torch path runs (its
+dequantised rows are bit for bit the dense weights). Both are captured in the decode
+steps' CUDA graphs.
 ``backend="torch"`` forces that path; ``backend="native"`` raises if the kernel is
 missing or ``x`` is not on the CPU.
 """
@@ -61,6 +63,7 @@ SOURCES = tuple(
         "q8_bf16.cpp",
         "tiled_f32.cpp",
         "q8_screen.cpp",
+        "kquant_mm.cpp",
     )
 )
 #: Included by the sources: not compiled alone, but part of the cache key.
@@ -108,13 +111,14 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
     lead = x.shape[:-1]
     x2 = x.reshape(-1, weight.in_features).contiguous()
     on_cpu = x.device.type == "cpu"
-    native = backend != "torch" and on_cpu and not weight.qtype.is_k  # K-quants: torch's
-    module = native_kernels() if native else None
+    module = None if backend == "torch" or not on_cpu else native_kernels()
     if not on_cpu and backend == "native":
         raise RuntimeError(f"quant_matmul: the native GGUF kernel runs on the CPU, not {x.device}")
     if module is None and backend == "native":
         raise RuntimeError("quant_matmul: the native GGUF kernel could not be built")
-    if module is not None:
+    if module is not None and weight.qtype.is_k:
+        y = module.kquant_mm(x2, weight.qs, int(weight.qtype))
+    elif module is not None:
         y = module.gguf_mm(x2, weight.qs, weight.scales, weight.mins, int(weight.qtype))
     elif not on_cpu and backend == "auto" and not weight.qtype.is_k and triton_mm.available():
         y = triton_mm.gguf_mm(x2, weight)
@@ -126,11 +130,16 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
 def embedding(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """``weight.embedding(ids)``, the same values, through the native ``gguf_rows`` for
     CPU tensors where it is built (the torch ops took ~0.2 ms of a 64-row decode step)."""
-    if ids.device.type == "cpu" and weight.device.type == "cpu" and not weight.qtype.is_k:
+    if ids.device.type == "cpu" and weight.device.type == "cpu":
         module = native_kernels()
         if module is not None:
             flat = ids.reshape(-1).long()
-            rows = module.gguf_rows(flat, weight.qs, weight.scales, weight.mins, int(weight.qtype))
+            if weight.qtype.is_k:
+                rows = module.kquant_rows(flat, weight.qs, int(weight.qtype))
+            else:
+                rows = module.gguf_rows(
+                    flat, weight.qs, weight.scales, weight.mins, int(weight.qtype)
+                )
             return rows.view(*ids.shape, weight.in_features)
     return weight.embedding(ids)
 
