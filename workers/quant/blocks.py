@@ -142,7 +142,8 @@ class PackedWeight:
             )
         nb = in_features // qtype.block_size
         if qtype.is_k:  # the super-blocks verbatim, one row of them per output
-            raw = np.ascontiguousarray(np.asarray(data, dtype=np.uint8).reshape(out, -1))
+            # a copy: the file's tensors are read-only memory maps
+            raw = np.array(data, dtype=np.uint8).reshape(out, -1)
             if raw.shape[1] != nb * qtype.block_bytes:
                 raise ValueError(
                     f"PackedWeight: {qtype.name} rows of {in_features} take "
