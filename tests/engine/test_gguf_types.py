@@ -130,8 +130,11 @@ def _write_gguf(
     arch: str = "llama",
     head_dim: int | None = None,
     rope_dims: int | None = None,
+    types: Callable[[str], GGMLQuantizationType] | None = None,
 ) -> None:
-    """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors."""
+    """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors;
+    ``types`` gives a matrix's type by its Hugging Face name (a mix such as Q4_K_M's),
+    else every matrix is ``qtype``."""
     config = model.config
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, KV_HEADS
     head_dim = head_dim or hidden // heads
@@ -167,7 +170,8 @@ def _write_gguf(
             ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
         ):
             data = _permute_rotary(data, heads if "q_proj" in name else kv_heads)
-        kind = qtype if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
+        matrix_type = qtype if types is None else types(name)
+        kind = matrix_type if data.ndim == 2 else GGMLQuantizationType.F32  # norms stay F32
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(name, arch), data)
         else:
@@ -266,7 +270,7 @@ def test_gguf_metadata_and_tensors_it_does_not_implement_are_refused(
 )
 def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields, caplog):
     """Each type read by us and by transformers (both dequantise with ``gguf``; Q4_0,
-    Q4_1 and Q8_0 stay packed on our side). The K-quants' blocks are random (``gguf``
+    Q4_1, Q8_0 and the K-quants stay packed on our side). The K-quants' blocks are random (``gguf``
     cannot write them), on a model 256 wide (their blocks' width); the other types are
     expanded at load, which one log line says."""
     torch.manual_seed(0)
@@ -281,7 +285,7 @@ def test_gguf_weight_type_matches_transformers(qtype, tmp_path, tokenizer_fields
     with caplog.at_level("INFO", logger="tessera.workers.model.gguf_model"):
         ours = load_model(path, "float32")
     expanded = [r.message for r in caplog.records if "expanded to float32" in r.message]
-    if qtype in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1"):
+    if qtype in ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"):
         assert expanded == []
     else:
         assert len(expanded) == 1 and expanded[0].startswith(f"{path.name}: {qtype} expanded")

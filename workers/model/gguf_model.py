@@ -156,8 +156,8 @@ def hf_name(name: str, arch: str = "llama") -> tuple[str, str | None]:
 
 def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
     """Read config and tensors: dequantised (every type ``gguf`` can dequantise), or,
-    with ``packed``, Q4_0/Q4_1/Q8_0 matrices kept as the file stores them. One log line
-    names the types that were expanded to float32 and what that costs."""
+    with ``packed``, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices kept as the file stores them.
+    One log line names the types that were expanded to float32 and what that costs."""
     from gguf import GGMLQuantizationType, dequantize
 
     from tessera.workers.model.gguf_file import GGUFFile
@@ -181,6 +181,7 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
     expanded: Counter[str] = Counter()  # bytes in the file of each type expanded
     expanded_bytes = 0
     for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
+        # (a mixture's expert tensors, [E, I, H], are expanded: 3-D, never kept)
         keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
         name, base = hf_name(tensor.name, family)
         # llama.cpp's converter interleaves the rotary halves of q and k; undo it.

@@ -13,6 +13,7 @@ same layers to the native decode stack.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -62,8 +63,8 @@ class Linear(nn.Module):
     ``F.linear`` with Hugging Face's ``[out, in]`` (2 cores: 16 x 576 -> 3072 took
     0.56 ms vs 2.3 ms).
 
-    Packed (``load_weight`` given ``PackedWeight`` parts: GGUF Q4_0/Q4_1/Q8_0 rows as
-    the file stores them):
+    Packed (``load_weight`` given ``PackedWeight`` parts: GGUF Q4_0/Q4_1/Q8_0 rows, or
+    Q4_K/Q5_K/Q6_K super-blocks, as the file stores them):
 
     - a float32 model (the exact mode) keeps them packed, ``weight`` is empty, and
       ``quant_matmul`` dequantises inside the kernel, in float32: a step reads ~96 MB of
@@ -75,6 +76,10 @@ class Linear(nn.Module):
       the same weights dequantised for that product into a float32 GEMM (MKL's or
       oneDNN's, ``onednn_gemm``) where it measured faster (``exact_row_limit``: on the
       AVX2 EPYC from 128 rows, a 2,048-row step ~15% faster), so no dense copy is kept;
+    - K-quants, in a float32 model (either mode), stay packed for ``quant_matmul``'s
+      exact kernel (``csrc/kquant_mm.cpp``); a bfloat16 model expands them to a dense
+      bf16 ``weight`` at load. Fused parts of different types (a Q4_K_M file's Q4_K q
+      and k with a Q6_K v) stay apart in ``packed_parts``, multiplied one by one;
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
@@ -93,12 +98,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: PackedWeight | None = None
+        # row groups of different GGUF types, multiplied one by one (a K-quant mix's fused
+        # q/k/v: Q4_K q and k, Q6_K v): float32 only, else they are expanded
+        self.packed_parts: tuple[PackedWeight, ...] = ()
         self.int4: Q4Weight | Int4Weight | None = None
         self.int4_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:
             y = quant_matmul(x, self.packed)
+            return y if self.bias is None else y.add_(self.bias)
+        if self.packed_parts:
+            y = torch.cat([quant_matmul(x, part) for part in self.packed_parts], dim=-1)
             return y if self.bias is None else y.add_(self.bias)
         if self.int4 is not None and x.shape[0] <= self.int4_rows:
             y = self.int4.matmul(x)
@@ -113,7 +124,19 @@ class Linear(nn.Module):
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
         (q/k/v, gate/up). All packed: kept packed as the class docstring says
         (``bf16_matmuls``: a float32 model's fast mode); otherwise dense."""
-        if all(isinstance(part, PackedWeight) for part in parts):
+        packed_parts = all(isinstance(part, PackedWeight) for part in parts)
+        if packed_parts and len({part.qtype for part in parts}) > 1:
+            shape = (sum(part.out_features for part in parts), parts[0].in_features)
+            if self.weight.dtype == torch.float32 and shape == (
+                self.out_features,
+                self.in_features,
+            ):
+                runs = itertools.groupby(parts, key=lambda part: part.qtype)  # q and k fused
+                self.packed_parts = tuple(PackedWeight.cat(list(run)) for _, run in runs)
+                self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                return
+            packed_parts = False  # expanded below (a bfloat16 model; a wrong shape says so)
+        if packed_parts:
             packed = PackedWeight.cat(parts) if len(parts) > 1 else parts[0]
             if packed.shape != (self.out_features, self.in_features):
                 raise ValueError(
@@ -154,6 +177,8 @@ class Linear(nn.Module):
         """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
         if isinstance(self.int4, Q4Weight):
             return self.int4.dequantize().t()
+        if self.packed_parts:
+            return torch.cat([part.dequantize() for part in self.packed_parts]).t()
         return self.weight if self.packed is None else self.packed.dequantize().t()
 
 

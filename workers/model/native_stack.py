@@ -51,7 +51,9 @@ def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
     dtype it has no kernels for, or a family whose layers it does not have (Gemma's norms,
-    GELU gates and soft-caps, windows that differ between layers, mixtures of experts)."""
+    GELU gates and soft-caps, windows that differ between layers, mixtures of experts), or
+    K-quant weights or fused parts of different types (their layers run op by op, through
+    ``quant_matmul``)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
@@ -62,7 +64,14 @@ def build_native_layers(model: nn.Module) -> Any | None:
         or len(set(config.layer_windows)) > 1
         or config.moe is not None
     )
-    if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported:
+    # its GGUF linears read one matrix of Q4_0 / Q4_1 / Q8_0 blocks; a layer with a
+    # K-quant or with parts of different types runs op by op
+    k_quant = not unsupported and any(
+        linear.packed_parts or (linear.packed is not None and linear.packed.qtype.is_k)
+        for layer in model.layers
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    )
+    if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported or k_quant:
         return None
     stack = kernels.DecodeLayers(
         config.num_heads,

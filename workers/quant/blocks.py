@@ -1,4 +1,5 @@
-"""GGUF block-quantised weight matrices kept packed: Q4_0, Q4_1 and Q8_0.
+"""GGUF block-quantised weight matrices kept packed: Q4_0, Q4_1, Q8_0 and the K-quants
+Q4_K, Q5_K, Q6_K.
 
 A weight ``[out_features, in_features]`` (rows are output features) is cut into blocks
 of 32 along ``in_features``; each block stores a scale ``d`` (and for Q4_1 a minimum
@@ -13,6 +14,11 @@ The file interleaves them (``d [m] qs`` per block); here they are split into ``q
 the model needs (select, permute, concatenate) is a row operation on each tensor.
 A Q4 block's 16 bytes hold element ``j`` in the low nibble of byte ``j`` and element
 ``j + 16`` in the high nibble, as in GGUF.
+
+The K-quants (what a Q4_K_M / Q5_K_M file holds) cut rows into super-blocks of 256
+with their own scales inside; their bytes stay verbatim, one row of super-blocks per
+output feature: ``qs`` is uint8 ``[out, in / 256 * block_bytes]`` and ``scales`` and
+``mins`` are None. ``kquants.py`` documents the three layouts and dequantises them.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessera.workers.quant import kquants
+from tessera.workers.quant.kquants import SUPER_BLOCK_SIZE
+
 BLOCK_SIZE = 32
 
 
@@ -34,15 +43,44 @@ class QuantType(IntEnum):
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+
+    @property
+    def is_k(self) -> bool:
+        """A K-quant: super-blocks of 256 kept as the file's bytes."""
+        return self.value >= QuantType.Q4_K.value
+
+    @property
+    def block_size(self) -> int:
+        """Elements of a row a block holds: 32, or a K-quant's super-block of 256."""
+        return SUPER_BLOCK_SIZE if self.is_k else BLOCK_SIZE
 
     @property
     def block_bytes(self) -> int:
-        """Bytes a block of 32 takes in the file (fp16 scale [+ fp16 min] + quants)."""
-        return {QuantType.Q4_0: 18, QuantType.Q4_1: 20, QuantType.Q8_0: 34}[self]
+        """Bytes a block takes in the file (fp16 scale [+ fp16 min] + quants; a K-quant's
+        whole super-block)."""
+        return _BLOCK_BYTES[self]
 
     @property
     def quant_bytes(self) -> int:
+        """Bytes of ``qs`` a block of 32 takes (the split types only)."""
         return BLOCK_SIZE if self is QuantType.Q8_0 else BLOCK_SIZE // 2
+
+
+_BLOCK_BYTES = {
+    QuantType.Q4_0: 18,
+    QuantType.Q4_1: 20,
+    QuantType.Q8_0: 34,
+    QuantType.Q4_K: 144,
+    QuantType.Q5_K: 176,
+    QuantType.Q6_K: 210,
+}
+#: The types split into ``qs``/``scales``/``mins`` (blocks of 32).
+SPLIT_TYPES = (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q8_0)
+#: The K-quants, kept as the file's super-blocks.
+K_TYPES = (QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +88,28 @@ class PackedWeight:
     """A GGUF-quantised ``[out_features, in_features]`` matrix, packed as in the file."""
 
     qtype: QuantType
-    qs: torch.Tensor  # Q4_x: uint8 [out, in / 2]; Q8_0: int8 [out, in]
-    scales: torch.Tensor  # fp16 [out, in / 32]
+    qs: torch.Tensor  # Q4_x: uint8 [out, in / 2]; Q8_0: int8 [out, in]; K: uint8 super-blocks
+    scales: torch.Tensor | None  # fp16 [out, in / 32]; None for a K-quant
     mins: torch.Tensor | None  # fp16 [out, in / 32] for Q4_1, else None
 
     def __post_init__(self) -> None:
         qtype = QuantType(self.qtype)
         object.__setattr__(self, "qtype", qtype)
+        if qtype.is_k:
+            if self.scales is not None or self.mins is not None:
+                raise ValueError(f"PackedWeight: {qtype.name} keeps its scales in qs")
+            if (
+                self.qs.dtype != torch.uint8
+                or self.qs.dim() != 2
+                or self.qs.shape[1] % qtype.block_bytes
+            ):
+                raise ValueError(
+                    f"PackedWeight: {qtype.name} qs must be uint8 [out, in / 256 * "
+                    f"{qtype.block_bytes}], got {self.qs.dtype} {tuple(self.qs.shape)}"
+                )
+            return
+        if self.scales is None:
+            raise ValueError(f"PackedWeight: {qtype.name} needs float16 scales")
         out, nb = self.scales.shape
         want_dtype = torch.int8 if qtype is QuantType.Q8_0 else torch.uint8
         if self.qs.dtype != want_dtype or tuple(self.qs.shape) != (out, nb * qtype.quant_bytes):
@@ -82,9 +135,21 @@ class PackedWeight:
         """From the file's bytes: ``data`` uint8 holding ``shape[0]`` rows of blocks."""
         qtype = QuantType(int(qtype))
         out, in_features = (int(s) for s in shape)
-        if in_features % BLOCK_SIZE:
-            raise ValueError(f"PackedWeight: in_features {in_features} is not a multiple of 32")
-        nb = in_features // BLOCK_SIZE
+        if in_features % qtype.block_size:
+            raise ValueError(
+                f"PackedWeight: in_features {in_features} is not a multiple of "
+                f"{qtype.block_size} ({qtype.name})"
+            )
+        nb = in_features // qtype.block_size
+        if qtype.is_k:  # the super-blocks verbatim, one row of them per output
+            # a copy: the file's tensors are read-only memory maps
+            raw = np.array(data, dtype=np.uint8).reshape(out, -1)
+            if raw.shape[1] != nb * qtype.block_bytes:
+                raise ValueError(
+                    f"PackedWeight: {qtype.name} rows of {in_features} take "
+                    f"{nb * qtype.block_bytes} bytes, got {raw.shape[1]}"
+                )
+            return cls(qtype, torch.from_numpy(raw), None, None)
         raw = np.asarray(data, dtype=np.uint8).reshape(out, nb, qtype.block_bytes)
         scales = _fp16(raw[..., 0:2])
         mins = _fp16(raw[..., 2:4]) if qtype is QuantType.Q4_1 else None
@@ -108,10 +173,12 @@ class PackedWeight:
 
     @property
     def out_features(self) -> int:
-        return self.scales.shape[0]
+        return self.qs.shape[0]
 
     @property
     def in_features(self) -> int:
+        if self.scales is None:
+            return self.qs.shape[1] // self.qtype.block_bytes * SUPER_BLOCK_SIZE
         return self.scales.shape[1] * BLOCK_SIZE
 
     @property
@@ -133,8 +200,9 @@ class PackedWeight:
         device = torch.device(device)
         if self.qs.device == device:
             return self
-        mins = None if self.mins is None else self.mins.to(device)
-        return PackedWeight(self.qtype, self.qs.to(device), self.scales.to(device), mins)
+        return PackedWeight(
+            self.qtype, self.qs.to(device), *(_to(t, device) for t in (self.scales, self.mins))
+        )
 
     # ------------------------------------------------------------------ row operations
 
@@ -144,9 +212,7 @@ class PackedWeight:
             index = torch.as_tensor(index, dtype=torch.long)
         return PackedWeight(
             self.qtype,
-            self.qs[index].contiguous(),
-            self.scales[index].contiguous(),
-            None if self.mins is None else self.mins[index].contiguous(),
+            *(None if t is None else t[index].contiguous() for t in self._row_tensors()),
         )
 
     @staticmethod
@@ -159,34 +225,37 @@ class PackedWeight:
                     f"PackedWeight.cat: {w.qtype.name} [*, {w.in_features}] does not stack "
                     f"with {first.qtype.name} [*, {first.in_features}]"
                 )
+        parts = zip(*(w._row_tensors() for w in weights), strict=True)
         return PackedWeight(
-            first.qtype,
-            torch.cat([w.qs for w in weights]),
-            torch.cat([w.scales for w in weights]),
-            None if first.mins is None else torch.cat([w.mins for w in weights]),
+            first.qtype, *(None if p[0] is None else torch.cat(list(p)) for p in parts)
         )
+
+    def _row_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.qs, self.scales, self.mins
 
     # ------------------------------------------------------------------ dense views
 
     def dequantize(self) -> torch.Tensor:
         """fp32 ``[out, in]``, bit for bit what ``gguf.dequantize`` gives."""
-        return self._dequantize_rows(self.qs, self.scales, self.mins)
+        return self._dequantize_rows(*self._row_tensors())
 
     def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
         """fp32 rows ``start:stop`` (a chunk, without dequantising the rest)."""
-        mins = None if self.mins is None else self.mins[start:stop]
-        return self._dequantize_rows(self.qs[start:stop], self.scales[start:stop], mins)
+        return self._dequantize_rows(
+            *(None if t is None else t[start:stop] for t in self._row_tensors())
+        )
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows ``ids`` (any shape) -> ``[*ids.shape, in]``: the embedding lookup."""
         flat = ids.reshape(-1).long()
-        mins = None if self.mins is None else self.mins[flat]
-        rows = self._dequantize_rows(self.qs[flat], self.scales[flat], mins)
+        rows = self._dequantize_rows(*(None if t is None else t[flat] for t in self._row_tensors()))
         return rows.view(*ids.shape, self.in_features)
 
     def _dequantize_rows(
-        self, qs: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+        self, qs: torch.Tensor, scales: torch.Tensor | None, mins: torch.Tensor | None
     ) -> torch.Tensor:
+        if scales is None:
+            return kquants.dequantize(qs, int(self.qtype))
         rows, nb = scales.shape
         d = scales.float().unsqueeze(-1)  # [rows, nb, 1]; fp16 -> fp32 is exact
         if self.qtype is QuantType.Q8_0:
@@ -200,6 +269,10 @@ class PackedWeight:
             # two roundings (product, then sum) as gguf does: eager torch does not fuse
             w = d * q.float() + mins.float().unsqueeze(-1)
         return w.view(rows, nb * BLOCK_SIZE)
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def _fp16(two_bytes: np.ndarray) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """``quant_matmul``: ``x @ dequant(W).T`` on packed GGUF weights, fp32 in and out; and
 the native extension that holds it.
 
-The extension (``csrc/gguf_mm.cpp``, the packed matmul; ``csrc/decode_layers.cpp``,
+The extension (``csrc/gguf_mm.cpp``, the packed matmul, and ``csrc/kquant_mm.cpp``, its
+K-quant form; ``csrc/decode_layers.cpp``,
 every decoder layer of a decode step in one call; ``csrc/rows.cpp``, the sampler's row
 argmax, and the stack's bf16 rounding for tests) is compiled on first use with
 ``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
@@ -16,8 +17,9 @@ half-way is started again by the next process.
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
 path runs instead: each call dequantises the weight in row chunks and multiplies. On
 CUDA, ``triton_mm`` multiplies with the packed blocks in one kernel where Triton is
-there, else the torch path runs (its dequantised rows are bit for bit the dense
-weights). Both are captured in the decode steps' CUDA graphs.
+there (not the K-quants, which take the torch path), else the torch path runs (its
+dequantised rows are bit for bit the dense weights). Both are captured in the decode
+steps' CUDA graphs.
 ``backend="torch"`` forces that path; ``backend="native"`` raises if the kernel is
 missing or ``x`` is not on the CPU.
 """
@@ -61,6 +63,7 @@ SOURCES = tuple(
         "q8_bf16.cpp",
         "tiled_f32.cpp",
         "q8_screen.cpp",
+        "kquant_mm.cpp",
     )
 )
 #: Included by the sources: not compiled alone, but part of the cache key.
@@ -113,9 +116,11 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
         raise RuntimeError(f"quant_matmul: the native GGUF kernel runs on the CPU, not {x.device}")
     if module is None and backend == "native":
         raise RuntimeError("quant_matmul: the native GGUF kernel could not be built")
-    if module is not None:
+    if module is not None and weight.qtype.is_k:
+        y = module.kquant_mm(x2, weight.qs, int(weight.qtype))
+    elif module is not None:
         y = module.gguf_mm(x2, weight.qs, weight.scales, weight.mins, int(weight.qtype))
-    elif not on_cpu and backend == "auto" and triton_mm.available():
+    elif not on_cpu and backend == "auto" and not weight.qtype.is_k and triton_mm.available():
         y = triton_mm.gguf_mm(x2, weight)
     else:
         y = _torch_matmul(x2, weight)
@@ -129,7 +134,12 @@ def embedding(weight: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         module = native_kernels()
         if module is not None:
             flat = ids.reshape(-1).long()
-            rows = module.gguf_rows(flat, weight.qs, weight.scales, weight.mins, int(weight.qtype))
+            if weight.qtype.is_k:
+                rows = module.kquant_rows(flat, weight.qs, int(weight.qtype))
+            else:
+                rows = module.gguf_rows(
+                    flat, weight.qs, weight.scales, weight.mins, int(weight.qtype)
+                )
             return rows.view(*ids.shape, weight.in_features)
     return weight.embedding(ids)
 
