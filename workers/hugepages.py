@@ -19,6 +19,8 @@ anonymous ``mmap``, which they keep alive.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import math
 import mmap
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20  # bytes (x86-64's transparent huge page)
 _ALIGN = 64  # bytes between tensors placed in one arena (a cache line)
 _MIN_BYTES = 4096  # smaller storages stay where they are
+#: Bytes moved between heap trims (``trim_heap``): the move holds at most this much twice.
+_TRIM_EVERY = 64 * 2**20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -138,6 +142,9 @@ def move_to_huge_pages(root: object) -> int:
                 )
             old_storages.append(StorageWeakRef(old))
             at += -(-nbytes // _ALIGN) * _ALIGN
+            if at // _TRIM_EVERY > (at - nbytes) // _TRIM_EVERY:
+                del old
+                trim_heap()  # what the moved storages freed: else the old copies stay held
     del old
     held = sum(not ref.expired() for ref in old_storages)
     if held:
@@ -148,6 +155,14 @@ def move_to_huge_pages(root: object) -> int:
             len(old_storages),
         )
     return at
+
+
+def trim_heap() -> None:
+    """Hand the heap's free memory back to the system (glibc's ``malloc_trim``; a
+    no-op elsewhere). A storage under glibc's mmap threshold (up to 32 MiB) freed into
+    the heap stays resident until then."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def reachable_tensors(root: object) -> Iterator[torch.Tensor]:

@@ -112,3 +112,26 @@ def test_what_it_cannot_read_is_named(tmp_path):
             ValueError, match=rf"field 'general.name' has an unknown value type {kind}"
         ):
             GGUFFile(unknown)
+
+
+def test_a_released_tensors_pages_leave_the_process_and_read_the_same_again():
+    """``release`` drops a copied tensor's pages of the map from the process's resident
+    memory (the load then holds the file's bytes once); read again, the view gives the
+    same bytes as gguf's reader."""
+    import psutil
+
+    path = builtin_model_path()
+    ours, reference = GGUFFile(path), GGUFReader(str(path))
+    mapped = [m for m in psutil.Process().memory_maps(grouped=True) if m.path == str(path)]
+    before = sum(m.rss for m in mapped)
+    total = 0
+    for tensor in ours.tensors:
+        total += int(np.asarray(tensor.data).view(np.uint8).sum(dtype=np.int64))  # touch
+    touched = sum(m.rss for m in psutil.Process().memory_maps(grouped=True) if m.path == str(path))
+    for tensor in ours.tensors:
+        ours.release(tensor)
+    after = sum(m.rss for m in psutil.Process().memory_maps(grouped=True) if m.path == str(path))
+    size = path.stat().st_size
+    assert touched - before > size // 2 and after < touched - size // 2, (before, touched, after)
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert np.array_equal(mine.data, theirs.data, equal_nan=True), mine.name

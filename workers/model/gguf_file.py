@@ -13,6 +13,7 @@ every field and tensor of the built-in model.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,15 @@ class GGUFFile:
             seen.add(name)
             self.tensors.append(self._tensor(name, dims, qtype, start + offset))
         del self._buf  # the tensors' views keep the map alive
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the file's pages under ``tensor.data`` from this process's memory once
+        its bytes were copied out (they stay in the system's page cache): a load then
+        holds the file's bytes once, not as the map and the copies both. Reading the
+        view again reads the file again."""
+        start = tensor.data.ctypes.data - self._map.ctypes.data
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE  # (a neighbour's page: read again)
+        self._map._mmap.madvise(mmap.MADV_DONTNEED, first, start + tensor.data.nbytes - first)
 
     def _tensor(
         self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int

