@@ -102,4 +102,21 @@ def test_the_model_holds_the_files_bytes_and_no_dense_matrix(k_model):
         if t.dim() >= 2 and t.numel() > 0
     ]
     assert dense == []  # no float copy of any matrix (norms are 1-D)
-    assert not ours.model.native_layers()  # K-quant layers run op by op, through their kernel
+
+
+def test_the_native_stack_takes_k_quants_and_mixed_parts_as_op_by_op(k_model):
+    """The native decode stack multiplies K-quant weights (and a fused projection's
+    parts of different types) through the same kernel as op by op: a step of decodes and
+    a prompt chunk gives the same logits up to the order of float32 sums, and the same
+    argmax."""
+    from tests.engine.test_native_decode import one_step
+
+    _, ours, _ = k_model
+    assert ours.model.native_layers() is not None
+    native, native_cache = one_step(ours, native=True, chunks=[(5, 21)])
+    op_by_op, cache = one_step(ours, native=False, chunks=[(5, 21)])
+    scale = op_by_op.abs().max()  # (random blocks' logits reach ~700: a sum's order moves
+    assert (native - op_by_op).abs().max() <= 1e-4 * scale  # them by ~1e-5 of that)
+    assert torch.equal(native.argmax(-1), op_by_op.argmax(-1))
+    # the K/V written, within the order of sums (the kernel's loops differ by row count)
+    torch.testing.assert_close(native_cache, cache, equal_nan=True, atol=1e-3, rtol=1e-3)

@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.workers.quant.blocks import PackedWeight
 from tessera.workers.quant.int4 import Int4Weight, Q4Weight
 from tessera.workers.quant.kernels import native_kernels
 
-#: ``Linear`` kinds of the native decode stack (``csrc/decode_layers.cpp``).
-NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT = 0, 1, 2, 3, 4
+#: ``Linear`` kinds of the native decode stack (``csrc/decode_stack.h``).
+NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT, NATIVE_K_QUANT = range(6)
 #: Model dtypes the native decode stack has kernels for.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,11 +29,11 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
     """``linear``, a ``llama.Linear``, as the native extension's ``Linear`` (sharing its
     tensors)."""
     weight, packed, int4, bias = linear.weight, linear.packed, linear.int4, linear.bias
+    if linear.packed_parts:  # row groups of different types, one product each
+        parts = [_packed(part, None, kernels) for part in linear.packed_parts]
+        return kernels.make_parts(parts, bias)
     if packed is not None:
-        return kernels.make_linear(
-            NATIVE_GGUF, None, packed.qs, packed.scales, packed.mins, int(packed.qtype),
-            None, None, 0, bias,
-        )  # fmt: skip
+        return _packed(packed, bias, kernels)
     if isinstance(int4, Q4Weight):
         kind = NATIVE_Q4_EXACT if int4.exact else NATIVE_Q4
         return kernels.make_linear(
@@ -47,13 +48,21 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
     return kernels.make_linear(NATIVE_DENSE, weight, None, None, None, 0, None, None, 0, bias)
 
 
+def _packed(packed: PackedWeight, bias: torch.Tensor | None, kernels: ModuleType) -> Any:
+    if packed.qtype.is_k:  # the file's super-blocks, for kquant_mm
+        kind, scales = NATIVE_K_QUANT, None
+    else:
+        kind, scales = NATIVE_GGUF, packed.scales
+    return kernels.make_linear(
+        kind, None, packed.qs, scales, packed.mins, int(packed.qtype), None, None, 0, bias
+    )
+
+
 def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
     dtype it has no kernels for, or a family whose layers it does not have (Gemma's norms,
-    GELU gates and soft-caps, windows that differ between layers, mixtures of experts), or
-    K-quant weights or fused parts of different types (their layers run op by op, through
-    ``quant_matmul``)."""
+    GELU gates and soft-caps, windows that differ between layers, mixtures of experts)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
@@ -64,14 +73,7 @@ def build_native_layers(model: nn.Module) -> Any | None:
         or len(set(config.layer_windows)) > 1
         or config.moe is not None
     )
-    # its GGUF linears read one matrix of Q4_0 / Q4_1 / Q8_0 blocks; a layer with a
-    # K-quant or with parts of different types runs op by op
-    k_quant = not unsupported and any(
-        linear.packed_parts or (linear.packed is not None and linear.packed.qtype.is_k)
-        for layer in model.layers
-        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    )
-    if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported or k_quant:
+    if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported:
         return None
     stack = kernels.DecodeLayers(
         config.num_heads,

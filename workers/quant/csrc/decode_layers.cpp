@@ -85,6 +85,8 @@ torch::Tensor q4_f32_dense(const torch::Tensor& nibbles, const torch::Tensor& d,
 int64_t q4_f32_queue_calls(int64_t T, int64_t tiles, int64_t nb);
 torch::Tensor dense_f32_mm(const torch::Tensor& x, const torch::Tensor& w,
                            const c10::optional<torch::Tensor>& bias);
+torch::Tensor kquant_mm(const torch::Tensor& x, const torch::Tensor& raw, int64_t qtype,
+                        int64_t register_rows);
 
 namespace {
 
@@ -230,9 +232,15 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
   Linear linear;
   linear.kind = kind;
   TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4 || kind == kQ4 ||
-                  kind == kQ4Exact,
+                  kind == kQ4Exact || kind == kKQuant,
               "make_linear: kind ", kind);
   if (weight) linear.weight = *weight;
+  if (kind == kKQuant) {
+    TORCH_CHECK(qs && qs->scalar_type() == torch::kUInt8 && qs->dim() == 2,
+                "make_linear: a K-quant weight needs its super-blocks, uint8 [out, bytes]");
+    linear.qs = *qs;
+    linear.qtype = qtype;
+  }
   if (kind == kGguf) {
     TORCH_CHECK(qs && scales, "make_linear: a GGUF weight needs qs and scales");
     linear.qs = *qs;
@@ -251,8 +259,22 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
     linear.mins = mins;
     linear.qtype = qtype;
   }
-  TORCH_CHECK(kind == kGguf || kind == kQ4Exact || weight || int4_rows > 0,
+  TORCH_CHECK(kind == kGguf || kind == kQ4Exact || kind == kKQuant || weight || int4_rows > 0,
               "make_linear: no dense weight");
+  linear.bias = bias;
+  return linear;
+}
+
+// Row groups of one projection, each its own Linear (without a bias), multiplied one by
+// one and their outputs set side by side: a fused projection whose parts have different
+// GGUF types (a Q4_K_M's Q4_K q and k, Q6_K v).
+Linear make_parts(const std::vector<Linear>& parts, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(!parts.empty(), "make_parts: no parts");
+  for (const Linear& part : parts)
+    TORCH_CHECK(part.kind != kParts && !part.bias, "make_parts: a part is plain, without bias");
+  Linear linear;
+  linear.kind = kParts;
+  linear.parts = parts;
   linear.bias = bias;
   return linear;
 }
@@ -311,6 +333,7 @@ void register_decode_layers(pybind11::module& m) {
   m.def("make_linear", &make_linear, py::arg("kind"), py::arg("weight"), py::arg("qs"),
         py::arg("scales"), py::arg("mins"), py::arg("qtype"), py::arg("int4"),
         py::arg("int4_scales_zeros"), py::arg("int4_rows"), py::arg("bias"));
+  m.def("make_parts", &make_parts, py::arg("parts"), py::arg("bias"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, double, int64_t, int64_t>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),

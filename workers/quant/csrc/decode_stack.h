@@ -14,6 +14,9 @@ constexpr int64_t kQ4 = 3;     // q4_bf16_mm's layout (int4: nibbles, int4_scale
                                // mins: m) up to int4_rows rows, else dense
 constexpr int64_t kQ4Exact = 4;  // that layout in float32 (q4_f32_mm) up to int4_rows
                                  // rows, else dequantised (q4_f32_dense) for dense_f32_mm
+constexpr int64_t kKQuant = 5;   // packed K-quant super-blocks (qs: the file's bytes),
+                                 // float32 activations (kquant_mm)
+constexpr int64_t kParts = 6;    // row groups of other kinds (parts), outputs side by side
 
 // One projection, as workers/model/llama.py's Linear holds it.
 struct Linear {
@@ -25,8 +28,19 @@ struct Linear {
   torch::Tensor int4, int4_scales_zeros;
   int64_t int4_rows = 0;
   c10::optional<torch::Tensor> bias;
+  std::vector<Linear> parts;  // kParts: each a group of output rows (a Q4_K_M's q/k, v)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == kParts) {
+      std::vector<torch::Tensor> ys;
+      for (const Linear& part : parts) ys.push_back(part(x));
+      auto y = at::cat(ys, 1);
+      return bias ? y.add_(*bias) : y;
+    }
+    if (kind == kKQuant) {
+      auto y = kquant_mm(x, qs, qtype, -1);
+      return bias ? y.add_(*bias) : y;
+    }
     if (kind == kGguf) {
       auto y = gguf_mm(x, qs, scales, mins, qtype);
       return bias ? y.add_(*bias) : y;
