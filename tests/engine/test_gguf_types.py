@@ -94,16 +94,14 @@ def tokenizer_fields(smollm2_path) -> dict[str, list]:
     }
 
 
-def _random_k_blocks(
-    block_bytes: int, scales: tuple[int, ...]
-) -> Callable[[tuple[int, int]], np.ndarray]:
+def _random_k_blocks(block_bytes: int, scales: tuple[int, ...]) -> Callable[..., np.ndarray]:
     """Random valid blocks of a K-quant type (``gguf`` can read them but not write them):
     random bytes, with the f16 scales at byte offsets ``scales`` of each block drawn
-    small and finite."""
+    small and finite; drawn from ``seed``, else from the shape."""
 
-    def blocks(shape: tuple[int, int]) -> np.ndarray:
+    def blocks(shape: tuple[int, int], seed: int | None = None) -> np.ndarray:
         rows, cols = shape
-        rng = np.random.default_rng(rows * 7919 + cols)
+        rng = np.random.default_rng(rows * 7919 + cols if seed is None else seed)
         data = rng.integers(0, 256, (rows, cols // 256, block_bytes), dtype=np.uint8)
         for offset in scales:
             f16 = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16)

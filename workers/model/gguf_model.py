@@ -20,9 +20,10 @@ Per family, what the converter writes differently:
   dimensions as ``rope.dimension_count``.
 - mixtures of experts (Mixtral under ``llama`` with an ``expert_count``, ``qwen2moe``,
   ``qwen3moe``): the router ``ffn_gate_inp``, each projection's experts stacked
-  (``ffn_gate_exps`` ``[E, I, H]``, loaded dequantised), Qwen2-MoE's shared expert
-  (``*_shexp``); whether the top-k weights are renormalised is llama.cpp's per family
-  unless ``expert_weights_norm`` says; a layer without a router is dense.
+  (``ffn_gate_exps`` ``[E, I, H]``; read packed, one ``PackedWeight`` per expert under
+  transformers' per-expert name ``mlp.experts.{e}.gate_proj.weight``), Qwen2-MoE's
+  shared expert (``*_shexp``); whether the top-k weights are renormalised is llama.cpp's
+  per family unless ``expert_weights_norm`` says; a layer without a router is dense.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def hf_name(name: str, arch: str = "llama") -> tuple[str, str | None]:
 
 def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, Weight]]:
     """Read config and tensors: dequantised (every type ``gguf`` can dequantise), or,
-    with ``packed``, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices kept as the file stores them.
+    with ``packed``, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K matrices kept as the file stores them
+    (a mixture's stacked experts ``[E, out, in]`` as E matrices, ``_expert_names``).
     One log line names the types that were expanded to float32 and what that costs."""
     from gguf import GGMLQuantizationType, dequantize
 
@@ -181,9 +183,17 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
     expanded: Counter[str] = Counter()  # bytes in the file of each type expanded
     expanded_bytes = 0
     for tensor in tqdm(tensors, desc=f"reading {path.name}", unit="tensor", leave=False):
-        # (a mixture's expert tensors, [E, I, H], are expanded: 3-D, never kept)
-        keep = packed and len(tensor.shape) == 2 and PackedWeight.supports(tensor.tensor_type)
+        keep = packed and len(tensor.shape) in (2, 3) and PackedWeight.supports(tensor.tensor_type)
         name, base = hf_name(tensor.name, family)
+        if keep and len(tensor.shape) == 3:  # a mixture's experts, stored expert after expert
+            in_features, out, count = (int(s) for s in tensor.shape)
+            for expert, expert_name in enumerate(_expert_names(name, count)):
+                # data is uint8 [E, out, row bytes]: each expert's rows copied out once
+                state[expert_name] = PackedWeight.from_raw(
+                    tensor.data[expert], tensor.tensor_type, (out, in_features)
+                )
+            reader.release(tensor)
+            continue
         # llama.cpp's converter interleaves the rotary halves of q and k; undo it.
         rows = _rotary_rows(config, base) if arch == "llama" else None
         if keep:
@@ -211,6 +221,14 @@ def read_gguf(path: Path, packed: bool = False) -> tuple[ModelConfig, dict[str, 
             expanded_bytes / 2**20,
         )
     return config, state
+
+
+def _expert_names(name: str, count: int) -> list[str]:
+    """A stacked expert tensor's name (``...mlp.experts.gate_proj.weight``) as each of its
+    ``count`` experts' (``...mlp.experts.{e}.gate_proj.weight``: transformers' matrix per
+    expert, a layout ``hf_weights`` loads)."""
+    layer, projection = name.split(".experts.")
+    return [f"{layer}.experts.{expert}.{projection}" for expert in range(count)]
 
 
 def _check_readable(tensor: Any) -> None:

@@ -10,7 +10,9 @@ A mixture of experts' experts come in one of three layouts: one matrix per exper
 ``w3`` (up), ``w2`` (down): what ``save_pretrained`` and the Hub's checkpoints hold),
 transformers' fused stacks (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
 ``mlp.experts.down_proj`` ``[E, H, I]``), or a stack per projection
-(``mlp.experts.gate_proj.weight`` ``[E, I, H]``: a GGUF file's ``ffn_gate_exps``).
+(``mlp.experts.gate_proj.weight`` ``[E, I, H]``: a GGUF file's ``ffn_gate_exps``, read
+dequantised). Packed GGUF experts arrive one matrix per expert and stay packed where
+``SparseMoE.load_experts`` keeps them.
 """
 
 from __future__ import annotations
@@ -159,13 +161,10 @@ def _load_moe(
         gate, up, down = (
             dequantized(take(experts + f"{n}_proj.weight")) for n in ("gate", "up", "down")
         )
-    else:  # a matrix per expert
+    else:  # a matrix per expert (a GGUF file's packed experts too: ``read_gguf``)
         names = ("w1", "w3", "w2") if block == mixtral else ("gate_proj", "up_proj", "down_proj")
         gate, up, down = (
-            torch.stack(
-                [dequantized(take(f"{experts}{e}.{n}.weight")) for e in range(moe.num_experts)]
-            )
-            for n in names
+            [take(f"{experts}{e}.{n}.weight") for e in range(moe.num_experts)] for n in names
         )
     moe.load_experts(gate, up, down, experts[:-1])
     if moe.shared_gate_up is not None:

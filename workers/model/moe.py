@@ -17,24 +17,32 @@ over tokens::
     weighted outputs added back into their tokens' rows (index_add)
 
 Expert weights are dense stacks, each expert's matrix ``[in, out]`` as ``Linear`` stores
-its own (``x @ W``: the faster layout for skinny batches). The router and the shared
-expert are ``Linear`` layers, whose class the decoder passes in (it lives in
-``llama.py``, which imports this file).
+its own (``x @ W``: the faster layout for skinny batches); or, in a float32 model given
+GGUF-quantised experts, each expert's matrices packed as the file stores them
+(``PackedWeight``: its gate rows then up rows fused into one, and its down), multiplied
+by ``quant_matmul`` (exact float32: only the order of the sums differs from the
+dequantised weights' matmul) and never expanded. The router and the shared expert are
+``Linear`` layers, whose class the decoder passes in (it lives in ``llama.py``, which
+imports this file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.workers.model.config import ModelConfig
-from tessera.workers.model.hf_weights import copy_checked
+from tessera.workers.model.hf_weights import Weight, copy_checked, dequantized
+from tessera.workers.quant import PackedWeight, quant_matmul
 
 #: Builds a projection ``[T, in] -> [T, out]`` with ``load_weight``: ``llama.Linear``.
 LinearFactory = Callable[[int, int, bool], nn.Module]
+#: A projection's experts as a checkpoint holds them: stacked ``[E, out, in]``, or one
+#: ``[out, in]`` matrix per expert (dense, or packed as a GGUF file stores it).
+Experts = torch.Tensor | Sequence[Weight]
 
 
 class SparseMoE(nn.Module):
@@ -46,12 +54,17 @@ class SparseMoE(nn.Module):
         hidden, size = config.hidden_size, moe.expert_intermediate_size
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
-        self.expert_size = size
+        self.hidden_size, self.expert_size = hidden, size
         self.gelu = config.hidden_activation == "gelu_pytorch_tanh"
         self.gate = linear(hidden, moe.num_experts, False)  # the router
         # [E, hidden, 2 * size] (each expert's gate then up columns) and [E, size, hidden]
         self.gate_up = nn.Parameter(torch.empty(moe.num_experts, hidden, 2 * size), False)
         self.down = nn.Parameter(torch.empty(moe.num_experts, size, hidden), False)
+        # Packed instead (then the stacks above are empty): per expert, its gate/up row
+        # groups (one, gate rows then up rows, where both have one type) and its down,
+        # Hugging Face's [out, in] as the file stores them
+        self.packed_gate_up: tuple[tuple[PackedWeight, ...], ...] = ()
+        self.packed_down: tuple[PackedWeight, ...] = ()
         shared = moe.shared_expert_intermediate_size
         self.shared_size = shared
         self.shared_gate_up = linear(hidden, 2 * shared, False) if shared else None
@@ -92,24 +105,75 @@ class SparseMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 end = start + count
-                h = self._act(rows[start:end] @ self.gate_up[expert], self.expert_size)
-                torch.mm(h, self.down[expert], out=outputs[start:end])
+                h = self._act(self._gate_up(rows[start:end], expert), self.expert_size)
+                if self.packed_down:
+                    outputs[start:end] = quant_matmul(h, self.packed_down[expert])
+                else:
+                    torch.mm(h, self.down[expert], out=outputs[start:end])
                 start = end
         outputs.mul_(weights.reshape(-1, 1).index_select(0, order))
         return torch.zeros_like(x).index_add_(0, tokens, outputs)
+
+    def _gate_up(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        """``rows`` ``[n, hidden]`` through ``expert``'s gate and up: ``[n, 2 * size]``."""
+        if not self.packed_gate_up:
+            return rows @ self.gate_up[expert]
+        parts = self.packed_gate_up[expert]
+        if len(parts) == 1:
+            return quant_matmul(rows, parts[0])
+        return torch.cat([quant_matmul(rows, part) for part in parts], dim=-1)
 
     def _act(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
         gate, up = gate_up.split(size, dim=-1)
         return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
-    def load_experts(
-        self,
-        gate: torch.Tensor,  # [E, size, hidden]: Hugging Face's [out, in] per expert
-        up: torch.Tensor,
-        down: torch.Tensor,  # [E, hidden, size]
-        name: str,
-    ) -> None:
-        """Set the experts from their stacked ``[out, in]`` matrices."""
-        gate_up = torch.cat((gate, up), dim=1).transpose(1, 2)
-        copy_checked(self.gate_up, gate_up, name + ".gate_up")
-        copy_checked(self.down, down.transpose(1, 2), name + ".down")
+    def load_experts(self, gate: Experts, up: Experts, down: Experts, name: str) -> None:
+        """Set the experts from their ``[out, in]`` matrices (gate and up ``[size, hidden]``,
+        down ``[hidden, size]``), stacked or one per expert. A float32 model keeps a
+        projection whose every expert is packed (``PackedWeight``) as it is, gate and up
+        together; anything else is expanded into the dense stacks."""
+        hidden, size = self.hidden_size, self.expert_size
+        packs = self.gate_up.dtype == torch.float32
+        if packs and _packed(gate, self.num_experts) and _packed(up, self.num_experts):
+            for part in (*gate, *up):
+                _check_shape(part, (size, hidden), name + ".gate_up")
+            self.packed_gate_up = tuple(_fused(g, u) for g, u in zip(gate, up, strict=True))
+            self.gate_up = nn.Parameter(torch.empty(0), requires_grad=False)
+        else:
+            gate_up = torch.cat((_stacked(gate), _stacked(up)), dim=1).transpose(1, 2)
+            copy_checked(self.gate_up, gate_up, name + ".gate_up")
+        if packs and _packed(down, self.num_experts):
+            for part in down:
+                _check_shape(part, (hidden, size), name + ".down")
+            self.packed_down = tuple(down)
+            self.down = nn.Parameter(torch.empty(0), requires_grad=False)
+        else:
+            copy_checked(self.down, _stacked(down).transpose(1, 2), name + ".down")
+
+
+def _packed(experts: Experts, count: int) -> bool:
+    """Whether ``experts`` are ``count`` packed matrices, one per expert."""
+    return (
+        not isinstance(experts, torch.Tensor)
+        and len(experts) == count
+        and all(isinstance(e, PackedWeight) for e in experts)
+    )
+
+
+def _stacked(experts: Experts) -> torch.Tensor:
+    """``experts`` as a dense ``[E, out, in]`` stack (packed ones dequantised)."""
+    if isinstance(experts, torch.Tensor):
+        return experts
+    return torch.stack([dequantized(e) for e in experts])
+
+
+def _fused(gate: PackedWeight, up: PackedWeight) -> tuple[PackedWeight, ...]:
+    """An expert's gate then up rows: one matrix where both have one type, else two."""
+    if gate.qtype is up.qtype:
+        return (PackedWeight.cat([gate, up]),)
+    return gate, up
+
+
+def _check_shape(weight: PackedWeight, shape: tuple[int, int], name: str) -> None:
+    if weight.shape != shape:
+        raise ValueError(f"tensor {name!r}: an expert's shape {weight.shape}, expected {shape}")
