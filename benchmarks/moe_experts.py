@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common import paired_bars, report  # noqa: E402
 from tessera.workers.model.config import ModelConfig  # noqa: E402
 from tessera.workers.model.llama import Linear  # noqa: E402
 from tessera.workers.model.moe import SparseMoE  # noqa: E402
@@ -137,12 +138,52 @@ def main() -> None:
     dense_mb = (dense.gate_up.numel() + dense.down.numel()) * 4 / 2**20
     threads = torch.get_num_threads()
     print(f"experts: packed {packed_mb:.0f} MiB, dense {dense_mb:.0f} MiB; {threads} threads")
-    print("rows  dense_fp32 best/median ms  packed_fp32 best/median ms  speedup (best)")
-    for rows in args.rows:
-        ms = step_ms({"dense": dense, "packed": packed}, rows, args.hidden, args.repeat)
+    rows = []
+    for count in args.rows:
+        ms = step_ms({"dense": dense, "packed": packed}, count, args.hidden, args.repeat)
         (db, dm), (pb, pm) = ms["dense"], ms["packed"]
-        row = f"{rows:<4}  {db:8.2f} / {dm:8.2f}          {pb:8.2f} / {pm:8.2f}"
-        print(f"{row}           {db / pb:.2f}x")
+        rows.append(
+            {
+                "rows": count,
+                "dense_fp32_ms": db,
+                "dense_fp32_median_ms": dm,
+                "packed_fp32_ms": pb,
+                "packed_fp32_median_ms": pm,
+                "speedup": db / pb,
+            }
+        )
+
+    def plot(ax) -> None:
+        labels = [str(r["rows"]) for r in rows]
+        paired_bars(
+            ax,
+            labels,
+            [r["packed_fp32_ms"] for r in rows],
+            [r["dense_fp32_ms"] for r in rows],
+            ("packed (the file's blocks)", "dense float32"),
+            [r["speedup"] for r in rows],
+        )
+        ax.set_ylabel("ms a layer step (best)")
+        ax.set_xlabel("rows in the step")
+
+    report(
+        "moe_experts",
+        rows,
+        {
+            "peer": "the same experts dense in float32 (--no-packed-weights)",
+            "layer": {
+                "hidden": args.hidden,
+                "experts": args.experts,
+                "expert_size": args.expert_size,
+                "top_k": args.top_k,
+                "types": "gate/up Q4_K, down Q8_0",
+            },
+            "experts_mib": {"packed": packed_mb, "dense": dense_mb},
+            "max_diff_over_max": (ours - theirs).abs().max().item() / scale,
+            "repeat": args.repeat,
+        },
+        plot,
+    )
 
 
 if __name__ == "__main__":
