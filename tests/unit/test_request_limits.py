@@ -129,6 +129,32 @@ def test_grammars_compile_off_the_event_loop_and_refusals_are_cached(monkeypatch
     assert all(name.startswith("tessera-cpu") for name in threads)
 
 
+def test_the_grammar_cache_is_bounded_by_characters_least_recently_used_first(monkeypatch):
+    """Compiled grammars and refusals are held up to ``GRAMMAR_CACHE_CHARS`` characters
+    (specs and grammars), not a count: many large grammars cannot grow a replica's
+    memory past it; the least recently used go first, and a spec asked for again stays."""
+    monkeypatch.setattr(structured, "GRAMMAR_CACHE_CHARS", 40_000)
+    compiled = []
+    real = structured.grammar_text
+
+    def grammar_text(params):
+        compiled.append(params.spec)
+        return real(params)
+
+    monkeypatch.setattr(structured, "grammar_text", grammar_text)
+    specs = [f"(k{i})" + "a" * 5000 for i in range(8)]  # each ~10,000 characters held
+    for spec in specs:
+        structured.check(StructuredParams("regex", spec))
+        structured.check(StructuredParams("regex", specs[0]))  # kept in use
+    assert structured._held[0] <= 40_000
+    held = {spec for kind, spec in structured._grammars}
+    assert specs[0] in held and specs[-1] in held and specs[1] not in held
+    compiled.clear()
+    structured.check(StructuredParams("regex", specs[0]))
+    structured.check(StructuredParams("regex", specs[1]))  # evicted: compiled again
+    assert compiled == [specs[1]]
+
+
 def test_deeply_nested_json_schemas_are_refused_not_raised():
     deep = '{"type": "object", "properties": {"a": ' * 2000 + "{}" + "}}" * 2000
     for kind, spec in (("json", deep), ("choice", "[" * 100_000)):

@@ -20,7 +20,7 @@ tokens it had sent, and preemption by recompute keeps it (no token is sampled ag
 from __future__ import annotations
 
 # Light at import (no torch, no llguidance): the front ends check grammars with it.
-import functools
+import collections
 import json
 import logging
 import threading
@@ -111,14 +111,42 @@ def _cached_grammar(kind: str, spec: str) -> str:
     return compiled
 
 
-@functools.lru_cache(maxsize=256)
+#: The most characters of specs and grammars the compiled-grammar cache holds (the
+#: least recently used go first): at the front end's 128 KiB a grammar, ~64 of the largest.
+GRAMMAR_CACHE_CHARS = 16 * 2**20
+_grammars: collections.OrderedDict[tuple[str, str], str | InvalidRequestError] = (
+    collections.OrderedDict()
+)
+_grammars_lock = threading.Lock()
+_held = [0]  # the characters _grammars holds
+
+
 def _compiled(kind: str, spec: str) -> str | InvalidRequestError:
-    """The grammar, or why it was refused: both cached (``lru_cache`` keeps no
-    exceptions)."""
+    """The grammar, or why it was refused: both cached, bounded by their characters
+    (``GRAMMAR_CACHE_CHARS``), not by their count. Compiled outside the lock: two
+    threads may compile one spec at once, and both answers are the same."""
+    key = (kind, spec)
+    with _grammars_lock:
+        if (found := _grammars.get(key)) is not None:
+            _grammars.move_to_end(key)
+            return found
     try:
-        return grammar_text(StructuredParams(kind, spec))
+        compiled: str | InvalidRequestError = grammar_text(StructuredParams(kind, spec))
     except InvalidRequestError as error:
-        return error
+        compiled = error
+    with _grammars_lock:
+        if key not in _grammars:
+            _grammars[key] = compiled
+            _held[0] += _chars((key, compiled))
+        while _held[0] > GRAMMAR_CACHE_CHARS and len(_grammars) > 1:
+            _held[0] -= _chars(_grammars.popitem(last=False))
+    return compiled
+
+
+def _chars(item: tuple[tuple[str, str], str | InvalidRequestError]) -> int:
+    (kind, spec), compiled = item
+    size = len(compiled) if isinstance(compiled, str) else len(compiled.message)
+    return len(kind) + len(spec) + size
 
 
 class Grammars:
