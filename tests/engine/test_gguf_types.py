@@ -119,6 +119,62 @@ _K_QUANTS = {
 }
 
 
+def quantize_k(data: np.ndarray, kind: GGMLQuantizationType) -> np.ndarray:
+    """``data`` [rows, cols] float32 as K-quant super-blocks (uint8 [rows, cols / 256 *
+    block bytes]): a plain quantiser (each sub-block's range, no search as llama.cpp's),
+    so a model's own weights can be written as a K-quant file."""
+    rows, cols = data.shape
+    x = data.astype(np.float32).reshape(rows, cols // 256, 256)
+    if kind == GGMLQuantizationType.Q6_K:  # 16 sub-blocks of 16, q - 32 in -32..31
+        sub = x.reshape(rows, -1, 16, 16)
+        scale = np.abs(sub).max(-1) / 31.5  # [rows, S, 16]
+        d = (np.abs(scale).max(-1) / 127).astype(np.float16)
+        df = d.astype(np.float32)[..., None]
+        sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(-128, 127)
+        step = (df * sc)[..., None]
+        q = np.where(step > 0, np.rint(sub / np.where(step > 0, step, 1)), 0).clip(-32, 31)
+        q = (q + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # [.., half, r, i]
+        ql = (q[:, :, :, 0:2] & 0x0F) | ((q[:, :, :, 2:4] & 0x0F) << 4)  # r and r + 2
+        qh = sum((q[:, :, :, r] >> 4) << (2 * r) for r in range(4))
+        parts = [
+            ql.reshape(rows, -1, 128),
+            qh.astype(np.uint8).reshape(rows, -1, 64),
+            sc.astype(np.int8).view(np.uint8),
+            d.view(np.uint8).reshape(rows, -1, 2),
+        ]
+        return np.concatenate(parts, axis=-1).reshape(rows, -1)
+    levels = 15 if kind == GGMLQuantizationType.Q4_K else 31
+    sub = x.reshape(rows, -1, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - low) / levels  # [rows, S, 8]
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (-low.min(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.where(df > 0, np.rint(scale / np.where(df > 0, df, 1)), 0).clip(0, 63)
+    m = np.where(dmf > 0, np.rint(-low / np.where(dmf > 0, dmf, 1)), 0).clip(0, 63)
+    step = (df * sc)[..., None]
+    offset = (dmf * m)[..., None]
+    q = np.where(step > 0, np.rint((sub + offset) / np.where(step > 0, step, 1)), 0)
+    q = q.clip(0, levels).astype(np.uint8)  # [rows, S, 8, 32]
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    scales = np.concatenate(  # the inverse of kquants.scale_min
+        [
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            m[..., :4] | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4),
+        ],
+        axis=-1,
+    )
+    qs = (q[:, :, 0::2] & 0x0F) | ((q[:, :, 1::2] & 0x0F) << 4)  # [rows, S, 4, 32]
+    parts = [d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2)]
+    parts.append(scales)
+    if kind == GGMLQuantizationType.Q5_K:
+        qh = sum(((q[:, :, j] >> 4) & 1).astype(np.uint8) << j for j in range(8))
+        parts.append(qh.astype(np.uint8))
+    parts.append(qs.reshape(rows, -1, 128))
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
 def _write_gguf(
     path,
     model,
@@ -129,10 +185,12 @@ def _write_gguf(
     head_dim: int | None = None,
     rope_dims: int | None = None,
     types: Callable[[str], GGMLQuantizationType] | None = None,
+    k_quantize: bool = False,
 ) -> None:
     """``model`` as llama.cpp's converter writes it; ``extra`` adds fields or tensors;
     ``types`` gives a matrix's type by its Hugging Face name (a mix such as Q4_K_M's),
-    else every matrix is ``qtype``."""
+    else every matrix is ``qtype``. K-quant matrices are random blocks, or with
+    ``k_quantize`` the model's own weights (``quantize_k``)."""
     config = model.config
     hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, KV_HEADS
     head_dim = head_dim or hidden // heads
@@ -173,9 +231,10 @@ def _write_gguf(
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(name, arch), data)
         else:
-            packed = (
-                _K_QUANTS[kind](data.shape) if kind in _K_QUANTS else quants.quantize(data, kind)
-            )
+            if kind in _K_QUANTS:
+                packed = quantize_k(data, kind) if k_quantize else _K_QUANTS[kind](data.shape)
+            else:
+                packed = quants.quantize(data, kind)
             writer.add_tensor(
                 _gguf_name(name, arch), packed, raw_shape=packed.shape, raw_dtype=kind
             )

@@ -24,6 +24,7 @@ from torch import nn
 
 from tessera.workers.quant import PackedWeight
 from tessera.workers.quant.int4 import Q8Weight
+from tessera.workers.quant.kernels import kquant_int8_available
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept as the file stores it.
 Weight = torch.Tensor | PackedWeight
@@ -69,6 +70,13 @@ def load_hf_state_dict(
             exact = not reduced
             if model.lm_head is None and Q8Weight.supports(embedding, exact):
                 model.head_q8 = Q8Weight.from_packed(embedding, exact)
+            # a tied K-quant head, in the fast mode: int8 inputs, as its projections
+            model.head_int8 = (
+                model.lm_head is None
+                and bf16_matmuls
+                and embedding.qtype.is_k
+                and kquant_int8_available()
+            )
         else:
             copy_checked(model.embed_tokens.weight, embedding, "embed_tokens")
         norm = dequantized(take("model.norm.weight"))

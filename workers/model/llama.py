@@ -37,7 +37,7 @@ from tessera.workers.quant.int4 import (
     exact_row_limit,
     int4_row_limit,
 )
-from tessera.workers.quant.kernels import argmax_rows, embedding
+from tessera.workers.quant.kernels import argmax_rows, embedding, kquant_int8_available
 
 
 class RMSNorm(nn.Module):
@@ -76,10 +76,12 @@ class Linear(nn.Module):
       the same weights dequantised for that product into a float32 GEMM (MKL's or
       oneDNN's, ``onednn_gemm``) where it measured faster (``exact_row_limit``: on the
       AVX2 EPYC from 128 rows, a 2,048-row step ~15% faster), so no dense copy is kept;
-    - K-quants, in a float32 model (either mode), stay packed for ``quant_matmul``'s
-      exact kernel (``csrc/kquant_mm.cpp``); a bfloat16 model expands them to a dense
-      bf16 ``weight`` at load. Fused parts of different types (a Q4_K_M file's Q4_K q
-      and k with a Q6_K v) stay apart in ``packed_parts``, multiplied one by one;
+    - K-quants, in a float32 model, stay packed for ``quant_matmul``'s exact kernel
+      (``csrc/kquant_mm.cpp``), or in the fast mode (``bf16_matmuls``, where the CPU has
+      AVX512-VNNI: ``int8``) its kernel of int8-quantised inputs (``csrc/kquant_q8.cpp``);
+      a bfloat16 model expands them to a dense bf16 ``weight`` at load. Fused parts of
+      different types (a Q4_K_M file's Q4_K q and k with a Q6_K v) stay apart in
+      ``packed_parts``, multiplied one by one;
     - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
@@ -103,13 +105,16 @@ class Linear(nn.Module):
         self.packed_parts: tuple[PackedWeight, ...] = ()
         self.int4: Q4Weight | Int4Weight | None = None
         self.int4_rows = 0
+        # its K-quant weights multiply inputs quantised to int8 (the fast mode)
+        self.int8 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:
-            y = quant_matmul(x, self.packed)
+            y = quant_matmul(x, self.packed, int8=self.int8)
             return y if self.bias is None else y.add_(self.bias)
         if self.packed_parts:
-            y = torch.cat([quant_matmul(x, part) for part in self.packed_parts], dim=-1)
+            parts = [quant_matmul(x, part, int8=self.int8) for part in self.packed_parts]
+            y = torch.cat(parts, dim=-1)
             return y if self.bias is None else y.add_(self.bias)
         if self.int4 is not None and x.shape[0] <= self.int4_rows:
             y = self.int4.matmul(x)
@@ -133,6 +138,8 @@ class Linear(nn.Module):
             ):
                 runs = itertools.groupby(parts, key=lambda part: part.qtype)  # q and k fused
                 self.packed_parts = tuple(PackedWeight.cat(list(run)) for _, run in runs)
+                self.int8 = bf16_matmuls and all(p.qtype.is_k for p in self.packed_parts)
+                self.int8 = self.int8 and kquant_int8_available()
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
             packed_parts = False  # expanded below (a bfloat16 model; a wrong shape says so)
@@ -154,6 +161,7 @@ class Linear(nn.Module):
                 return
             if self.weight.dtype == torch.float32:
                 self.packed = packed
+                self.int8 = bf16_matmuls and packed.qtype.is_k and kquant_int8_available()
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
             if self.weight.dtype == torch.bfloat16:
@@ -172,6 +180,14 @@ class Linear(nn.Module):
             parts = [packed]
         dense = torch.cat([dequantized(part) for part in parts]).t()
         copy_checked(self.weight, dense, name)
+
+    @property
+    def rounded_inputs(self) -> str | None:
+        """How it rounds its inputs: ``"bf16"`` (a ``Q4Weight`` that is not exact: the
+        fast and bfloat16 modes), ``"int8"`` (K-quants in the fast mode), or None."""
+        if isinstance(self.int4, Q4Weight) and not self.int4.exact:
+            return "bf16"
+        return "int8" if self.int8 else None
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a dense ``[in, out]`` tensor (dequantised if packed)."""
@@ -315,6 +331,8 @@ class LlamaModel(nn.Module):
         # modes' bf16 kernel, the exact mode's float32 one.
         self.packed_embedding: PackedWeight | None = None
         self.head_q8: Q8Weight | None = None
+        # a tied K-quant head in the fast mode: multiplied with int8-quantised inputs
+        self.head_int8 = False
         self._native_layers: Any = _UNBUILT
 
     def first_layers(self, num_layers: int) -> LlamaModel:
@@ -333,6 +351,7 @@ class LlamaModel(nn.Module):
         model.local_rope = self.local_rope
         model.packed_embedding = self.packed_embedding
         model.head_q8 = self.head_q8
+        model.head_int8 = self.head_int8
         model._native_layers = _UNBUILT
         return model
 
@@ -448,22 +467,31 @@ class LlamaModel(nn.Module):
         if self.head_q8 is not None:  # float32 sums and logits (inputs bf16-rounded unless exact)
             return self.head_q8.matmul(hidden.float())
         if self.packed_embedding is not None:  # float32 in and out, whatever the model's dtype
-            return quant_matmul(hidden.float(), self.packed_embedding)
+            return quant_matmul(hidden.float(), self.packed_embedding, int8=self.head_int8)
         # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
         return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 
-    def has_bf16_matmuls(self) -> bool:
-        """Whether this float32 model is in the fast mode: some projection multiplies
-        bf16-rounded inputs with Q4 weights (``Linear``), or its head does (a ``head_q8``
-        that is not ``exact``)."""
-        return self.norm.weight.dtype == torch.float32 and self.uses_bf16_kernels()
+    def has_fast_matmuls(self) -> bool:
+        """Whether this float32 model is in the fast mode: some projection or its head
+        rounds its inputs (``rounded_inputs``)."""
+        return self.norm.weight.dtype == torch.float32 and bool(self.rounded_inputs())
 
     def uses_bf16_kernels(self) -> bool:
         """Whether a projection or the head multiplies through the native bf16 kernels
         (a ``Q4Weight`` or ``head_q8`` that is not ``exact``: the fast and bfloat16 modes)."""
-        linears = (module for module in self.layers.modules() if isinstance(module, Linear))
-        fast = (isinstance(x.int4, Q4Weight) and not x.int4.exact for x in linears)
-        return (self.head_q8 is not None and not self.head_q8.exact) or any(fast)
+        return "bf16" in self.rounded_inputs()
+
+    def rounded_inputs(self) -> set[str]:
+        """How its projections and head round their inputs: ``"bf16"`` (a ``Q4Weight``
+        or ``head_q8`` that is not ``exact``), ``"int8"`` (K-quants, ``Linear.int8`` and
+        ``head_int8``); empty for the exact mode."""
+        linears = (module for module in self.modules() if isinstance(module, Linear))
+        found = {x.rounded_inputs for x in linears} - {None}
+        if self.head_q8 is not None and not self.head_q8.exact:
+            found.add("bf16")
+        if self.head_int8:
+            found.add("int8")
+        return found
 
     def load_hf_state_dict(self, state: dict[str, Weight], bf16_matmuls: bool = False) -> None:
         """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v

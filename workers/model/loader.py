@@ -33,7 +33,7 @@ from tessera.workers.model.sources import (
     resolve_tokenizer_path,
 )
 from tessera.workers.quant import PackedWeight
-from tessera.workers.quant.kernels import bf16_kernel_path, native_kernels
+from tessera.workers.quant.kernels import bf16_kernel_path, kquant_int8_available, native_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ class LoadedModel:
     config: ModelConfig
     model_id: str  # where it came from; part of the prefix-cache hash key
     #: What the model computes in: ``FAST`` (float32, its Q4 matmuls and Q8_0 head
-    #: taking bf16-rounded inputs, a float16 KV cache) or a dtype name (float32: the
+    #: taking bf16-rounded inputs, its K-quant ones int8-quantised inputs, a float16 KV
+    #: cache) or a dtype name (float32: the
     #: exact mode). Part of the prefix-cache hash key: the K/V of one precision is not
     #: another's.
     precision: str = "float32"
@@ -79,6 +80,13 @@ def fast_mode_available(device: str | torch.device = "cpu") -> bool:
         return False
     kernels = native_kernels()
     return kernels is not None and kernels.q4_bf16_available()
+
+
+def kquant_fast_mode_available(device: str | torch.device = "cpu") -> bool:
+    """Whether ``dtype="auto"`` can pick the fast mode for a GGUF's K-quant matrices
+    (Q4_K/Q5_K/Q6_K) here: the CPU, and this extension built with the AVX512-VNNI loop of
+    their int8 kernel (``kquant_int8_available``)."""
+    return torch.device(device).type == "cpu" and kquant_int8_available()
 
 
 def builtin_model_path() -> Path:
@@ -182,12 +190,14 @@ def load_model(
     ``fast_mode_available``, the family met the fast mode's contract
     (``FAST_MODE_FAMILIES``) and the file has packed Q4 matrices or a tied Q8_0 head: a
     float32 model whose Q4 matrices and head multiply bf16-rounded inputs through the
-    AVX512_BF16 kernels; else float32."""
+    AVX512_BF16 kernels; likewise where ``kquant_fast_mode_available`` and the file has
+    K-quant matrices, which (and a tied K-quant head) multiply inputs quantised to int8
+    per 256 (``quant_matmul(..., int8=True)``); else float32."""
     if dtype not in (AUTO_DTYPE, *DTYPES):
         raise ValueError(f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {dtype!r}")
     resolved = resolve_model_path(path, revision)
     device = torch.device(device)
-    fast = dtype == AUTO_DTYPE and packed_weights and fast_mode_available(device)
+    auto = dtype == AUTO_DTYPE and packed_weights
     if dtype == AUTO_DTYPE:
         dtype = "float32"
     packed = packed_weights and dtype in PACKED_DTYPES.get(device.type, ())
@@ -196,6 +206,10 @@ def load_model(
         state = {k: v.to(device) if isinstance(v, PackedWeight) else v for k, v in state.items()}
     else:
         config, state = _read_hf_dir(resolved)
+    kquants = any(isinstance(v, PackedWeight) and v.qtype.is_k for v in state.values())
+    fast = auto and (
+        fast_mode_available(device) or (kquants and kquant_fast_mode_available(device))
+    )
     if fast and config.architecture not in FAST_MODE_FAMILIES:
         logger.info("auto: %s is exact here (no fast mode measured for it)", config.architecture)
         fast = False
@@ -206,7 +220,7 @@ def load_model(
     model = LlamaModel(config, DTYPES[dtype], device)
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
     model.load_hf_state_dict(state, bf16_matmuls=fast)
-    precision = FAST if model.has_bf16_matmuls() else dtype
+    precision = FAST if model.has_fast_matmuls() else dtype
     kernels = bf16_kernel_path() if model.uses_bf16_kernels() else ""
     del state
     # the weights a step streams, on 2 MiB pages (tessera.workers.hugepages)

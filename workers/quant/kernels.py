@@ -2,17 +2,17 @@
 the native extension that holds it.
 
 The extension (``csrc/gguf_mm.cpp``, the packed matmul, and ``csrc/kquant_mm.cpp``, its
-K-quant form; ``csrc/decode_layers.cpp``,
-every decoder layer of a decode step in one call; ``csrc/rows.cpp``, the sampler's row
-argmax, and the stack's bf16 rounding for tests) is compiled on first use with
-``torch.utils.cpp_extension.load`` into ``~/.cache/tessera/kernels/<key>``
-(``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the sources, torch's version and build
-(environments with the same torch share one build, imported without ninja:
-``_load_built``) and the CPU flags in /proc/cpuinfo: the kernel is built with
-``-march=native``, so a machine with other flags builds its own. A lock in that
-directory (``_builder_lock``, released by the system when its holder exits) lets several
-processes start at once: one compiles, the others wait and load it; a build killed
-half-way is started again by the next process.
+K-quant form, with ``csrc/kquant_q8.cpp``, the K-quants times int8 activations;
+``csrc/decode_layers.cpp``, every decoder layer of a decode step in one call;
+``csrc/rows.cpp``, the sampler's row argmax, and the stack's bf16 rounding for tests) is
+compiled on first use with ``torch.utils.cpp_extension.load`` into
+``~/.cache/tessera/kernels/<key>`` (``XDG_CACHE_HOME`` moves it). ``<key>`` hashes the
+sources, torch's version and build (environments with the same torch share one build,
+imported without ninja: ``_load_built``) and the CPU flags in /proc/cpuinfo: the kernel
+is built with ``-march=native``, so a machine with other flags builds its own. A lock in
+that directory (``_builder_lock``, released by the system when its holder exits) lets
+several processes start at once: one compiles, the others wait and load it; a build
+killed half-way is started again by the next process.
 
 Where it cannot be built (no compiler, no ninja, …) one warning is given and the torch
 path runs instead: each call dequantises the weight in row chunks and multiplies. On
@@ -64,6 +64,7 @@ SOURCES = tuple(
         "tiled_f32.cpp",
         "q8_screen.cpp",
         "kquant_mm.cpp",
+        "kquant_q8.cpp",
     )
 )
 #: Included by the sources: not compiled alone, but part of the cache key.
@@ -98,8 +99,17 @@ FALLBACK_CHUNK_ROWS = 4096
 COMPILE_TIME = "1-3 min"
 
 
-def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto") -> torch.Tensor:
-    """``x [..., in]`` fp32 @ ``dequant(weight).T`` -> ``[..., out]`` fp32."""
+def quant_matmul(
+    x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto", int8: bool = False
+) -> torch.Tensor:
+    """``x [..., in]`` fp32 @ ``dequant(weight).T`` -> ``[..., out]`` fp32.
+
+    ``int8`` (a K-quant weight, the fast mode): each row of ``x`` is first quantised to
+    int8 per super-block of 256 (``d = amax / 127``, ``q = rint(x * (127 / amax))`` in
+    float32, ties to even) and multiplied with the weights' integers in int32
+    (``csrc/kquant_q8.cpp``); the result is that of ``d * q`` times the file's weights up
+    to float32 rounding, not of ``x``. Needs the native kernel (``kquant_int8_available``
+    says whether its VNNI loop is built here); other weights ignore it."""
     if x.shape[-1] != weight.in_features:
         raise ValueError(
             f"quant_matmul: x has {x.shape[-1]} features, the weight takes {weight.in_features}"
@@ -116,7 +126,11 @@ def quant_matmul(x: torch.Tensor, weight: PackedWeight, backend: Backend = "auto
         raise RuntimeError(f"quant_matmul: the native GGUF kernel runs on the CPU, not {x.device}")
     if module is None and backend == "native":
         raise RuntimeError("quant_matmul: the native GGUF kernel could not be built")
-    if module is not None and weight.qtype.is_k:
+    if int8 and weight.qtype.is_k:
+        if module is None:
+            raise RuntimeError("quant_matmul: int8 activations need the native kernels")
+        y = module.kquant_q8_mm(x2, weight.qs, int(weight.qtype))
+    elif module is not None and weight.qtype.is_k:
         y = module.kquant_mm(x2, weight.qs, int(weight.qtype))
     elif module is not None:
         y = module.gguf_mm(x2, weight.qs, weight.scales, weight.mins, int(weight.qtype))
@@ -185,6 +199,14 @@ def bf16_kernel_path() -> str:
     if module is None or not module.q4_bf16_available():
         return ""
     return "amx" if module.amx_in_use() else "avx512_bf16"
+
+
+def kquant_int8_available() -> bool:
+    """Whether ``quant_matmul(..., int8=True)`` runs its AVX512-VNNI loop here (the fast
+    mode's K-quant products; elsewhere a portable loop computes the same numbers slowly,
+    and the fast mode is not chosen for K-quants)."""
+    module = native_kernels()
+    return module is not None and bool(module.kquant_q8_vnni)
 
 
 def _torch_matmul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:

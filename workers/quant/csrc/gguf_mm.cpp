@@ -295,6 +295,7 @@ void register_q8_bf16(pybind11::module& m);        // q8_bf16.cpp
 void register_tiled_f32(pybind11::module& m);      // tiled_f32.cpp
 void register_q8_screen(pybind11::module& m);      // q8_screen.cpp
 void register_kquant_mm(pybind11::module& m);      // kquant_mm.cpp
+void register_kquant_q8(pybind11::module& m);      // kquant_q8.cpp
 
 namespace {
 
@@ -393,4 +394,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   tessera::register_tiled_f32(m);
   tessera::register_q8_screen(m);
   tessera::register_kquant_mm(m);
+  tessera::register_kquant_q8(m);
 }

@@ -1,0 +1,146 @@
+"""The fast mode's quality contract on a K-quant file: its Q4_K/Q5_K/Q6_K matrices and
+K-quant head multiply activations quantised to int8 per 256 (``quant_matmul(...,
+int8=True)``), against the exact mode on the same file (float32, equal to transformers:
+``test_gguf_kquants.py``).
+
+The file: a random Llama (hidden 512, 4 layers, 8 heads of 64, 2 KV heads, MLP 1,024,
+init std 0.05, final norm weight 3: the exact mode's top-1 probability averages ~0.30)
+whose own weights are quantised as a Q4_K_M mix (``quantize_k``: Q6_K head, attn_v and
+ffn_down, Q4_K the rest; the head untied, a Q6_K ``Linear``), with the first 2,048 tokens
+of SmolLM2's vocabulary. The shipped texts (``tests/data/quality*.txt``) are
+teacher-forced in windows of 256 tokens (the file's context), 2,816 positions.
+
+The contract is the fast mode's (``test_fast_mode.py``): argmax agreement >= 99% with
+every difference a near-tie (top-2 gap < ``NEAR_TIE``), mean KL(exact || fast) <= 2e-4
+nats, perplexity within 1%. Int8 inputs do not meet it. Measured (Xeon, AVX512-VNNI):
+agreement 91.6% (2,580-2,581 of 2,816: the exact mode's last bits vary by run), largest
+gap where they differ 0.61, mean KL 1.05e-2 nats, perplexity 474,587 vs 475,454 (ratio
+0.998: within 1%; a random model's perplexity is above the vocabulary's 2,048). The same
+quantisation done in torch (``q = round(x * 127 / amax)`` per 256, then the exact
+kernel) gives 91.41% and 1.054e-2: the kernel is faithful, the loss is int8's. Rounding
+the same inputs to bf16 instead (the Q4 fast mode's arithmetic) gives 98.47% and 4.3e-4
+on this model. The two failing bars are ``xfail(strict=True)``: they record the gap, and
+a change that closes it turns them into failures to update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.workers.model.loader import LoadedModel, kquant_fast_mode_available, load_model
+from tests.engine.test_fast_mode import NEAR_TIE, TEXTS, teacher_forced_logits
+from tests.engine.test_gguf_kquants import Q4_K, _mix
+from tests.engine.test_gguf_types import _tiny_llama, _write_gguf, tokenizer_fields  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 256  # the test file's context length
+MIN_AGREEMENT = 0.99
+MAX_MEAN_KL = 2e-4  # nats
+MAX_PERPLEXITY_RATIO = 1.01
+INIT_STD = 0.05
+NORM_SCALE = 3.0  # peaked logits: a random model's are near-uniform
+#: int8 inputs miss these bars (the module's docstring has the numbers)
+INT8_MISSES_THE_CONTRACT = pytest.mark.xfail(
+    strict=True, reason="int8 activations: 91.6% agreement, mean KL 1.05e-2 on this model"
+)
+
+
+@pytest.fixture(scope="module")
+def k_file(tmp_path_factory, tokenizer_fields):  # noqa: F811
+    if not kquant_fast_mode_available():
+        pytest.skip("the fast mode's K-quant kernel needs AVX512-VNNI; auto is float32 here")
+    torch.manual_seed(0)
+    model = _tiny_llama(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        initializer_range=INIT_STD,
+        tie_word_embeddings=False,
+    )
+    with torch.no_grad():
+        model.model.norm.weight.mul_(NORM_SCALE)
+    path = tmp_path_factory.mktemp("kquant_fast") / "random-Q4_K_M.gguf"
+    _write_gguf(path, model, Q4_K, tokenizer_fields, types=_mix(Q4_K), k_quantize=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def modes(k_file) -> tuple[LoadedModel, LoadedModel]:
+    exact, fast = load_model(k_file, "float32"), load_model(k_file, "auto")
+    assert exact.precision == "float32" and fast.precision == "fast"
+    return exact, fast
+
+
+def test_the_fast_mode_multiplies_k_quants_with_int8_inputs(modes):
+    exact, fast = modes
+    model = fast.model
+    assert model.rounded_inputs() == {"int8"} and model.lm_head.int8
+    assert not model.uses_bf16_kernels() and fast.kernels == ""
+    for layer in model.layers:
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            assert linear.int8 and linear.rounded_inputs == "int8"
+        assert len(layer.qkv_proj.packed_parts) == 2  # Q4_K q/k and Q6_K v, both int8
+    assert not exact.model.rounded_inputs() and not exact.model.head_int8
+    assert fast.kv_dtype == torch.float16
+
+
+@pytest.fixture(scope="module")
+def measured(modes) -> dict[str, float]:
+    exact, fast = modes
+    tokens = [t for text in TEXTS for t in exact.tokenizer(text).input_ids]
+    windows = [tokens[i : i + WINDOW] for i in range(0, len(tokens) - WINDOW + 1, WINDOW)]
+    agree = positions = 0
+    kl_sum = nll_exact = nll_fast = 0.0
+    gaps: list[float] = []
+    for window in windows:
+        exact_logits = teacher_forced_logits(exact, window)
+        fast_logits = teacher_forced_logits(fast, window)
+        same = exact_logits.argmax(-1) == fast_logits.argmax(-1)
+        agree += int(same.sum())
+        positions += len(window)
+        top2 = exact_logits.topk(2, dim=-1).values
+        gaps += (top2[:, 0] - top2[:, 1])[~same].tolist()
+        exact_logp, fast_logp = exact_logits.log_softmax(-1), fast_logits.log_softmax(-1)
+        kl_sum += float((exact_logp.exp() * (exact_logp - fast_logp)).sum())
+        targets = torch.tensor(window[1:])[:, None]
+        nll_exact += float(-exact_logp[:-1].gather(1, targets).sum())
+        nll_fast += float(-fast_logp[:-1].gather(1, targets).sum())
+    targets_total = positions - len(windows)
+    result = {
+        "positions": positions,
+        "agreement": agree / positions,
+        "largest_gap_where_they_differ": max(gaps, default=0.0),
+        "mean_kl": kl_sum / positions,
+        "perplexity_exact": float(torch.tensor(nll_exact / targets_total).exp()),
+        "perplexity_fast": float(torch.tensor(nll_fast / targets_total).exp()),
+    }
+    print(f"K-quant fast mode vs exact: {result}")
+    return result
+
+
+@INT8_MISSES_THE_CONTRACT
+def test_next_token_agreement(measured):
+    assert measured["positions"] > 2500
+    assert measured["agreement"] >= MIN_AGREEMENT, measured
+    assert measured["largest_gap_where_they_differ"] < NEAR_TIE, measured
+
+
+@INT8_MISSES_THE_CONTRACT
+def test_mean_kl_divergence_is_bounded(measured):
+    assert measured["mean_kl"] <= MAX_MEAN_KL, measured
+
+
+def test_perplexity_within_one_percent(measured):
+    ratio = measured["perplexity_fast"] / measured["perplexity_exact"]
+    assert 1 / MAX_PERPLEXITY_RATIO <= ratio <= MAX_PERPLEXITY_RATIO, measured
+
+
+def test_the_fast_mode_really_differs(modes):
+    """The comparison can fail: int8 inputs move the logits."""
+    exact, fast = modes
+    ids = exact.tokenizer(TEXTS[0]).input_ids[:64]
+    a, b = teacher_forced_logits(exact, ids), teacher_forced_logits(fast, ids)
+    assert not torch.allclose(a, b, atol=1e-3)
