@@ -15,12 +15,14 @@ every run computes its whole prompt), once per mode in ``MODES``: ``exact`` (flo
 packed GGUF weights), ``dense-fp32`` (``packed_weights=False``: every weight
 dequantised at load, the old path), ``fast`` (``dtype="auto"``, ``tessera serve``'s
 default: float32 with bf16 inputs to the Q4 matmuls and the Q8_0 head, an fp16 KV cache)
-and ``bfloat16`` (bf16 activations and KV as well). llama.cpp runs
+``bfloat16`` (bf16 activations and KV as well) and, asked for with ``--modes``, ``int8``
+(a K-quant file's matmuls on int8-quantised inputs, its own contract). llama.cpp runs
 through llama-cpp-python in a subprocess with its own venv's python, two ways, both
 timed per run:
 
-* ``eval loop`` (the baseline the ratios use): ``Llama.eval(prompt)``, argmax, then
-  ``Llama.eval([token])`` per token, timed with the wall clock, as Tessera is;
+* ``eval loop`` (the baseline the ratios use, unless ``--llama-bench`` is given):
+  ``Llama.eval(prompt)``, argmax, then ``Llama.eval([token])`` per token, timed with the
+  wall clock, as Tessera is;
 * ``create_completion``: ``create_completion(prompt_ids, max_tokens=128, temperature=0)``
   with the end-of-generation tokens biased to -inf, timed by llama.cpp's own perf
   counters (``llama_perf_context``: decode calls only, no Python around them).
@@ -94,12 +96,14 @@ MODES = (
     # the fast mode: float32, bf16 inputs to the GGUF matmuls (tessera serve's default)
     Mode("fast", {"dtype": "auto"}, target="fast"),
     Mode("bfloat16", {"dtype": "bfloat16"}),  # bf16 activations and KV too
+    # K-quant matmuls on int8-quantised inputs (a K-quant file's fast path, its own contract)
+    Mode("int8", {"dtype": "int8"}, target="int8"),
 )
 MODES_BY_NAME = {m.name: m for m in MODES}
-DEFAULT_MODES = tuple(MODES_BY_NAME)
+DEFAULT_MODES = ("exact", "dense-fp32", "fast", "bfloat16")  # int8: for K-quant files
 
 #: Tessera's targets: Tessera / llama.cpp (the baseline), best runs.
-DECODE_TARGETS = {"fast": 1.0, "exact": 0.7}
+DECODE_TARGETS = {"fast": 1.0, "exact": 0.7, "int8": 1.0}
 PROMPT_EVAL_TARGET = 1.5
 #: Peak resident memory at most this many times the file plus the KV pool (``--memory``).
 RSS_TARGET = 1.25

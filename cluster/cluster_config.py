@@ -15,7 +15,14 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from tessera.cluster.engine_settings import EngineSettings
 from tessera.cluster.memory_size import memory_value
 from tessera.scheduler.placement import POLICIES
-from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT, EngineConfig
+from tessera.workers.config import (
+    AUTO_DTYPE,
+    FAST,
+    INT8,
+    PACKED_DTYPES,
+    PRECISION_TEXT,
+    EngineConfig,
+)
 from tessera.workers.process.protocol import DECODE, MIXED, PREFILL
 
 if typing.TYPE_CHECKING:  # heavy (torch, grpc): imported where used
@@ -285,7 +292,7 @@ class ClusterConfig(EngineSettings):
         ``device``: the workers' device, which ``device="auto"`` resolves at start."""
         resolved = precision or self.dtype
         on_gpu = (device or self.device).startswith("cuda")
-        computes = "float32" if resolved in (FAST, AUTO_DTYPE) else resolved
+        computes = "float32" if resolved in (FAST, INT8, AUTO_DTYPE) else resolved
         packed = (
             self.packed_weights
             and computes in PACKED_DTYPES["cuda" if on_gpu else "cpu"]

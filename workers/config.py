@@ -32,9 +32,13 @@ AUTO_DTYPE = "auto"
 PACKED_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32",)}
 #: ``LoadedModel.precision`` of the fast mode (the others are the dtype's name).
 FAST = "fast"
+#: The ``dtype`` (and ``LoadedModel.precision``) of the int8 mode: a float32 model whose
+#: GGUF K-quant matmuls take inputs quantised to int8, with its own quality contract.
+INT8 = "int8"
 #: Each precision a model computes in, in words (logs and ready lines).
 PRECISION_TEXT = {
     FAST: "float32, fast mode: bf16 inputs to the GGUF matmuls, fp16 KV cache",
+    INT8: "float32, int8 mode: int8 inputs to the GGUF K-quant matmuls, fp16 KV cache",
     "float32": "float32, exact mode",
     "bfloat16": "bfloat16 activations and KV cache",
     "float16": "float16 activations and KV cache",
@@ -98,8 +102,10 @@ class EngineConfig:
         "Q8_0 tied head on a CPU with AVX512_BF16: their inputs rounded to bf16, an fp16 "
         "KV cache, float32 everywhere else), "
         "else float32; float32 is the exact mode (token-identical to transformers); "
-        "bfloat16 also keeps activations and the KV cache in bf16",
-        choices=(AUTO_DTYPE, *DTYPES),
+        "int8 multiplies a GGUF's K-quant matrices (Q4_K/Q5_K/Q6_K) with inputs quantised "
+        "to int8, as llama.cpp does, on a CPU with AVX512-VNNI (its own, looser quality "
+        "contract; an fp16 KV cache); bfloat16 also keeps activations and the KV cache in bf16",
+        choices=(AUTO_DTYPE, INT8, *DTYPES),
         cli_default=AUTO_DTYPE,
     )
     device: str = _setting("cpu", "cpu or cuda[:N]")
@@ -194,9 +200,9 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dtype not in (AUTO_DTYPE, *DTYPES):
+        if self.dtype not in (AUTO_DTYPE, INT8, *DTYPES):
             raise ValueError(
-                f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {self.dtype!r}"
+                f"dtype: must be one of {sorted((AUTO_DTYPE, INT8, *DTYPES))}, got {self.dtype!r}"
             )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "stream_interval"):
             value = getattr(self, name)

@@ -178,9 +178,7 @@ def test_grammar_with_speculation_preemption_and_a_busy_batch_equals_grammar_alo
         assert tokens_of(out[f"g{i}"]) == expected
 
 
-def test_a_grammar_row_takes_logits_and_the_other_rows_their_argmax_alone(
-    make_engine, monkeypatch
-):
+def test_a_grammar_row_takes_logits_and_the_other_rows_their_argmax_alone(make_engine, monkeypatch):
     """A decode step of plain greedy rows and one constrained row asks the forward for
     the argmax of the plain rows and the logits of the constrained one only (the head's
     argmax screen stays on for the others); every output is what it is alone."""

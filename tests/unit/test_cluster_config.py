@@ -218,10 +218,10 @@ def test_workers_inside_bounds_are_accepted():
 
 
 def test_unknown_dtype():
-    message = create_error(dtype="int8")
+    message = create_error(dtype="int4")
     assert message.startswith("dtype: ")
     assert message == (
-        "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'"
+        "dtype: Input should be 'auto', 'int8', 'float32', 'bfloat16' or 'float16', got 'int4'"
     )
 
 
@@ -382,7 +382,7 @@ def test_config_from_args_with_fields_skipped():
 
 
 def test_bad_values_are_refused_by_the_parser(capsys):
-    for argv in (["--kv-cache-memory", "lots"], ["--dtype", "int8"], ["--workers", "two"]):
+    for argv in (["--kv-cache-memory", "lots"], ["--dtype", "int4"], ["--workers", "two"]):
         with pytest.raises(SystemExit):
             make_parser().parse_args(argv)
     assert "not a memory size: 'lots'" in capsys.readouterr().err
@@ -404,7 +404,7 @@ def test_help_text_comes_from_the_description_and_default():
     parser = make_parser()
     by_flag = {flag: action for action in parser._actions for flag in action.option_strings}
     assert by_flag["--block-size"].help == "tokens per KV block (default: 16)"
-    assert by_flag["--dtype"].choices == ("auto", "float32", "bfloat16", "float16")
+    assert by_flag["--dtype"].choices == ("auto", "int8", "float32", "bfloat16", "float16")
     assert by_flag["--device"].choices == ("auto", "cpu", "cuda")
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tessera.workers.config import FAST, INT8
 from tessera.workers.quant import PackedWeight
 from tessera.workers.quant.int4 import Q8Weight
 from tessera.workers.quant.kernels import kquant_int8_available
@@ -45,7 +46,7 @@ def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
 
 
 def load_hf_state_dict(
-    model: nn.Module, state: dict[str, Weight], bf16_matmuls: bool = False
+    model: nn.Module, state: dict[str, Weight], rounding: str | None = None
 ) -> None:
     """Copy ``state`` (consumed) into ``model``, a ``LlamaModel`` (typed as a module: the
     model's file imports this one); see ``LlamaModel.load_hf_state_dict``."""
@@ -66,14 +67,14 @@ def load_hf_state_dict(
                 )
             model.packed_embedding = embedding
             model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            reduced = bf16_matmuls or model.norm.weight.dtype == torch.bfloat16
+            reduced = rounding == FAST or model.norm.weight.dtype == torch.bfloat16
             exact = not reduced
             if model.lm_head is None and Q8Weight.supports(embedding, exact):
                 model.head_q8 = Q8Weight.from_packed(embedding, exact)
-            # a tied K-quant head, in the fast mode: int8 inputs, as its projections
+            # a tied K-quant head, in the int8 mode: int8 inputs, as its projections
             model.head_int8 = (
                 model.lm_head is None
-                and bf16_matmuls
+                and rounding == INT8
                 and embedding.qtype.is_k
                 and kquant_int8_available()
             )
@@ -82,7 +83,7 @@ def load_hf_state_dict(
         norm = dequantized(take("model.norm.weight"))
         copy_checked(model.norm.weight, norm, "model.norm.weight")
         if model.lm_head is not None:
-            model.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight", bf16_matmuls)
+            model.lm_head.load_weight([take("lm_head.weight")], "lm_head.weight", rounding)
         else:
             state.pop("lm_head.weight", None)
         for i, layer in enumerate(model.layers):
@@ -101,7 +102,7 @@ def load_hf_state_dict(
                 if fused in state
                 else [take(attn + f"{n}_proj.weight") for n in "qkv"]
             )
-            layer.qkv_proj.load_weight(qkv, attn + "qkv", bf16_matmuls)
+            layer.qkv_proj.load_weight(qkv, attn + "qkv", rounding)
             if layer.qkv_proj.bias is not None:
                 fused_bias = attn + "qkv_proj.bias"  # a GGUF file's fused q/k/v biases
                 bias = (
@@ -110,7 +111,7 @@ def load_hf_state_dict(
                     else torch.cat([dequantized(take(attn + f"{n}_proj.bias")) for n in "qkv"])
                 )
                 copy_checked(layer.qkv_proj.bias, bias, attn + "qkv.bias")
-            layer.o_proj.load_weight([take(attn + "o_proj.weight")], attn + "o_proj", bf16_matmuls)
+            layer.o_proj.load_weight([take(attn + "o_proj.weight")], attn + "o_proj", rounding)
             if layer.o_proj.bias is not None:
                 copy_checked(
                     layer.o_proj.bias,
@@ -119,7 +120,7 @@ def load_hf_state_dict(
                 )
             mlp = p + "mlp."
             if layer.moe is not None:
-                _load_moe(layer.moe, take, state, p, bf16_matmuls)
+                _load_moe(layer.moe, take, state, p, rounding)
                 continue
             fused = mlp + "gate_up_proj.weight"  # Phi-3: gate and up as one matrix
             gate_up = (
@@ -127,9 +128,9 @@ def load_hf_state_dict(
                 if fused in state
                 else [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
             )
-            layer.gate_up_proj.load_weight(gate_up, mlp, bf16_matmuls)
+            layer.gate_up_proj.load_weight(gate_up, mlp, rounding)
             layer.down_proj.load_weight(
-                [take(mlp + "down_proj.weight")], mlp + "down_proj", bf16_matmuls
+                [take(mlp + "down_proj.weight")], mlp + "down_proj", rounding
             )
             if layer.gate_up_proj.bias is not None:
                 copy_checked(
@@ -153,14 +154,14 @@ def _load_moe(
     take: Callable[[str], Weight],
     state: dict[str, Weight],
     prefix: str,  # "model.layers.{i}."
-    bf16_matmuls: bool,
+    rounding: str | None,
 ) -> None:
     """A layer's router, experts (in any layout of the module docstring) and shared
     expert into ``moe``, a ``moe.SparseMoE``."""
     mlp = prefix + "mlp."
     mixtral = prefix + "block_sparse_moe."  # the Hub's Mixtral names
     block = mixtral if mixtral + "gate.weight" in state else mlp
-    moe.gate.load_weight([take(block + "gate.weight")], block + "gate", bf16_matmuls)
+    moe.gate.load_weight([take(block + "gate.weight")], block + "gate", rounding)
     experts = block + "experts."
     if experts + "gate_up_proj" in state:  # transformers' fused stacks
         gate, up = dequantized(take(experts + "gate_up_proj")).chunk(2, dim=1)
@@ -178,9 +179,9 @@ def _load_moe(
     if moe.shared_gate_up is not None:
         shared = mlp + "shared_expert."
         gate_up = [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")]
-        moe.shared_gate_up.load_weight(gate_up, shared + "gate_up", bf16_matmuls)
+        moe.shared_gate_up.load_weight(gate_up, shared + "gate_up", rounding)
         down = [take(shared + "down_proj.weight")]
-        moe.shared_down.load_weight(down, shared + "down_proj", bf16_matmuls)
+        moe.shared_down.load_weight(down, shared + "down_proj", rounding)
         # [1, hidden] (a GGUF file may store it as a vector)
         gate = [dequantized(take(mlp + "shared_expert_gate.weight")).reshape(1, -1)]
-        moe.shared_expert_gate.load_weight(gate, mlp + "shared_expert_gate", bf16_matmuls)
+        moe.shared_expert_gate.load_weight(gate, mlp + "shared_expert_gate", rounding)

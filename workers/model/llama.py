@@ -22,6 +22,7 @@ from torch import nn
 
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import paged_attention, write_kv
+from tessera.workers.config import FAST, INT8
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.hf_weights import Weight, copy_checked, dequantized, load_hf_state_dict
 from tessera.workers.model.moe import SparseMoE
@@ -77,12 +78,12 @@ class Linear(nn.Module):
       oneDNN's, ``onednn_gemm``) where it measured faster (``exact_row_limit``: on the
       AVX2 EPYC from 128 rows, a 2,048-row step ~15% faster), so no dense copy is kept;
     - K-quants, in a float32 model, stay packed for ``quant_matmul``'s exact kernel
-      (``csrc/kquant_mm.cpp``), or in the fast mode (``bf16_matmuls``, where the CPU has
-      AVX512-VNNI: ``int8``) its kernel of int8-quantised inputs (``csrc/kquant_q8.cpp``);
+      (``csrc/kquant_mm.cpp``), or in the int8 mode (``rounding == INT8``, where the CPU
+      has AVX512-VNNI: ``int8``) its kernel of int8-quantised inputs (``csrc/kquant_q8.cpp``);
       a bfloat16 model expands them to a dense bf16 ``weight`` at load. Fused parts of
       different types (a Q4_K_M file's Q4_K q and k with a Q6_K v) stay apart in
       ``packed_parts``, multiplied one by one;
-    - a float32 model in the fast mode (``bf16_matmuls``) keeps Q4 weights as the
+    - a float32 model in the fast mode (``rounding == FAST``) keeps Q4 weights as the
       native ``Q4Weight`` where the CPU has AVX512_BF16: its inputs rounded to bf16, the
       file's weights, float32 sums and outputs (every batch size); Q8_0 stays as above;
     - a bfloat16 model (the bfloat16 mode) keeps Q4 weights at 4 bits: where the CPU has
@@ -125,10 +126,11 @@ class Linear(nn.Module):
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
 
-    def load_weight(self, parts: list[Weight], name: str, bf16_matmuls: bool = False) -> None:
+    def load_weight(self, parts: list[Weight], name: str, rounding: str | None = None) -> None:
         """Set the weight from Hugging Face-layout ``[out, in]`` parts stacked by rows
         (q/k/v, gate/up). All packed: kept packed as the class docstring says
-        (``bf16_matmuls``: a float32 model's fast mode); otherwise dense."""
+        (``rounding``: a float32 model's fast or int8 mode, ``FAST`` or ``INT8``); otherwise
+        dense."""
         packed_parts = all(isinstance(part, PackedWeight) for part in parts)
         if packed_parts and len({part.qtype for part in parts}) > 1:
             shape = (sum(part.out_features for part in parts), parts[0].in_features)
@@ -138,7 +140,7 @@ class Linear(nn.Module):
             ):
                 runs = itertools.groupby(parts, key=lambda part: part.qtype)  # q and k fused
                 self.packed_parts = tuple(PackedWeight.cat(list(run)) for _, run in runs)
-                self.int8 = bf16_matmuls and all(p.qtype.is_k for p in self.packed_parts)
+                self.int8 = rounding == INT8 and all(p.qtype.is_k for p in self.packed_parts)
                 self.int8 = self.int8 and kquant_int8_available()
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
@@ -150,7 +152,8 @@ class Linear(nn.Module):
                     f"tensor {name!r}: shape {packed.shape}, expected "
                     f"{(self.out_features, self.in_features)}"
                 )
-            if self.weight.dtype == torch.float32 and bf16_matmuls and Q4Weight.supports(packed):
+            fast = rounding == FAST
+            if self.weight.dtype == torch.float32 and fast and Q4Weight.supports(packed):
                 self.int4, self.int4_rows = Q4Weight.from_packed(packed), ALL_ROWS
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
@@ -161,7 +164,7 @@ class Linear(nn.Module):
                 return
             if self.weight.dtype == torch.float32:
                 self.packed = packed
-                self.int8 = bf16_matmuls and packed.qtype.is_k and kquant_int8_available()
+                self.int8 = rounding == INT8 and packed.qtype.is_k and kquant_int8_available()
                 self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
                 return
             if self.weight.dtype == torch.bfloat16:
@@ -471,11 +474,6 @@ class LlamaModel(nn.Module):
         # Tied: embedding [vocab, hidden] times hidden^T, no transposed copy of the table.
         return torch.mm(self.embed_tokens.weight, hidden.t()).t().float().contiguous()
 
-    def has_fast_matmuls(self) -> bool:
-        """Whether this float32 model is in the fast mode: some projection or its head
-        rounds its inputs (``rounded_inputs``)."""
-        return self.norm.weight.dtype == torch.float32 and bool(self.rounded_inputs())
-
     def uses_bf16_kernels(self) -> bool:
         """Whether a projection or the head multiplies through the native bf16 kernels
         (a ``Q4Weight`` or ``head_q8`` that is not ``exact``: the fast and bfloat16 modes)."""
@@ -493,13 +491,13 @@ class LlamaModel(nn.Module):
             found.add("int8")
         return found
 
-    def load_hf_state_dict(self, state: dict[str, Weight], bf16_matmuls: bool = False) -> None:
+    def load_hf_state_dict(self, state: dict[str, Weight], rounding: str | None = None) -> None:
         """Copy weights named as in Hugging Face checkpoints (``[out, in]``), fusing q/k/v
         and gate/up and transposing for ``Linear``. GGUF-quantised matrices
         (``PackedWeight``) stay packed: the linear layers and the embedding take them as
-        they are (the loader decides). ``bf16_matmuls``: a float32 model's fast mode
-        (see ``Linear``)."""
-        load_hf_state_dict(self, state, bf16_matmuls)
+        they are (the loader decides). ``rounding``: a float32 model's fast or int8 mode
+        (``FAST``, ``INT8``: see ``Linear``)."""
+        load_hf_state_dict(self, state, rounding)
 
 
 _UNBUILT = object()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tessera.workers.config import AUTO_DTYPE, FAST, PACKED_DTYPES, PRECISION_TEXT
+from tessera.workers.config import AUTO_DTYPE, FAST, INT8, PACKED_DTYPES, PRECISION_TEXT
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.hugepages import move_to_huge_pages, trim_heap
 from tessera.workers.model.config import FAST_MODE_FAMILIES, NORM_PLUS_ONE, ModelConfig
@@ -70,7 +70,7 @@ class LoadedModel:
         """Its KV cache's dtype: the model's, but float16 in the fast mode (half the
         memory and bandwidth of float32; rounding K/V to float16 moved none of the quality
         contract's 688 next-token choices where bfloat16 moved 6)."""
-        return torch.float16 if self.precision == FAST else self.dtype
+        return torch.float16 if self.precision in (FAST, INT8) else self.dtype
 
 
 def fast_mode_available(device: str | torch.device = "cpu") -> bool:
@@ -82,10 +82,10 @@ def fast_mode_available(device: str | torch.device = "cpu") -> bool:
     return kernels is not None and kernels.q4_bf16_available()
 
 
-def kquant_fast_mode_available(device: str | torch.device = "cpu") -> bool:
-    """Whether ``dtype="auto"`` can pick the fast mode for a GGUF's K-quant matrices
-    (Q4_K/Q5_K/Q6_K) here: the CPU, and this extension built with the AVX512-VNNI loop of
-    their int8 kernel (``kquant_int8_available``)."""
+def int8_mode_available(device: str | torch.device = "cpu") -> bool:
+    """Whether ``dtype="int8"`` can multiply a GGUF's K-quant matrices (Q4_K/Q5_K/Q6_K)
+    with int8 inputs here: the CPU, and this extension built with the AVX512-VNNI loop of
+    their int8 kernel (``kquant_int8_available``); elsewhere that mode is the exact one."""
     return torch.device(device).type == "cpu" and kquant_int8_available()
 
 
@@ -190,15 +190,23 @@ def load_model(
     ``fast_mode_available``, the family met the fast mode's contract
     (``FAST_MODE_FAMILIES``) and the file has packed Q4 matrices or a tied Q8_0 head: a
     float32 model whose Q4 matrices and head multiply bf16-rounded inputs through the
-    AVX512_BF16 kernels; likewise where ``kquant_fast_mode_available`` and the file has
-    K-quant matrices, which (and a tied K-quant head) multiply inputs quantised to int8
-    per 256 (``quant_matmul(..., int8=True)``); else float32."""
-    if dtype not in (AUTO_DTYPE, *DTYPES):
-        raise ValueError(f"dtype: must be one of {sorted((AUTO_DTYPE, *DTYPES))}, got {dtype!r}")
+    AVX512_BF16 kernels; else float32 (a file of K-quants: the fast mode's contract was
+    not met with either bf16 or int8 inputs, so ``auto`` is exact for them).
+
+    ``dtype="int8"``: where ``int8_mode_available``, a float32 model whose K-quant
+    matrices (and a tied K-quant head) multiply inputs quantised to int8 per 256
+    (``quant_matmul(..., int8=True)``), with an fp16 KV cache; its other matrices are as
+    in the exact mode. Its quality contract is its own (``tests/engine/test_int8_mode.py``)."""
+    if dtype not in (AUTO_DTYPE, INT8, *DTYPES):
+        choices = sorted((AUTO_DTYPE, INT8, *DTYPES))
+        raise ValueError(f"dtype: must be one of {choices}, got {dtype!r}")
     resolved = resolve_model_path(path, revision)
     device = torch.device(device)
-    auto = dtype == AUTO_DTYPE and packed_weights
-    if dtype == AUTO_DTYPE:
+    fast = dtype == AUTO_DTYPE and packed_weights and fast_mode_available(device)
+    int8 = dtype == INT8 and packed_weights and int8_mode_available(device)
+    if dtype == INT8 and not int8:
+        logger.info("int8: no int8 K-quant kernel here (AVX512-VNNI): the exact mode runs")
+    if dtype in (AUTO_DTYPE, INT8):
         dtype = "float32"
     packed = packed_weights and dtype in PACKED_DTYPES.get(device.type, ())
     if resolved.suffix == ".gguf":
@@ -206,10 +214,6 @@ def load_model(
         state = {k: v.to(device) if isinstance(v, PackedWeight) else v for k, v in state.items()}
     else:
         config, state = _read_hf_dir(resolved)
-    kquants = any(isinstance(v, PackedWeight) and v.qtype.is_k for v in state.values())
-    fast = auto and (
-        fast_mode_available(device) or (kquants and kquant_fast_mode_available(device))
-    )
     if fast and config.architecture not in FAST_MODE_FAMILIES:
         logger.info("auto: %s is exact here (no fast mode measured for it)", config.architecture)
         fast = False
@@ -219,8 +223,9 @@ def load_model(
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     model = LlamaModel(config, DTYPES[dtype], device)
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
-    model.load_hf_state_dict(state, bf16_matmuls=fast)
-    precision = FAST if model.has_fast_matmuls() else dtype
+    model.load_hf_state_dict(state, FAST if fast else INT8 if int8 else None)
+    rounded = model.rounded_inputs()
+    precision = FAST if "bf16" in rounded and fast else INT8 if "int8" in rounded else dtype
     kernels = bf16_kernel_path() if model.uses_bf16_kernels() else ""
     del state
     # the weights a step streams, on 2 MiB pages (tessera.workers.hugepages)

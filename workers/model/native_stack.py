@@ -21,6 +21,7 @@ from tessera.workers.quant.kernels import native_kernels
 
 #: ``Linear`` kinds of the native decode stack (``csrc/decode_stack.h``).
 NATIVE_DENSE, NATIVE_GGUF, NATIVE_INT4, NATIVE_Q4, NATIVE_Q4_EXACT, NATIVE_K_QUANT = range(6)
+NATIVE_K_QUANT_INT8 = 7  # (6 is a projection of parts, make_parts)
 #: Model dtypes the native decode stack has kernels for.
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,10 +31,10 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
     tensors)."""
     weight, packed, int4, bias = linear.weight, linear.packed, linear.int4, linear.bias
     if linear.packed_parts:  # row groups of different types, one product each
-        parts = [_packed(part, None, kernels) for part in linear.packed_parts]
+        parts = [_packed(part, None, linear.int8, kernels) for part in linear.packed_parts]
         return kernels.make_parts(parts, bias)
     if packed is not None:
-        return _packed(packed, bias, kernels)
+        return _packed(packed, bias, linear.int8, kernels)
     if isinstance(int4, Q4Weight):
         kind = NATIVE_Q4_EXACT if int4.exact else NATIVE_Q4
         return kernels.make_linear(
@@ -48,9 +49,11 @@ def native_linear(linear: nn.Module, kernels: ModuleType) -> Any:
     return kernels.make_linear(NATIVE_DENSE, weight, None, None, None, 0, None, None, 0, bias)
 
 
-def _packed(packed: PackedWeight, bias: torch.Tensor | None, kernels: ModuleType) -> Any:
-    if packed.qtype.is_k:  # the file's super-blocks, for kquant_mm
-        kind, scales = NATIVE_K_QUANT, None
+def _packed(
+    packed: PackedWeight, bias: torch.Tensor | None, int8: bool, kernels: ModuleType
+) -> Any:
+    if packed.qtype.is_k:  # the file's super-blocks, for kquant_mm (or kquant_q8_mm)
+        kind, scales = NATIVE_K_QUANT_INT8 if int8 else NATIVE_K_QUANT, None
     else:
         kind, scales = NATIVE_GGUF, packed.scales
     return kernels.make_linear(

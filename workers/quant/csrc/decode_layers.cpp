@@ -87,6 +87,7 @@ torch::Tensor dense_f32_mm(const torch::Tensor& x, const torch::Tensor& w,
                            const c10::optional<torch::Tensor>& bias);
 torch::Tensor kquant_mm(const torch::Tensor& x, const torch::Tensor& raw, int64_t qtype,
                         int64_t register_rows);
+torch::Tensor kquant_q8_mm(const torch::Tensor& x, const torch::Tensor& raw, int64_t qtype);
 
 namespace {
 
@@ -232,10 +233,10 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
   Linear linear;
   linear.kind = kind;
   TORCH_CHECK(kind == kDense || kind == kGguf || kind == kInt4 || kind == kQ4 ||
-                  kind == kQ4Exact || kind == kKQuant,
+                  kind == kQ4Exact || kind == kKQuant || kind == kKQuantInt8,
               "make_linear: kind ", kind);
   if (weight) linear.weight = *weight;
-  if (kind == kKQuant) {
+  if (kind == kKQuant || kind == kKQuantInt8) {
     TORCH_CHECK(qs && qs->scalar_type() == torch::kUInt8 && qs->dim() == 2,
                 "make_linear: a K-quant weight needs its super-blocks, uint8 [out, bytes]");
     linear.qs = *qs;
@@ -259,7 +260,8 @@ Linear make_linear(int64_t kind, const c10::optional<torch::Tensor>& weight,
     linear.mins = mins;
     linear.qtype = qtype;
   }
-  TORCH_CHECK(kind == kGguf || kind == kQ4Exact || kind == kKQuant || weight || int4_rows > 0,
+  TORCH_CHECK(kind == kGguf || kind == kQ4Exact || kind == kKQuant || kind == kKQuantInt8 ||
+                  weight || int4_rows > 0,
               "make_linear: no dense weight");
   linear.bias = bias;
   return linear;

@@ -17,6 +17,8 @@ constexpr int64_t kQ4Exact = 4;  // that layout in float32 (q4_f32_mm) up to int
 constexpr int64_t kKQuant = 5;   // packed K-quant super-blocks (qs: the file's bytes),
                                  // float32 activations (kquant_mm)
 constexpr int64_t kParts = 6;    // row groups of other kinds (parts), outputs side by side
+constexpr int64_t kKQuantInt8 = 7;  // those super-blocks times x quantised to int8 per 256
+                                    // (kquant_q8_mm: the int8 mode)
 
 // One projection, as workers/model/llama.py's Linear holds it.
 struct Linear {
@@ -37,8 +39,8 @@ struct Linear {
       auto y = at::cat(ys, 1);
       return bias ? y.add_(*bias) : y;
     }
-    if (kind == kKQuant) {
-      auto y = kquant_mm(x, qs, qtype, -1);
+    if (kind == kKQuant || kind == kKQuantInt8) {
+      auto y = kind == kKQuant ? kquant_mm(x, qs, qtype, -1) : kquant_q8_mm(x, qs, qtype);
       return bias ? y.add_(*bias) : y;
     }
     if (kind == kGguf) {
