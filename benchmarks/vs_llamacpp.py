@@ -110,24 +110,32 @@ RSS_TARGET = 1.25
 LLAMA_BENCH = "llama-bench"
 
 # Loads one mode in a fresh process, runs one request, and prints its peak resident
-# memory (``ru_maxrss``), the same before the load, and the KV pool's bytes, as JSON.
+# memory (the kernel's VmHWM of this process image: ru_maxrss keeps the parent's across
+# fork and exec), the same before the load, and the KV pool's bytes, as JSON.
 MEMORY_CHILD = r"""
-import json, resource, sys
+import json, sys
 import torch
 from tessera.workers.api import SamplingParams
 from tessera.workers.config import EngineConfig
 from tessera.workers.engine.engine import Engine
 
+
+def peak_bytes():
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 job = json.loads(sys.argv[1])
 torch.set_num_threads(job["threads"])
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = peak_bytes()
 engine = Engine(EngineConfig(model=job["model"], num_kv_blocks=job["kv_blocks"], **job["settings"]))
 engine.add_request("m", job["prompt"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 while engine.has_work():
     engine.step()
 kv = engine.runner.kv_cache
 print(json.dumps({
-    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "peak_rss_bytes": peak_bytes(),
     "before_load_bytes": before,
     "kv_pool_bytes": kv.numel() * kv.element_size(),
 }))

@@ -140,6 +140,24 @@ def test_native_matmul_odd_shapes(native, qtype, rows, shape):
 
 
 @pytest.mark.parametrize("qtype", K_TYPES)
+def test_many_rows_take_the_dense_chunks_gemm_on_ggufs_values(native, qtype, monkeypatch):
+    """From ``K_DENSE_ROWS`` rows (a prompt's step) the weight is dequantised a chunk of
+    rows at a time into torch's GEMM: the same product within float32 sum order."""
+    monkeypatch.setattr(kernels, "K_DENSE_CHUNK_ROWS", 40)  # several chunks and a tail
+    packed, dense = random_k(qtype, SHAPES[0], seed=3)
+    x = torch.randn(kernels.K_DENSE_ROWS + 3, packed.in_features)
+    chunks = []
+    real = native.kquant_rows
+    monkeypatch.setattr(
+        native, "kquant_rows", lambda ids, *a: chunks.append(len(ids)) or real(ids, *a)
+    )
+    assert_product(quant_matmul(x, packed, backend="native"), x, dense)
+    assert chunks == [40] * (packed.out_features // 40) + [packed.out_features % 40] * bool(
+        packed.out_features % 40
+    )
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
 @pytest.mark.parametrize("rows", (1, 3, 5, 8))
 def test_native_buffered_loop_at_register_row_counts(native, qtype, rows):
     """Both loops at the row counts where either may run: the same products."""
