@@ -75,6 +75,15 @@ def _vs_llamacpp(d: dict[str, Any]) -> str:
     return f"decode {decode}; prompt eval {prompt}"
 
 
+def _long_context(d: dict[str, Any]) -> str:
+    rows = d["rows"]
+    lengths = " / ".join(str(r["prompt_tokens"]) for r in rows)
+    ours = " / ".join(f"{r['prompt_tok_s']:.0f}" for r in rows)
+    theirs = " / ".join(f"{r['reference_prompt_tok_s']:.0f}" for r in rows)
+    greedy = ", ".join(r["greedy"] for r in rows)
+    return f"greedy {greedy} at {lengths} tokens; prompt tok/s {ours} (the peer's {theirs})"
+
+
 def _step_overhead(d: dict[str, Any]) -> str:
     steps = ", ".join(
         f"{r['host_ms']:.2f} of {r['step_ms']:.2f} ms at {r['running']}" for r in d["rows"]
@@ -127,6 +136,7 @@ def _parallel_tokens(d: dict[str, Any]) -> str:
 HEADLINES: dict[str, Callable[[dict[str, Any]], str]] = {
     "serve_load": _serve_load,
     "vs_llamacpp": _vs_llamacpp,
+    "long_context": _long_context,
     "step_overhead": _step_overhead,
     "soak": _soak,
     "disaggregation": _disaggregation,

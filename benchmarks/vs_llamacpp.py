@@ -562,8 +562,12 @@ def main() -> None:
         NAME if builtin else f"{NAME}_{model.stem}",
         rows,
         {
-            "peer": f"llama.cpp via llama-cpp-python {peer.info['version']}, same GGUF, "
-            f"{args.threads} threads",
+            "peer": (
+                f"llama.cpp's llama-bench (build {samples[baseline][0]['build']}) and "
+                if args.llama_bench
+                else "llama.cpp "
+            )
+            + f"via llama-cpp-python {peer.info['version']}, same GGUF, {args.threads} threads",
             "model": str(model),
             "prompt_tokens": len(prompt),
             "new_tokens": new,
