@@ -6,6 +6,8 @@ import datetime
 import json
 import platform
 import random
+import shlex
+import sys
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -137,6 +139,15 @@ def mixed_workload(
     return out
 
 
+def command_line() -> str:
+    """How this benchmark was run: ``python``, the script from the repository's root, and
+    its arguments (a benchmark's own ``command`` in ``meta`` wins)."""
+    script = Path(sys.argv[0]).resolve()
+    root = Path(__file__).resolve().parents[1]
+    where = script.relative_to(root) if script.is_relative_to(root) else script
+    return shlex.join(["python", str(where), *sys.argv[1:]])
+
+
 def report(
     name: str, rows: list[dict[str, Any]], meta: dict[str, Any], plot: Callable[[Any], None]
 ) -> Path:
@@ -154,6 +165,7 @@ def report(
                 "benchmark": name,
                 "date": datetime.date.today().isoformat(),
                 "machine": machine(),
+                "command": command_line(),
                 **meta,
                 "rows": rows,
             },
