@@ -142,10 +142,9 @@ def move_to_huge_pages(root: object) -> int:
                 )
             old_storages.append(StorageWeakRef(old))
             at += -(-nbytes // _ALIGN) * _ALIGN
+            old = None  # its last reference here
             if at // _TRIM_EVERY > (at - nbytes) // _TRIM_EVERY:
-                del old
                 trim_heap()  # what the moved storages freed: else the old copies stay held
-    del old
     held = sum(not ref.expired() for ref in old_storages)
     if held:
         logger.warning(

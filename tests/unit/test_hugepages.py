@@ -119,6 +119,25 @@ def test_moving_keeps_values_views_and_identity():
 
 
 @needs_thp
+def test_the_heap_is_trimmed_while_moving_up_to_the_last_storage(monkeypatch):
+    """Every storage crosses a trim boundary (``_TRIM_EVERY`` of a few KiB): the heap is
+    trimmed after each, the last included, and every value arrives."""
+    from tessera.workers import hugepages
+
+    trims = []
+    monkeypatch.setattr(hugepages, "_TRIM_EVERY", 4096)
+    monkeypatch.setattr(hugepages, "trim_heap", lambda: trims.append(1))
+    model = torch.nn.Module()
+    tensors = [torch.randn(2048) for _ in range(3)]  # 8 KiB each
+    for i, tensor in enumerate(tensors):
+        model.register_buffer(f"t{i}", tensor.clone())
+    assert move_to_huge_pages(model) == 3 * 8192
+    assert len(trims) == 3
+    for i, tensor in enumerate(tensors):
+        assert torch.equal(getattr(model, f"t{i}"), tensor)
+
+
+@needs_thp
 def test_a_storage_held_elsewhere_is_moved_and_logged(caplog):
     model = torch.nn.Module()
     model.register_buffer("table", torch.randn(64, 64))

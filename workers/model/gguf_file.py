@@ -128,9 +128,12 @@ class GGUFFile:
         its bytes were copied out (they stay in the system's page cache): a load then
         holds the file's bytes once, not as the map and the copies both. Reading the
         view again reads the file again."""
+        mapped = getattr(self._map, "_mmap", None)  # numpy's mmap.mmap under the memmap
+        if mapped is None or not hasattr(mapped, "madvise"):
+            return  # (another numpy, or no madvise here: the pages stay until the map goes)
         start = tensor.data.ctypes.data - self._map.ctypes.data
         first = start // mmap.PAGESIZE * mmap.PAGESIZE  # (a neighbour's page: read again)
-        self._map._mmap.madvise(mmap.MADV_DONTNEED, first, start + tensor.data.nbytes - first)
+        mapped.madvise(mmap.MADV_DONTNEED, first, start + tensor.data.nbytes - first)
 
     def _tensor(
         self, name: str, dims: tuple[int, ...], qtype: GGMLQuantizationType, offset: int
