@@ -35,6 +35,8 @@ FAST = "fast"
 #: The ``dtype`` (and ``LoadedModel.precision``) of the int8 mode: a float32 model whose
 #: GGUF K-quant matmuls take inputs quantised to int8, with its own quality contract.
 INT8 = "int8"
+#: Every ``dtype`` a user may ask for: the modes, then the dtypes.
+DTYPE_CHOICES = (AUTO_DTYPE, INT8, *DTYPES)
 #: Each precision a model computes in, in words (logs and ready lines).
 PRECISION_TEXT = {
     FAST: "float32, fast mode: bf16 inputs to the GGUF matmuls, fp16 KV cache",
@@ -105,7 +107,7 @@ class EngineConfig:
         "int8 multiplies a GGUF's K-quant matrices (Q4_K/Q5_K/Q6_K) with inputs quantised "
         "to int8, as llama.cpp does, on a CPU with AVX512-VNNI (its own, looser quality "
         "contract; an fp16 KV cache); bfloat16 also keeps activations and the KV cache in bf16",
-        choices=(AUTO_DTYPE, INT8, *DTYPES),
+        choices=DTYPE_CHOICES,
         cli_default=AUTO_DTYPE,
     )
     device: str = _setting("cpu", "cpu or cuda[:N]")
@@ -200,10 +202,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dtype not in (AUTO_DTYPE, INT8, *DTYPES):
-            raise ValueError(
-                f"dtype: must be one of {sorted((AUTO_DTYPE, INT8, *DTYPES))}, got {self.dtype!r}"
-            )
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "stream_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tessera.workers.config import AUTO_DTYPE, FAST, INT8, PACKED_DTYPES, PRECISION_TEXT
+from tessera.workers.config import (
+    AUTO_DTYPE,
+    DTYPE_CHOICES,
+    FAST,
+    INT8,
+    PACKED_DTYPES,
+    PRECISION_TEXT,
+)
 from tessera.workers.config import DTYPES as DTYPE_NAMES
 from tessera.workers.hugepages import move_to_huge_pages, trim_heap
 from tessera.workers.model.config import FAST_MODE_FAMILIES, NORM_PLUS_ONE, ModelConfig
@@ -197,15 +204,15 @@ def load_model(
     matrices (and a tied K-quant head) multiply inputs quantised to int8 per 256
     (``quant_matmul(..., int8=True)``), with an fp16 KV cache; its other matrices are as
     in the exact mode. Its quality contract is its own (``tests/engine/test_int8_mode.py``)."""
-    if dtype not in (AUTO_DTYPE, INT8, *DTYPES):
-        choices = sorted((AUTO_DTYPE, INT8, *DTYPES))
-        raise ValueError(f"dtype: must be one of {choices}, got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype: must be one of {sorted(DTYPE_CHOICES)}, got {dtype!r}")
     resolved = resolve_model_path(path, revision)
     device = torch.device(device)
     fast = dtype == AUTO_DTYPE and packed_weights and fast_mode_available(device)
     int8 = dtype == INT8 and packed_weights and int8_mode_available(device)
     if dtype == INT8 and not int8:
-        logger.info("int8: no int8 K-quant kernel here (AVX512-VNNI): the exact mode runs")
+        why = "packed weights are off" if not packed_weights else "no AVX512-VNNI kernel here"
+        logger.info("int8: %s, so the exact mode runs", why)
     if dtype in (AUTO_DTYPE, INT8):
         dtype = "float32"
     packed = packed_weights and dtype in PACKED_DTYPES.get(device.type, ())

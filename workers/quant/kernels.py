@@ -80,6 +80,7 @@ HEADERS = tuple(
         "decode_stack.h",
         "decode_swiglu.h",
         "decode_values.h",
+        "outer16.h",
         "pieces.h",
         "rows.h",
         "side_prefetch.h",
