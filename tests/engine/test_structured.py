@@ -241,3 +241,35 @@ async def test_the_async_engine_builds_a_grammars_matcher_beside_the_step_loop(m
         await front.close()
     assert tokens_of(outputs) == expected
     assert len(threads) == 1 and not threads[0].startswith("tessera-engine"), threads
+
+
+def test_prepare_wraps_the_tokenizer_once_and_logs_one_llguidance_cannot_read(
+    make_engine, monkeypatch, caplog
+):
+    """A serving worker wraps its tokenizer at start (``prepare``: ~0.3 s, most of it
+    holding the GIL, that the steps beside a first structured request would otherwise
+    wait): the wrapped tokenizer is kept, and one llguidance cannot read is logged at
+    start and refused per request, with the same message."""
+    import llguidance.hf
+
+    grammars = make_engine().grammars
+    grammars.prepare()
+    wrapped = grammars.tokenizer
+    grammars.prepare()
+    assert grammars.tokenizer is wrapped
+
+    class Unreadable:
+        def decode_bytes(self, ids):
+            return b"?"
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *args, **kwargs: Unreadable())
+    unreadable = make_engine().grammars
+    with caplog.at_level("WARNING", logger="tessera.workers.decoding.structured"):
+        unreadable.prepare()
+    message = (
+        "structured outputs are unavailable on this server: llguidance cannot read its "
+        "tokenizer's bytes (transformers >= 5.24 converts it right)"
+    )
+    assert [record.getMessage() for record in caplog.records] == [message]
+    with pytest.raises(InvalidRequestError, match="llguidance cannot read"):
+        unreadable.tokenizer  # noqa: B018

@@ -7,8 +7,9 @@ matcher back by any number of tokens, and computes SmolLM2's 49,152-token mask i
 20 us per step on this project's 2-core CPU (measured: median over a JSON object's 24
 tokens; the first mask of a grammar, which builds its lexer, ~2 ms).
 
-A ``Grammars`` object per engine wraps the tokenizer once (~0.3 s, on the first
-structured request) and compiles each (kind, spec) once (cached, and so is a refusal:
+A ``Grammars`` object per engine wraps the tokenizer once (~0.3 s, most of it holding
+the GIL: a serving worker does it at start, ``prepare``; an engine in a script on its
+first structured request) and compiles each (kind, spec) once (cached, and so is a refusal:
 the same bad grammar sent again is refused from the cache, not compiled again; a large
 one can take seconds). The front ends bound a grammar's size before they compile it,
 and compile it off their event loop. Each sequence owns
@@ -163,6 +164,15 @@ class Grammars:
     def tokenizer(self):
         with self._wrapping:
             return self._wrapped()
+
+    def prepare(self) -> None:
+        """Wrap the tokenizer now: ~0.3 s, most of it holding the GIL, which a serving
+        worker pays at start rather than in the steps beside its first structured
+        request. A tokenizer llguidance cannot read stays refused per request."""
+        try:
+            self.tokenizer  # noqa: B018 - built and kept
+        except InvalidRequestError as error:
+            logger.warning("%s", error.message)
 
     def _wrapped(self):
         if self._tokenizer is None:

@@ -87,6 +87,7 @@ class WorkerActor(DeltaChannels):
         # built on the engine's own thread, where its steps run (see async_engine)
         self.engine = AsyncEngine.build(lambda: Engine(engine_config))
         self.engine.engine.kv.pool.record_events()
+        self.engine.engine.grammars.prepare()
         self._live: set[str] = set()  # ids of the requests streaming from here
         self._channels: dict[str, Outbox] = {}  # open channels by the caller's id
         self._socket: asyncio.Future[ChannelSocket | None] | None = None  # channel_socket
