@@ -14,9 +14,11 @@ stream, 16 / 64 = a batch or a prefill chunk):
   fp32 activations and accumulation, weights dequantised exactly inside the kernel.
 * ``tiled_fp32``, where the CPU has AVX-512 or AVX2: the exact mode's kernels as the
   model holds them (``Q4Weight`` / ``Q8Weight`` with ``exact=True``, ``csrc/tiled_f32.cpp``:
-  the same numbers as ``packed_fp32``, one output a vector lane). Above 8 rows its loop
-  takes tiles in pairs or one at a time as the engine's load-time probe chose for this CPU
-  (``int4.tile_pairs``; the same bits either way); ``--tile-pairs on`` / ``off`` forces one.
+  the same numbers as ``packed_fp32``, one output a vector lane). Above 12 rows (3 under
+  AVX2) its loop is the one the engine's load-time probe chose for this CPU
+  (``int4.tiled_loop``: each tile dequantised in registers for every 12 rows, or into a
+  buffer, one tile or a pair at a time; the same bits every way); ``--tiled-loop
+  registers`` / ``buffered`` / ``pairs`` forces one.
 * ``int4_bf16`` (reference): torch's ``_weight_int4pack_mm_for_cpu`` (bf16 activations,
   int4 weights with group 32 bf16 scales/zeros; the same shapes, random weights). Not
   the same arithmetic: a floor for what a 4-bit kernel costs here.
@@ -34,7 +36,7 @@ how far it is from the machine's limit.
 
     python benchmarks/quant_matmul.py --repeat 20
     python benchmarks/quant_matmul.py --rows 1 16 64 256 2048   # prompt-sized row counts too
-    python benchmarks/quant_matmul.py --rows 16 64 256 --tile-pairs off   # the other loop
+    python benchmarks/quant_matmul.py --rows 16 64 256 --tiled-loop pairs   # another loop
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from benchmarks.cpu_peak import peak_gmacs  # noqa: E402
 from tessera.workers.model.gguf_file import GGUFFile  # noqa: E402
 from tessera.workers.model.loader import builtin_model_path  # noqa: E402
 from tessera.workers.quant import PackedWeight, QuantType, quant_matmul  # noqa: E402
-from tessera.workers.quant.int4 import Q4Weight, Q8Weight, tile_pairs  # noqa: E402
+from tessera.workers.quant.int4 import TILED_LOOPS, Q4Weight, Q8Weight, tiled_loop  # noqa: E402
 from tessera.workers.quant.kernels import _cpu_flags, native_kernels  # noqa: E402
 
 ROWS = (1, 16, 64)
@@ -116,11 +118,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument(
-        "--tile-pairs",
-        choices=("auto", "on", "off"),
+        "--tiled-loop",
+        choices=("auto", *TILED_LOOPS),
         default="auto",
-        help="tiled_fp32's loop above 8 rows: as the engine's probe chooses (auto), tiles in "
-        "pairs (on; AVX-512 builds) or one at a time (off)",
+        help="tiled_fp32's loop above 12 rows (3 under AVX2): as the engine's probe chooses "
+        "(auto), each tile dequantised in registers for every 12 rows, into a buffer, or two "
+        "tiles at a time into one (pairs; AVX-512 builds)",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -130,10 +133,9 @@ def main() -> None:
     if native is not None and native.q4_bf16_available():
         fast_paths = {m: amx for m, amx in FAST_PATHS.items() if native.amx_available() or not amx}
     tiled_path = native is not None and native.tiled_f32_available()
-    pairs = False
+    loop = None
     if tiled_path:
-        pairs = tile_pairs() if args.tile_pairs == "auto" else args.tile_pairs == "on"
-        pairs = native.use_tile_pairs(pairs)
+        loop = tiled_loop() if args.tiled_loop == "auto" else native.use_tiled_loop(args.tiled_loop)
     methods = (*METHODS, *(("tiled_fp32",) if tiled_path else ()), *fast_paths)
     weights = step_weights()
     tiled = [
@@ -233,7 +235,7 @@ def main() -> None:
             "native_kernel": native is not None,
             "avx512": bool(native is not None and native.avx512),
             "tiled_fp32": tiled_path,
-            "tile_pairs": pairs,
+            "tiled_loop": loop,
             "cpu_flags": _cpu_flags(),
             "peak_gmacs": peaks,  # on machine()'s threads
             "repeat": args.repeat,

@@ -609,12 +609,12 @@ def check_head_argmax(native, exact: bool) -> None:
     (also one in the last range), a row of -inf; ``taken_argmax`` of the logits gives it
     once, and only for them. ``Q8Weight.argmax`` (the kernel's argmax without the logits
     written; with a NaN it writes them and reads that row again) gives the same indices,
-    for the exact head through both of its buffered loops (one tile at a time, pairs)."""
+    for the exact head through each of its loops above 12 rows (``int4.TILED_LOOPS``)."""
     assert torch.get_num_threads() >= 2  # so that the 7 tiles split into ranges
     name = "q8_f32_mm" if exact else "q8_bf16_mm"
     plain, with_argmax = getattr(native, name), getattr(native, f"{name}_argmax")
     only = getattr(native, name.replace("_mm", "_argmax"))
-    pair_loops = (False, True) if exact and native.use_tile_pairs(True) else (None,)
+    loops = int4.TILED_LOOPS if exact else (None,)
     packed, _ = random_packed(QuantType.Q8_0, Q4_ODD)
     qs, scales = packed.qs.clone(), packed.scales.abs()  # every d > 0
     # outputs 17, 50 and 100 (tiles 1, 3 and 6) the same, and the largest for positive x
@@ -647,14 +647,15 @@ def check_head_argmax(native, exact: bool) -> None:
         weight.matmul(x)
         assert kernels.taken_argmax(logits) is None  # another tensor's
         try:
-            for pairs in pair_loops:
-                if pairs is not None:
-                    native.use_tile_pairs(pairs)
-                assert torch.equal(weight.argmax(x), ids), (rows, pairs)
+            for loop in loops:
+                if loop is not None:
+                    native.use_tiled_loop(loop)
+                assert torch.equal(weight.argmax(x), ids), (rows, loop)
                 if rows > 4:  # no NaN: the logits are never written
-                    assert torch.equal(weight.argmax(x[5:]), ids[5:]), (rows, pairs)
+                    assert torch.equal(weight.argmax(x[5:]), ids[5:]), (rows, loop)
         finally:
-            native.use_tile_pairs(int4.tile_pairs())
+            if exact:
+                native.use_tiled_loop(int4.tiled_loop())
     assert with_argmax(x[:0], weight.qs, weight.d)[1].shape == (0,)
     assert only(x[:0], weight.qs, weight.d).shape == (0,)
     with pytest.raises(RuntimeError, match=rf"{name}_argmax: x must be a float32 \[T, K\]"):
@@ -748,11 +749,11 @@ def test_the_int8_screen_gives_the_heads_own_argmax(native, exact):
         native.q8_screen_argmax(x.double(), weight.qs, weight.d, weight.screen, exact)
 
 
-#: csrc/tiled_f32.cpp holds kRowsF32 rows at once, 8 (AVX-512) or 3 (AVX2): 2-4 rows take
-#: its direct loop on one and 4 its buffered one on the other; 9 rows the buffered loop
-#: (AVX-512: pairs of tiles, 6 rows and a 3-row remainder, and the odd last tile alone, 8
-#: rows and a 1-row remainder); 600 rows two passes (584 or 585 rows of 224 inputs a pass)
-F32_ROWS = (*ROWS, 2, 3, 4, 9, 600)
+#: csrc/tiled_f32.cpp holds kRowsF32 rows at once, 12 (AVX-512) or 3 (AVX2): 2-4 rows take
+#: one micro-kernel on one and 4 the loop ``tiled_loop`` chose on the other; 13 rows that
+#: loop under AVX-512 (12 rows and a 1-row remainder; in pairs of tiles, 6 + 6 + 1 and the
+#: odd last tile alone); 600 rows two passes of 300 (a pass holds at most ~512 KB of x)
+F32_ROWS = (*ROWS, 2, 3, 4, 9, 13, 600)
 
 
 def check_f32_rows_product(weight, dense: torch.Tensor, rows: int):
@@ -874,31 +875,34 @@ def test_tiled_f32_results_do_not_depend_on_how_the_threads_split_the_tiles(
     assert ids1.tolist() == ids2.tolist() == logits1.argmax(dim=1).tolist()
 
 
-def check_probe_choice(monkeypatch, probe, use, in_use, timings: list[float], chosen: bool):
-    """A load-time probe of ``int4`` (``onednn_gemm``, ``tile_pairs``: each times two ways
+def check_probe_choice(monkeypatch, probe, use, in_use, timings: list[float], chosen, other):
+    """A load-time probe of ``int4`` (``onednn_gemm``, ``tiled_loop``: each times the ways
     of one product through ``_best_times`` and sets the native switch ``use`` to the
-    faster), given ``timings`` in the order it takes them: it returns ``chosen``, the
-    switch (read by ``in_use``) says so, whatever it said before; then the probe is run
-    again for real, so the process keeps this CPU's choice."""
+    fastest), given ``timings`` in the order it takes them: it returns ``chosen``, the
+    switch (read by ``in_use``) says so, whatever it said before (``other``); then the
+    probe is run again for real, so the process keeps this CPU's choice."""
     times = iter(timings)
     monkeypatch.setattr(int4, "_best_times", lambda *fns, repeats=5: [next(times) for _ in fns])
     probe.cache_clear()
     try:
-        use(not chosen)
-        assert probe() is chosen
-        assert in_use() is chosen
+        use(other)
+        assert probe() == chosen
+        assert in_use() == chosen
     finally:
         probe.cache_clear()
         monkeypatch.undo()
         use(probe())
 
 
-@pytest.mark.parametrize("rows", [9, 16, 64, 600])
-def test_tiles_in_pairs_give_the_same_bits_as_one_tile_at_a_time(native, rows):
-    """csrc/tiled_f32.cpp's buffered loop (more than 8 rows) takes tiles in pairs or one at
-    a time, as ``tile_pairs`` timed on this CPU: every output of a Q4_1 and a Q8_0 matrix
-    of an odd tile count (7 tiles: three pairs and a tile alone), and the head's argmax,
-    bit for bit either way."""
+@pytest.mark.parametrize("rows", [13, 24, 64, 600])
+def test_every_tiled_loop_gives_the_same_bits(native, rows):
+    """csrc/tiled_f32.cpp takes more than 12 rows (3 under AVX2) by whichever loop
+    ``tiled_loop`` timed fastest on this CPU (each tile dequantised in registers for every
+    micro-kernel's rows, into a buffer
+    one tile at a time, or two at a time): every output of a Q4_1 and a Q8_0 matrix of an
+    odd tile count (7 tiles: three pairs and a tile alone), and the head's argmax, bit for
+    bit every way, and each row as it is alone (a row's sums never depend on the rows
+    beside it)."""
     if not native.tiled_f32_available():
         pytest.skip("no AVX-512 or AVX2 on this CPU: the exact mode keeps gguf_mm's layout")
     q4 = Q4Weight.from_packed(random_packed(QuantType.Q4_1, Q4_ODD, seed=rows)[0], exact=True)
@@ -906,15 +910,22 @@ def test_tiles_in_pairs_give_the_same_bits_as_one_tile_at_a_time(native, rows):
     x = torch.randn(rows, Q4_ODD[1], generator=torch.Generator().manual_seed(rows))
     results = {}
     try:
-        for wanted in (True, False):
-            if native.use_tile_pairs(wanted) != wanted:
-                pytest.skip("this build has no pair loop (AVX2: one tile at a time)")
-            assert native.tile_pairs_in_use() is wanted
-            results[wanted] = (q4.matmul(x), *native.q8_f32_mm_argmax(x, q8.qs, q8.d))
+        for loop in int4.TILED_LOOPS:
+            if native.use_tiled_loop(loop) != loop:
+                assert (loop, native.tiled_loop_in_use()) == ("pairs", "buffered")  # AVX2
+                continue
+            assert native.tiled_loop_in_use() == loop
+            results[loop] = (q4.matmul(x), *native.q8_f32_mm_argmax(x, q8.qs, q8.d))
     finally:
-        native.use_tile_pairs(int4.tile_pairs())
-    for paired, alone in zip(results[True], results[False], strict=True):
-        assert torch.equal(paired, alone)
+        native.use_tiled_loop(int4.tiled_loop())
+    alone = [q4.matmul(x[[r]]) for r in (0, rows - 1)]
+    reference = results["registers"]
+    for loop, outputs in results.items():
+        for got, expected in zip(outputs, reference, strict=True):
+            assert torch.equal(got, expected), loop
+    assert torch.equal(reference[0][[0, rows - 1]], torch.cat(alone))
+    with pytest.raises(RuntimeError, match="use_tiled_loop: the loops are registers, buffered"):
+        native.use_tiled_loop("tiles")
 
 
 def test_probe_timings_are_taken_in_turn(monkeypatch):
@@ -937,20 +948,20 @@ def test_probe_timings_are_taken_in_turn(monkeypatch):
     assert calls == ["a", "b"] * 4
 
 
-@pytest.mark.parametrize(("pairs_s", "alone_s", "chosen"), [(1.0, 2.0, True), (2.0, 1.0, False)])
-def test_tile_pairs_takes_the_faster_loop_of_this_cpu(
-    native, monkeypatch, pairs_s, alone_s, chosen
-):
-    """The exact mode's buffered loop takes tiles in pairs where that ran the probe products
-    (``PAIR_PROBE_ROWS`` rows of ``PAIR_PROBE_SHAPE``; the timings are given) faster in
-    all, else one tile at a time; the kernel then takes it."""
-    if not native.tiled_f32_available() or not native.use_tile_pairs(True):
-        pytest.skip("this build has no pair loop (AVX2: one tile at a time)")
-    probes = len(int4.PAIR_PROBE_ROWS)
-    timings = [pairs_s, alone_s] * probes  # at each row count: in pairs, then alone
+@pytest.mark.parametrize("fastest", ["registers", "buffered", "pairs"])
+def test_tiled_loop_takes_the_fastest_loop_of_this_cpu(native, monkeypatch, fastest):
+    """The exact mode's loop above 12 rows is the one that ran the probe products
+    (``LOOP_PROBE_ROWS`` rows of ``LOOP_PROBE_SHAPE``; the timings are given) fastest in
+    all; the kernel then takes it."""
+    if not native.tiled_f32_available() or native.use_tiled_loop("pairs") != "pairs":
+        pytest.skip("this build has no pair loop (AVX2: registers or one buffered tile)")
+    loops = int4.TILED_LOOPS
+    # at each row count, each loop in TILED_LOOPS' order: the fastest 1.0, the others 2.0
+    timings = [1.0 if loop == fastest else 2.0 for _ in int4.LOOP_PROBE_ROWS for loop in loops]
+    other = next(loop for loop in loops if loop != fastest)
     check_probe_choice(
-        monkeypatch, int4.tile_pairs, native.use_tile_pairs, native.tile_pairs_in_use, timings,
-        chosen,
+        monkeypatch, int4.tiled_loop, native.use_tiled_loop, native.tiled_loop_in_use, timings,
+        fastest, other,
     )  # fmt: skip
 
 
@@ -977,7 +988,7 @@ def measured_limit(monkeypatch, row_limit, probe_rows, dense_wins_from: int | No
     the kernel 1.0 at every probed row count, the GEMM 0.5 from ``dense_wins_from`` rows
     (never if None), else 2.0."""
     int4.onednn_gemm()  # the exact mode's GEMM, chosen (and timed) before the timings given
-    int4.tile_pairs()  # and its tiled kernel's loop
+    int4.tiled_loop()  # and its tiled kernel's loop
     calls = iter(range(2 * len(probe_rows)))  # the kernel, then the GEMM, at each count
 
     def timed(*fns, repeats: int = 5) -> list[float]:
@@ -1109,7 +1120,7 @@ def test_onednn_gemm_takes_the_faster_gemm_of_this_cpu(
     timings = [mkl_s, onednn_s]  # MKL first, then oneDNN
     check_probe_choice(
         monkeypatch, int4.onednn_gemm, native.use_onednn_gemm, native.onednn_gemm_in_use,
-        timings, chosen,
+        timings, chosen, not chosen,
     )  # fmt: skip
 
 

@@ -259,41 +259,51 @@ def onednn_gemm() -> bool:
     return chosen
 
 
-#: The product ``tile_pairs`` times both loops on: SmolLM2's gate and up projections
-#: (out, in), at each of ``PAIR_PROBE_ROWS`` rows (16 and 64 concurrent decodes).
-PAIR_PROBE_SHAPE = (3072, 576)
-PAIR_PROBE_ROWS = (16, 64)
+#: The product ``tiled_loop`` times the loops on: SmolLM2's gate and up projections
+#: (out, in), at each of ``LOOP_PROBE_ROWS`` rows (16, 24 and 64 concurrent decodes).
+LOOP_PROBE_SHAPE = (3072, 576)
+LOOP_PROBE_ROWS = (16, 24, 64)
+#: The exact mode's loops for more rows than one micro-kernel holds
+#: (``csrc/tiled_f32.cpp``), in the order ``tiled_loop`` times them.
+TILED_LOOPS = ("registers", "buffered", "pairs")
 
 
 @functools.cache
-def tile_pairs() -> bool:
-    """Whether the exact mode's tiled kernel, given more than 8 rows, takes its tiles in
-    pairs (``csrc/tiled_f32.cpp``'s ``pair_f32``, AVX-512 builds only) in this process:
-    whichever of the two loops ran ``PAIR_PROBE_SHAPE`` faster at ``PAIR_PROBE_ROWS`` rows
-    together (best of a few each, taken in turn). Both give the same bits, so only speed
-    decides, and that is the CPU's: pairs took one step's products at 64 rows in 124 ms
-    against 179 on an Ice Lake Xeon, and at 16 rows in 39-40 against 32-34 on a Zen 4 EPYC,
-    whose 512-bit FMAs run in two halves. Decided once per process (~0.1 s), before
-    ``exact_row_limit`` times the kernel."""
+def tiled_loop() -> str | None:
+    """The loop by which the exact mode's tiled kernel takes more rows than one
+    micro-kernel holds (12 under AVX-512, 3 under AVX2) in this process
+    (``csrc/tiled_f32.cpp``): each tile dequantised in registers again for each
+    micro-kernel's rows, once into a buffer, or two tiles at a time into one (AVX-512
+    builds), whichever
+    ran ``LOOP_PROBE_SHAPE`` fastest at ``LOOP_PROBE_ROWS`` rows together (best of a few
+    each, taken in turn); None without the kernel. All give the same bits, so only speed
+    decides, and that is the CPU's: on a Sapphire Rapids Xeon registers took 16 and 64
+    rows in 0.50 and 1.9 ms against 0.65 and 2.2 buffered and 0.91 and 3.3 in pairs (one
+    thread); pairs took one step's
+    products at 64 rows in 124 ms against 179 one tile at a time on an Ice Lake Xeon, and at
+    16 rows in 39-40 against 32-34 on a Zen 4 EPYC, whose 512-bit FMAs run in two halves.
+    Decided once per process (~0.2 s), before ``exact_row_limit`` times the kernel."""
     native = native_kernels()
-    if native is None or not native.tiled_f32_available() or not native.use_tile_pairs(True):
-        return False
-    weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, *PAIR_PROBE_SHAPE), exact=True)
+    if native is None or not native.tiled_f32_available():
+        return None
+    loops = [name for name in TILED_LOOPS if native.use_tiled_loop(name) == name]
+    weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, *LOOP_PROBE_SHAPE), exact=True)
     generator = torch.Generator().manual_seed(3)
-    xs = [torch.randn(rows, PAIR_PROBE_SHAPE[1], generator=generator) for rows in PAIR_PROBE_ROWS]
+    xs = [torch.randn(rows, LOOP_PROBE_SHAPE[1], generator=generator) for rows in LOOP_PROBE_ROWS]
 
-    def loop(x: torch.Tensor, in_pairs: bool) -> Callable[[], object]:
-        return lambda: (native.use_tile_pairs(in_pairs), weight.matmul(x))
+    def run(x: torch.Tensor, loop: str) -> Callable[[], object]:
+        return lambda: (native.use_tiled_loop(loop), weight.matmul(x))
 
-    pairs = alone = 0.0
+    totals = dict.fromkeys(loops, 0.0)
     for x in xs:
-        paired, single = _best_times(loop(x, True), loop(x, False))
-        pairs, alone = pairs + paired, alone + single
-    chosen = native.use_tile_pairs(pairs < alone)
-    logger.info("float32 tiled kernel (%dx%d, %s rows): tiles in pairs %.0f us, one at a "
-                "time %.0f us: %s", *PAIR_PROBE_SHAPE, " + ".join(map(str, PAIR_PROBE_ROWS)),
-                pairs * 1e6, alone * 1e6,
-                "pairs" if chosen else "one at a time")  # fmt: skip
+        times = _best_times(*(run(x, loop) for loop in loops))
+        for loop, seconds in zip(loops, times, strict=True):
+            totals[loop] += seconds
+    chosen = native.use_tiled_loop(min(loops, key=totals.__getitem__))
+    logger.info("float32 tiled kernel (%dx%d, %s rows): %s: %s",
+                *LOOP_PROBE_SHAPE, " + ".join(map(str, LOOP_PROBE_ROWS)),
+                ", ".join(f"{loop} {totals[loop] * 1e6:.0f} us" for loop in loops),
+                chosen)  # fmt: skip
     return chosen
 
 
@@ -308,7 +318,7 @@ def exact_row_limit(out_features: int, in_features: int) -> int:
     the same float32 weights; only their order differs. Measured once per shape and
     process."""
     onednn_gemm()
-    tile_pairs()
+    tiled_loop()
     weight = Q4Weight.from_packed(_random_q4(QuantType.Q4_1, out_features, in_features), exact=True)
     return _row_limit(
         "tiled float32 vs dequantised + dense float32",

@@ -11,11 +11,19 @@
 // conversion and the scale make them), with no transpose (gguf_mm, on the file's layout,
 // transposes 16 dequantised rows into a buffer per tile above 4 rows of x), and every row
 // of x then takes them with one FMA, x[r, k] broadcast. Up to kRowsF32 rows run at once;
-// more rows go in passes of ~512 KB of x over the tiles (a pass's rows stay in L2), each
-// tile dequantised once per pass into a buffer [K, 16] that every kRowsF32 rows read, or
-// under AVX-512 each pair of tiles into a buffer [K, 2, 16] that every kPairRows rows
-// read (pair_f32: one broadcast of x[r, k] feeds both tiles' FMAs), where int4.py's
-// tile_pairs measured that faster on this CPU (use_tile_pairs).
+// more rows go in passes of ~512 KB of x over the tiles (a pass's rows stay in L2), and
+// one of three loops takes each pass, whichever int4.py's tiled_loop measured fastest on
+// this CPU (use_tiled_loop; all three give the same bits):
+//   registers  each tile dequantised in registers again for every kRowsF32 rows (the
+//              tile's packed bytes stay in L1);
+//   buffered   each tile dequantised once per pass into a buffer [K, 16] that every
+//              kRowsF32 rows read;
+//   pairs      under AVX-512, each pair of tiles into a buffer [K, 2, 16] that every
+//              kPairRows rows read (pair_f32: one broadcast of x[r, k] feeds both tiles'
+//              FMAs).
+// On a Sapphire Rapids Xeon (one thread, SmolLM2's gate/up 3072 x 576) registers took
+// 16 / 24 / 64 rows in 0.50 / 0.69 / 1.9 ms, buffered 0.65 / 0.94 / 2.2, pairs 0.91 / - /
+// 3.3: a buffer [K, 2, 16] of 72 KB leaves L1, where the tile's 4.6 KB of nibbles do not.
 // One step's 120 Q4 projections of SmolLM2 (2 cores, AVX-512), against gguf_mm at 1 / 8 /
 // 16 / 64 / 512 rows: 4.4 / 11.4 / 21-24 / 72-76 / 561 ms against 6.2-7.6 / 20.9-24.0 /
 // 28-35 / 74-86 / 517-549 (passes of 128 KB took 582 ms at 512 rows). On AVX2 (Zen 3
@@ -44,6 +52,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -60,21 +69,24 @@ namespace tessera {
 namespace {
 
 using tiled::kBlock;
-// Rows of x one micro-kernel holds, 2 accumulators each: 8 in AVX-512's 32 zmm, 3 in
-// AVX2's 16 ymm (12 of them accumulators: a 16-lane vector is two ymm there).
-constexpr int kRowsF32 = TESSERA_VEC16 == 512 ? 8 : 3;
+// Rows of x one micro-kernel holds, 2 accumulators each: 12 in AVX-512's 32 zmm (24
+// accumulators, the rest the weights' nibbles, scale, min and x[r, k]: no spills; at 9-12
+// rows one pass of 12 costs ~8% more a row than 8, where two passes of 8 took 35% more),
+// 3 in AVX2's 16 ymm (12 of them accumulators: a 16-lane vector is two ymm there).
+constexpr int kRowsF32 = TESSERA_VEC16 == 512 ? 12 : 3;
 // Rows of x the buffered micro-kernel of two tiles holds (pair_f32): 6 x 2 tiles x 2
 // chains = 24 of AVX-512's zmm; 0 (one tile at a time) under AVX2, whose 16 ymm hold
 // one such row.
 constexpr int kPairRows = TESSERA_VEC16 == 512 ? 6 : 0;
-// Whether the buffered loop takes its tiles in pairs (use_tile_pairs sets it; one flag for
-// the process). Both loops give the same bits, so only speed decides, and that is the
-// CPU's: on an Ice Lake Xeon (two full-width FMA units) one step's 121 products at 16 /
-// 64 / 256 rows took 44 / 124 / 494 ms in pairs against 49 / 179 / 664 one tile at a
-// time; on a Zen 4 EPYC (512-bit FMAs in two halves) 39-40 / 109-111 / 425-454 against
-// 32-34 / 105-110 / 427-442. int4.py's tile_pairs times both at load.
-std::atomic<bool>& pairs_wanted() {
-  static std::atomic<bool> wanted{kPairRows > 0};
+// The loop that takes more than kRowsF32 rows (use_tiled_loop sets it; one for the
+// process). All give the same bits, so only speed decides, and that is the CPU's: on an
+// Ice Lake Xeon (two full-width FMA units) one step's 121 products at 16 / 64 / 256 rows
+// took 44 / 124 / 494 ms in pairs against 49 / 179 / 664 buffered one tile at a time; on a
+// Zen 4 EPYC (512-bit FMAs in two halves) 39-40 / 109-111 / 425-454 against 32-34 /
+// 105-110 / 427-442. int4.py's tiled_loop times them at load.
+enum Loop : int { kRegisters = 0, kBuffered = 1, kPairs = 2 };
+std::atomic<int>& loop_wanted() {
+  static std::atomic<int> wanted{kPairRows > 0 ? kPairs : kBuffered};
   return wanted;
 }
 constexpr int64_t kPassBytesF32 = 512 * 1024;
@@ -94,17 +106,27 @@ using vec16::I;
 bool tiled_f32_available() { return TESSERA_TILED_F32 != 0; }
 
 int64_t q4_f32_queue_calls(int64_t T, int64_t tiles, int64_t nb) {
+  const int loop = loop_wanted().load();
   if (T <= kRowsF32) return tiles * nb;  // one micro-kernel's rows through every tile
-  if (kPairRows > 0 && pairs_wanted().load())
-    return (T + kPairRows - 1) / kPairRows * ((tiles + 1) / 2) * nb;
+  if (loop == kPairs) return (T + kPairRows - 1) / kPairRows * ((tiles + 1) / 2) * nb;
   return (T + kRowsF32 - 1) / kRowsF32 * tiles * nb;
 }
 
-bool tile_pairs_in_use() { return pairs_wanted().load(); }
+namespace {
+constexpr const char* kLoopNames[] = {"registers", "buffered", "pairs"};
+}  // namespace
 
-bool use_tile_pairs(bool wanted) {
-  pairs_wanted().store(wanted && kPairRows > 0);
-  return pairs_wanted().load();
+std::string tiled_loop_in_use() { return kLoopNames[loop_wanted().load()]; }
+
+std::string use_tiled_loop(const std::string& name) {
+  int loop = -1;
+  for (int i = 0; i < 3; ++i)
+    if (name == kLoopNames[i]) loop = i;
+  TORCH_CHECK(loop >= 0, "use_tiled_loop: the loops are registers, buffered and pairs, not '",
+              name, "'");
+  if (loop == kPairs && kPairRows == 0) loop = kBuffered;  // AVX2: no pair loop
+  loop_wanted().store(loop);
+  return tiled_loop_in_use();
 }
 
 torch::Tensor q4_f32_mm(const torch::Tensor& x, const torch::Tensor& nibbles,
@@ -288,13 +310,17 @@ void register_tiled_f32(pybind11::module& m) {
   namespace py = pybind11;
   m.def("tiled_f32_available", &tiled_f32_available,
         "whether this CPU build has the AVX-512 or AVX2 float32 kernels of the tiled layouts");
-  m.def("tile_pairs_in_use", &tile_pairs_in_use,
-        "whether the float32 kernels' buffered loop takes tiles in pairs now (use_tile_pairs)");
-  m.def("use_tile_pairs", &use_tile_pairs,
-        "let the float32 kernels' buffered loop (more than 8 rows) take tiles in pairs, where "
-        "the build has that loop (AVX-512), or one at a time: the same bits either way; "
-        "returns whether it now takes pairs",
-        py::arg("wanted"));
+  m.def("tiled_loop_in_use", &tiled_loop_in_use,
+        "the float32 kernels' loop for more rows than one micro-kernel holds (12 under "
+        "AVX-512, 3 under AVX2) now (use_tiled_loop): registers, "
+        "buffered or pairs");
+  m.def("use_tiled_loop", &use_tiled_loop,
+        "let the float32 kernels take more rows than one micro-kernel holds by dequantising "
+        "each tile in registers again for each micro-kernel's rows ('registers'), once "
+        "into a buffer ('buffered') "
+        "or two tiles at a time into one ('pairs', AVX-512 builds; 'buffered' elsewhere): "
+        "the same bits every way; returns the loop now in use",
+        py::arg("name"));
   m.def("q4_f32_mm", &q4_f32_mm,
         "y = x @ W^T in float32 for Q4_0/Q4_1 weights in the Q4Weight layout, each weight "
         "dequantised exactly as gguf does",

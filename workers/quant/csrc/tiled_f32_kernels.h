@@ -5,7 +5,7 @@
 // loop over passes of rows and the tiles that torch's threads claim in pieces. Included
 // inside tiled_f32.cpp's anonymous namespace where the build has the vector kernels
 // (TESSERA_TILED_F32), after vec16.h's F and I, kBlock, kRowsF32, kPairRows,
-// kPassBytesF32, pairs_wanted() and tile_argmax.h.
+// kPassBytesF32, loop_wanted() and its Loop names and tile_argmax.h.
 #pragma once
 
 // A Q4 tile's weights, dequantised in registers as they are used (Q41: Q4_1, else Q4_0).
@@ -184,14 +184,15 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
   // slower core, delays only the piece it holds; each piece's tiles read that pass of x
   // from L2 in turn. (Pieces that each took every pass, each reading all of x again, ran
   // 2,048 rows in 4.3 s a step against 3.1 s in one share per thread.)
-  // Above kRowsF32 rows the tiles go in pairs (pair_f32), where the build has them and
-  // use_tile_pairs chose them.
-  const int64_t span = kPairRows > 0 && T > kRowsF32 && pairs_wanted().load() ? 2 : 1;
+  // Above kRowsF32 rows, the loop use_tiled_loop chose: tiles dequantised in registers
+  // for every kRowsF32 rows, or into a buffer, one tile or a pair (pair_f32) at a time.
+  const int loop = T > kRowsF32 ? loop_wanted().load() : kRegisters;
+  const int64_t span = loop == kPairs ? 2 : 1;
   const int64_t units = (tiles + span - 1) / span;
   const int64_t passes = (T + pass - 1) / pass;
   parallel_pieces_in_passes(passes, 0, units, 1, [&](int64_t p, int64_t begin, int64_t end) {
     const int64_t first = p * pass, last = std::min(T, first + pass);
-    // a unit's tiles, dequantised (more than kRowsF32 rows): [K, 16] or a pair's [K, 2, 16]
+    // a unit's tiles, dequantised (the buffered loops): [K, 16] or a pair's [K, 2, 16]
     thread_local std::vector<float> buf;
     side::Queue* sq = &side::queue();  // the K/V a share of a decode step will attend over
     if (sq->empty()) sq = nullptr;
@@ -216,12 +217,16 @@ void tiled_rows(const torch::Tensor& x, const tiled::Shape& s, torch::Tensor& y,
         return t + span < std::min(tiles, end * span) ? make_tile(t + span).fetch()
                                                        : tiled::NextTile{};
       };
-      if (last - first <= kRowsF32) {
+      if (loop == kRegisters) {  // the next tile is asked for in the first rows' pass
         for (int64_t tile = t0; tile < t1; ++tile) {
-          float* y0 = at(tile, first);
-          tile_rows<kRowsF32>(xp + first * K, K, nb, make_tile(tile), y0, stride(1),
-                              last - first, sq, next_of(tile));
-          scan(y0, stride(1), tile, first, last - first);
+          const auto direct = make_tile(tile);
+          for (int64_t r0 = first; r0 < last; r0 += kRowsF32) {
+            const int64_t rows = std::min<int64_t>(kRowsF32, last - r0);
+            float* y0 = at(tile, r0);
+            tile_rows<kRowsF32>(xp + r0 * K, K, nb, direct, y0, stride(1), rows, sq,
+                                r0 == first ? next_of(tile) : tiled::NextTile{});
+            scan(y0, stride(1), tile, r0, rows);
+          }
         }
         continue;
       }
