@@ -243,13 +243,14 @@ async def test_the_async_engine_builds_a_grammars_matcher_beside_the_step_loop(m
     assert len(threads) == 1 and not threads[0].startswith("tessera-engine"), threads
 
 
-def test_prepare_wraps_the_tokenizer_once_and_logs_one_llguidance_cannot_read(
+def test_prepare_wraps_the_tokenizer_once_and_logs_one_llguidance_cannot_take(
     make_engine, monkeypatch, caplog
 ):
     """A serving worker wraps its tokenizer at start (``prepare``: ~0.3 s, most of it
     holding the GIL, that the steps beside a first structured request would otherwise
-    wait): the wrapped tokenizer is kept, and one llguidance cannot read is logged at
-    start and refused per request, with the same message."""
+    wait): the wrapped tokenizer is kept; one llguidance cannot read, or cannot wrap (a
+    model's vocabulary smaller than its tokenizer's), is logged at start, never fails the
+    worker, and is refused per request with the same message, decided once."""
     import llguidance.hf
 
     grammars = make_engine().grammars
@@ -262,14 +263,28 @@ def test_prepare_wraps_the_tokenizer_once_and_logs_one_llguidance_cannot_read(
         def decode_bytes(self, ids):
             return b"?"
 
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *args, **kwargs: Unreadable())
-    unreadable = make_engine().grammars
-    with caplog.at_level("WARNING", logger="tessera.workers.decoding.structured"):
-        unreadable.prepare()
-    message = (
-        "structured outputs are unavailable on this server: llguidance cannot read its "
-        "tokenizer's bytes (transformers >= 5.24 converts it right)"
-    )
-    assert [record.getMessage() for record in caplog.records] == [message]
-    with pytest.raises(InvalidRequestError, match="llguidance cannot read"):
-        unreadable.tokenizer  # noqa: B018
+    def too_small(*args, **kwargs):
+        calls.append(args)
+        raise ValueError("vocab size too small; 512 vs 49152")
+
+    unavailable = "structured outputs are unavailable on this server: llguidance "
+    for wrap, message in [
+        (
+            lambda *args, **kwargs: Unreadable(),
+            f"{unavailable}cannot read its tokenizer's bytes "
+            "(transformers >= 5.24 converts it right)",
+        ),
+        (too_small, f"{unavailable}cannot wrap its tokenizer: vocab size too small; 512 vs 49152"),
+    ]:
+        calls: list = []
+        monkeypatch.setattr(llguidance.hf, "from_tokenizer", wrap)
+        unreadable = make_engine().grammars
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="tessera.workers.decoding.structured"):
+            unreadable.prepare()
+        assert [record.getMessage() for record in caplog.records] == [message]
+        for _ in range(2):
+            with pytest.raises(InvalidRequestError) as refused:
+                unreadable.tokenizer  # noqa: B018
+            assert (refused.value.field, refused.value.message) == ("structured", message)
+    assert len(calls) == 1  # the refusal is kept, not found again per request

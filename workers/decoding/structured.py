@@ -158,41 +158,51 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
+        self._refusal: str | None = None  # why llguidance cannot take the tokenizer
         self._wrapping = threading.Lock()  # matchers are built on several threads
 
     @property
     def tokenizer(self):
+        """llguidance's wrapped tokenizer; ``InvalidRequestError`` naming ``structured``
+        where llguidance cannot take it (decided once, and the refusal kept)."""
         with self._wrapping:
-            return self._wrapped()
+            if self._tokenizer is None and self._refusal is None:
+                self._tokenizer, self._refusal = self._wrap()
+            if self._refusal is not None:
+                raise InvalidRequestError("structured", self._refusal)
+            return self._tokenizer
 
     def prepare(self) -> None:
         """Wrap the tokenizer now: ~0.3 s, most of it holding the GIL, which a serving
         worker pays at start rather than in the steps beside its first structured
-        request. A tokenizer llguidance cannot read stays refused per request."""
+        request. A tokenizer llguidance cannot take is logged here, and refused per
+        request with the same message."""
         try:
             self.tokenizer  # noqa: B018 - built and kept
         except InvalidRequestError as error:
             logger.warning("%s", error.message)
 
-    def _wrapped(self):
-        if self._tokenizer is None:
-            import llguidance.hf
+    def _wrap(self):
+        """(the wrapped tokenizer, None), or (None, why llguidance cannot take it)."""
+        import llguidance.hf
 
+        unavailable = "structured outputs are unavailable on this server: llguidance "
+        try:
             wrapped = llguidance.hf.from_tokenizer(
                 self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
             )
-            probe = 'A "quoted" word, 42: ok.'
-            ids = self._hf_tokenizer(probe, add_special_tokens=False).input_ids
-            if wrapped.decode_bytes(ids) != probe.encode():
-                # Seen with transformers 5.17's GGUF tokenizers: no byte-level decoding,
-                # so llguidance would match grammars against the wrong bytes.
-                raise InvalidRequestError(
-                    "structured",
-                    "structured outputs are unavailable on this server: llguidance cannot "
-                    "read its tokenizer's bytes (transformers >= 5.24 converts it right)",
-                )
-            self._tokenizer = wrapped
-        return self._tokenizer
+        except ValueError as error:  # e.g. a model's vocabulary smaller than its tokenizer's
+            return None, f"{unavailable}cannot wrap its tokenizer: {error}"
+        probe = 'A "quoted" word, 42: ok.'
+        ids = self._hf_tokenizer(probe, add_special_tokens=False).input_ids
+        if wrapped.decode_bytes(ids) != probe.encode():
+            # Seen with transformers 5.17's GGUF tokenizers: no byte-level decoding,
+            # so llguidance would match grammars against the wrong bytes.
+            return None, (
+                f"{unavailable}cannot read its tokenizer's bytes "
+                "(transformers >= 5.24 converts it right)"
+            )
+        return wrapped, None
 
     def matcher(self, params: StructuredParams, replay: Sequence[int] = ()):
         """A matcher at the grammar's start, advanced over ``replay`` (the tokens a
