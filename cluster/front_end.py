@@ -37,7 +37,7 @@ from tessera.cluster import tools as tool_calls
 from tessera.cluster.config import ServeConfig
 from tessera.cluster.jobs import Choice, Job, close_streams, deadline_error, invalid_as
 from tessera.cluster.launch import Cluster
-from tessera.cluster.metrics import Metrics, ReplicaBoard
+from tessera.cluster.metrics import Metrics
 from tessera.cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -48,6 +48,7 @@ from tessera.cluster.openai_protocol import (
     max_prompt_chars,
 )
 from tessera.cluster.reasoning import REASONING_FORMATS, answer_grammar
+from tessera.cluster.replica_board import ReplicaBoard
 from tessera.scheduler.api import ClusterStats, DeadlineError
 from tessera.workers import validation
 from tessera.workers.api import (
