@@ -26,8 +26,17 @@ from tessera.workers.params import (
 #: ``priority`` is within +-PRIORITY_LIMIT (vLLM leaves it unbounded): callers order
 #: their requests, but none can set one that no other caller could match.
 PRIORITY_LIMIT = 1000
+#: Upper bounds (seconds) of the buckets of an engine's inter-token latency histogram
+#: (``EngineStats.itl_counts``): vLLM's (``vllm/v1/metrics/buckets.py``), so that
+#: /metrics serves it under vLLM's name with the bounds that dashboards and alerts
+#: written for vLLM expect.
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
 
 __all__ = [
+    "INTER_TOKEN_LATENCY_BUCKETS",
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TOP_LOGPROBS",
     "PARALLEL_MODES",

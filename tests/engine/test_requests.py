@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tessera.workers.api import FinishReason, Phase, SamplingParams
+from tessera.workers.api import INTER_TOKEN_LATENCY_BUCKETS, FinishReason, Phase, SamplingParams
 from tessera.workers.engine.async_engine import AsyncEngine, EngineClosedError
 from tests.helpers import run_engine, text_of, tokens_of
 
@@ -237,6 +237,33 @@ def test_stats_read_while_a_step_runs_count_whole_steps(make_engine):
     assert len(seen) == 1 and counts(seen[0]) == counts(before)
     assert counts(after)[:3] == (before.steps + 1, before.generated_tokens + 1, 1)
     assert after.step_seconds > before.step_seconds
+
+
+def test_inter_token_latency_counts_each_sequence_and_step_after_its_first_token(make_engine):
+    """vLLM's inter-token latency: one interval for each sequence and step that gave it a
+    token after its first (forks each, a chunked prefill none), from the previous step's
+    end, into vLLM's buckets."""
+    engine = make_engine(max_num_batched_tokens=16)  # the long prompt takes 3 steps
+    engine.add_request("a", "word " * 40, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request(
+        "b", "Hi", SamplingParams(max_tokens=3, n=2, temperature=1, seed=1, ignore_eos=True)
+    )
+    ends = []
+    while engine.has_work():
+        engine.step()
+        ends.append(time.perf_counter())
+    stats = engine.stats()
+    assert len(stats.itl_counts) == len(INTER_TOKEN_LATENCY_BUCKETS) + 1
+    assert sum(stats.itl_counts) == (5 - 1) + 2 * (3 - 1)
+    # every interval lies within the span from the first token to the last step's end
+    assert 0 < stats.itl_seconds < (ends[-1] - ends[0]) * sum(stats.itl_counts)
+    time.sleep(0.2)  # idle: the next request's interval is not from the last step's end
+    engine.add_request("c", "Hello", SamplingParams(max_tokens=2, ignore_eos=True))
+    started = time.perf_counter()
+    run_engine(engine)
+    after = engine.stats()
+    assert sum(after.itl_counts) == sum(stats.itl_counts) + 1
+    assert 0 < after.itl_seconds - stats.itl_seconds < time.perf_counter() - started
 
 
 async def test_async_api_streams_and_abort_on_early_exit(make_engine):

@@ -33,6 +33,9 @@ class ScheduledBatch:
     #: every item is a decode of one token: the last of its sequence's tokens, at cache
     #: index ``num_computed_tokens``, its block already in the table and not shared
     decodes_only: bool = False
+    #: items of sequences with output already whose step reaches their end (phase
+    #: ``DECODE``): each gets its next token from this step, its inter-token latency
+    num_decodes: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +90,7 @@ class Batcher:
                     # its phase, as the loop at the end sets the others'
                     has_output = len(seq.token_ids) > seq.num_prompt_tokens
                     seq.phase = Phase.DECODE if has_output else Phase.PREFILL
+                    batch.num_decodes += has_output
                     budget -= 1
                     index += 1
                     continue
@@ -121,11 +125,13 @@ class Batcher:
         if not planned:  # decodes only (the steady state): phases set, one token each
             batch.decodes_only = True
             return batch
+        batch.num_decodes = 0  # counted again with every item's phase
         for seq, n in batch.items:
             num_tokens = len(seq.token_ids)
             reaches_end = seq.num_computed_tokens + n == num_tokens
             decoding = reaches_end and num_tokens > seq.num_prompt_tokens  # has output
             seq.phase = Phase.DECODE if decoding else Phase.PREFILL
+            batch.num_decodes += decoding
         # Single-token sequences first: the attention backend batches them as decodes.
         batch.items.sort(key=lambda item: item[1] != 1)
         return batch

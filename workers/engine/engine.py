@@ -286,8 +286,10 @@ class Engine:
                 outputs += self.batch_runner.run(batch)  # run, then postprocess
             outputs += self._drain_inbox()  # aborts that arrived during the batch
             if batch.items:
-                wall = time.perf_counter() - started
-                self.counters.step_ended(first, wall, self.runner.forward_time)
+                ended = time.perf_counter()
+                forward = self.runner.forward_time
+                goes_on = bool(self.batcher.running)
+                self.counters.step_ended(first, started, ended, forward, goes_on)
             return outputs
 
     def _schedule(self) -> ScheduledBatch:

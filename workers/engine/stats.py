@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tessera.workers.api import INTER_TOKEN_LATENCY_BUCKETS
 from tessera.workers.kv.prefix_cache import PrefixCacheStats
 
 if TYPE_CHECKING:
@@ -51,6 +53,12 @@ class EngineStats:
     spec_tokens: int = 0  # tokens those steps produced
     #: blocks given back because every layer's sliding window had passed them, ever
     released_blocks: int = 0
+    #: inter-token latency, as vLLM measures it (once per sequence and step that gave
+    #: it a token after its first): sequences per bucket of
+    #: ``INTER_TOKEN_LATENCY_BUCKETS`` (not cumulative; one more for above the last
+    #: bound), and the sum of their seconds
+    itl_counts: tuple[int, ...] = ()
+    itl_seconds: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -82,6 +90,10 @@ class StepCounters:
         self.decode_steps = 0  # of them, decodes only
         self.decode_seconds = 0.0
         self.decode_only = False  # whether the last batch was decodes only
+        self.decodes = 0  # the last batch's sequences that got a token after their first
+        self.last_end: float | None = None  # when the last step that ran a batch ended
+        self.itl_counts = [0] * (len(INTER_TOKEN_LATENCY_BUCKETS) + 1)
+        self.itl_seconds = 0.0
         self.snapshot = self.counts()
 
     def count_batch(self, batch: ScheduledBatch, prompt_tokens: int) -> None:
@@ -93,11 +105,28 @@ class StepCounters:
         self.batch_size_sum += len(batch.items)
         self.tokens_sum += batch.num_tokens
         self.last = (len(batch.items), batch.num_tokens)
+        self.decodes = batch.num_decodes
 
-    def step_ended(self, first: bool, wall: float, forward: float) -> None:
-        """Time a ``step`` call that ran a batch (``first``: the engine's first such);
-        every figure is of the whole call, so the host time is a part of it."""
+    def step_ended(
+        self, first: bool, started: float, ended: float, forward: float, goes_on: bool
+    ) -> None:
+        """Time a ``step`` call that ran a batch (``first``: the engine's first such;
+        ``started`` and ``ended``: ``time.perf_counter`` around it; ``goes_on``: it left
+        sequences running, so the next step follows at once); every figure is of the
+        whole call, so the host time is a part of it."""
+        wall = ended - started
         host = wall - forward
+        if self.decodes:
+            # A decoding sequence had its previous token from the engine's previous step
+            # (nearly always): its latency runs from that step's end to this one's, once
+            # per sequence and step as vLLM counts (a step of speculated tokens is one
+            # interval). After an idle engine the previous token came from elsewhere (a
+            # prefill worker, a failed worker): this step alone. Per step, not per token.
+            latency = ended - (started if self.last_end is None else self.last_end)
+            bucket = bisect.bisect_left(INTER_TOKEN_LATENCY_BUCKETS, latency)
+            self.itl_counts[bucket] += self.decodes
+            self.itl_seconds += latency * self.decodes
+        self.last_end = ended if goes_on else None
         self.step_time = wall if first else 0.8 * self.step_time + 0.2 * wall
         self.host_time = host if first else 0.8 * self.host_time + 0.2 * host
         self.step_seconds += wall
@@ -130,4 +159,6 @@ class StepCounters:
             "spec_accepted": speculator.accepted,
             "spec_steps": speculator.steps,
             "spec_tokens": speculator.tokens,
+            "itl_counts": tuple(self.itl_counts),
+            "itl_seconds": self.itl_seconds,
         }

@@ -353,6 +353,8 @@ def engine_load(stats: EngineStats, queued_prompt_tokens: int = 0) -> EngineLoad
         host_seconds=stats.host_seconds,
         decode_steps=stats.decode_steps,
         decode_seconds=stats.decode_seconds,
+        itl_counts=stats.itl_counts,
+        itl_seconds=stats.itl_seconds,
     )
 
 

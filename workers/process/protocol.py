@@ -72,6 +72,10 @@ class EngineLoad:
     host_seconds: float = 0.0
     decode_steps: int = 0
     decode_seconds: float = 0.0
+    # inter-token latency (``EngineStats.itl_counts``, ``itl_seconds``): sequences per
+    # bucket of ``INTER_TOKEN_LATENCY_BUCKETS`` and their seconds, ever
+    itl_counts: tuple[int, ...] = ()
+    itl_seconds: float = 0.0
 
 
 @dataclass(slots=True)
