@@ -89,7 +89,7 @@ class FrontEnd:
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
         self.pool_tokens: int = info.total_blocks * info.block_size  # one worker's KV pool
-        self.metrics = Metrics(replica)
+        self.metrics = Metrics(replica, self.model_name, self.max_model_len)
         self.board = ReplicaBoard(
             f"tessera/{config.namespace}/{config.scheduler_name}/front-end-metrics/", replica
         )
@@ -454,4 +454,7 @@ class FrontEnd:
             longest,
             job.started,
             job.streams[0].timings if job.streams else None,
+            [c.finish_reason for c in job.choices.values() if c.finish_reason is not None],
+            job.sampling.n,
+            job.sampling.max_tokens,
         )

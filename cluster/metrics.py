@@ -9,12 +9,13 @@ labelled ``replica``: sum over that label for the whole front end. The cluster's
 (per worker: sequences running and waiting, KV usage, prefix-cache hits, preemptions,
 generated tokens; the global queue, refusals, failovers) comes from the scheduler's
 stats, read at scrape time, once per scrape and without a ``replica`` label, so it is
-never counted twice.
+never counted twice. Beside Tessera's own series, vLLM's names for the same figures
+(``cluster/vllm_metrics.py``), so that what reads vLLM's metrics reads Tessera's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -30,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from tessera.cluster.client import Timings
+from tessera.cluster.vllm_metrics import VllmRequestSeries, engine_families, finished_reason
 from tessera.scheduler.api import ClusterStats, WorkerStatus
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,7 +44,8 @@ _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
 class _ClusterCollector(Collector):
     """Families built from the latest ``ClusterStats`` (set before each scrape)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.stats: ClusterStats | None = None
 
     def collect(self):
@@ -213,6 +216,7 @@ class _ClusterCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(f"tessera_{name}", help_, value=value)
+        yield from engine_families(stats, self.model_name)
 
 
 class _ReplicasCollector(Collector):
@@ -237,9 +241,10 @@ class _ReplicasCollector(Collector):
 
 class Metrics:
     """One front-end replica's metrics; ``render(stats, snapshots)`` is the /metrics
-    body. ``replica`` names this replica in the ``replica`` label."""
+    body. ``replica`` names this replica in the ``replica`` label; ``model_name`` (the
+    served name) and ``max_model_len`` (the context) shape vLLM's series."""
 
-    def __init__(self, replica: str = "local") -> None:
+    def __init__(self, replica: str, model_name: str, max_model_len: int) -> None:
         disable_created_metrics()  # no *_created series: they only add noise here
         self.replica = replica
         self.registry = CollectorRegistry()  # this replica's request families
@@ -291,8 +296,9 @@ class Metrics:
             buckets=_PHASE_BUCKETS,
             registry=self.registry,
         )
+        self.vllm = VllmRequestSeries(self.registry, model_name, max_model_len)
         self._replicas = _ReplicasCollector()
-        self._cluster = _ClusterCollector()
+        self._cluster = _ClusterCollector(model_name)
         self._exposed = CollectorRegistry()
         self._exposed.register(self._replicas)
         self._exposed.register(self._cluster)
@@ -309,11 +315,24 @@ class Metrics:
         longest_output: int,
         started: float | None = None,
         timings: Timings | None = None,
+        finish_reasons: Sequence[str] = (),
+        n: int = 1,
+        max_tokens: int | None = None,
     ) -> None:
         """Record one request (times from ``time.monotonic``). ``started``: when the
         front end had validated it and began to submit it; ``timings``: its (first)
-        stream's, for the phases of its time to first token."""
+        stream's, for the phases of its time to first token; ``finish_reasons``: its
+        outputs' (``stop``, ``length``, ``abort``); ``n`` and ``max_tokens``: what it
+        asked for."""
         self.requests.labels(endpoint, str(status)).inc()
+        vllm = self.vllm
+        accepted = timings.accepted if timings is not None else None
+        if first_token is not None or accepted is not None:  # it reached a worker
+            reason = finished_reason(status, finish_reasons)
+            if reason is not None:
+                vllm.count("finished", 1, reason)
+        if first_token is not None:
+            vllm.count("prompt_tokens", prompt_tokens)
         if status != 200:
             return
         if started is not None and timings is not None:
@@ -330,10 +349,27 @@ class Metrics:
         self.e2e.observe(end - arrival)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+        vllm.observe("e2e_latency", end - arrival)
+        vllm.observe("prompt_length", prompt_tokens)
+        vllm.observe("output_length", completion_tokens)
+        vllm.observe("longest_output", longest_output)
+        vllm.observe("n", n)
+        if max_tokens is not None:
+            vllm.observe("max_tokens", max_tokens)
+        if timings is not None and None not in (timings.placed, accepted, timings.first_token):
+            # vLLM's request phases, as far as the front end sees them:
+            # submitted -queue-> placed ... accepted -prefill-> first token -decode-> end
+            vllm.observe("queue_time", max(timings.placed - timings.submitted, 0.0))
+            vllm.observe("prefill_time", max(timings.first_token - accepted, 0.0))
+            vllm.observe("decode_time", max(end - timings.first_token, 0.0))
+            vllm.observe("inference_time", max(end - accepted, 0.0))
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
+            vllm.observe("time_to_first_token", first_token - arrival)
             if longest_output > 1:
-                self.tpot.observe((end - first_token) / (longest_output - 1))
+                tpot = (end - first_token) / (longest_output - 1)
+                self.tpot.observe(tpot)
+                vllm.observe("time_per_output_token", tpot)
 
     def snapshot(self) -> bytes:
         """This replica's request families, as it publishes them to the others."""

@@ -115,9 +115,10 @@ async def test_a_shared_prefix_moves_only_the_missing_blocks(cluster, make_engin
     # /metrics shows the same numbers
     stats = await cluster.stats()
     (decode,) = [w for w in stats.workers if w.role == "decode"]
+    body = Metrics("local", "m", 64).render(stats).decode()
     samples = {
         (s.name, s.labels.get("worker")): s.value
-        for family in text_string_to_metric_families(Metrics().render(stats).decode())
+        for family in text_string_to_metric_families(body)
         for s in family.samples
     }
     worker = decode.worker_id

@@ -1107,3 +1107,64 @@ def test_metrics_parse_and_move(server):
     assert ("tessera_worker_kv_usage_ratio", (("worker", "mixed-0"),)) in after
     assert ("tessera_worker_prefix_cache_hit_rate", (("worker", "mixed-0"),)) in after
     assert ("tessera_queued_requests", ()) in after
+
+
+def test_vllm_metrics_are_served_and_move_by_exactly_the_request(server):
+    """vLLM's names (the list taken from its design doc, ``tests/unit/test_vllm_metrics``)
+    on a real server: vLLM's types, ``model_name`` the served name, the workers' series
+    per ``engine``; one request of a known prompt and 7 tokens (``ignore_eos``) moves
+    each count by exactly its figures."""
+    from tests.unit.test_vllm_metrics import SERVED, family_name
+
+    _wait_idle(server)
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers).text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    for name, kind in SERVED:
+        family = families[family_name(name, kind)]
+        assert family.type == kind and family.samples, name
+        assert {s.labels["model_name"] for s in family.samples} == {MODEL}, name
+    before = _samples(server)
+    done = server.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert done.usage.completion_tokens == 7
+    prompt_tokens = done.usage.prompt_tokens
+    engine = {"engine": "mixed-0"}
+
+    def key(name, **labels):
+        return name, tuple(sorted({"model_name": MODEL, **labels}.items()))
+
+    def moved(name, **labels):
+        return after.get(key(name, **labels), 0) - before.get(key(name, **labels), 0)
+
+    after = _samples(server)
+    deadline = time.monotonic() + 10  # the worker's counters arrive with its next report
+    while moved("vllm:generation_tokens_total", **engine) < 7:
+        assert time.monotonic() < deadline, "the worker's generated tokens did not move"
+        time.sleep(0.2)
+        after = _samples(server)
+    # the worker's, as it generated them: the first token from the prompt's step, then
+    # one interval per token after it
+    assert moved("vllm:generation_tokens_total", **engine) == 7
+    assert moved("vllm:inter_token_latency_seconds_count", **engine) == 6
+    assert moved("vllm:prefix_cache_queries_total", **engine) == prompt_tokens
+    # the front end's, summed over its replicas
+    assert moved("vllm:prompt_tokens_total") == prompt_tokens
+    assert moved("vllm:request_success_total", finished_reason="length") == 1
+    assert moved("vllm:request_success_total", finished_reason="stop") == 0
+    assert moved("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert moved("vllm:request_generation_tokens_sum") == 7
+    assert moved("vllm:request_params_max_tokens_sum") == 7
+    assert moved("vllm:request_params_n_sum") == 1
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+    ):
+        assert moved(f"{name}_count") == 1, name
+    assert 0 <= after[key("vllm:kv_cache_usage_perc", **engine)] <= 1
+    assert key("vllm:num_requests_waiting", engine="queue") in after  # the global queue

@@ -18,7 +18,7 @@ def _samples(body: bytes) -> list[tuple[str, dict[str, str], float]]:
 
 
 def test_every_replicas_request_series_are_labelled_and_the_cluster_ones_come_once():
-    a, b = Metrics("a"), Metrics("b")
+    a, b = Metrics("a", "m", 64), Metrics("b", "m", 64)
     a.finished("completions", 200, 0.0, 0.5, 2.0, 7, 4, 4)
     b.finished("completions", 200, 0.0, 0.25, 1.0, 3, 2, 2)
     b.finished("chat", 429, 0.0, None, 0.0, 0, 0, 0)
@@ -51,7 +51,7 @@ def test_every_replicas_request_series_are_labelled_and_the_cluster_ones_come_on
 
 
 def test_a_replica_alone_shows_its_own_series():
-    metrics = Metrics("solo")
+    metrics = Metrics("solo", "m", 64)
     metrics.finished("completions", 200, 0.0, 0.1, 0.2, 1, 1, 1)
     names = {(name, labels.get("replica")) for name, labels, _ in _samples(metrics.render(None))}
     assert ("tessera_requests_total", "solo") in names
@@ -61,7 +61,7 @@ def test_a_replica_alone_shows_its_own_series():
 def test_the_time_to_first_token_is_split_into_phases():
     from tessera.cluster.client import Timings
 
-    metrics = Metrics("a")
+    metrics = Metrics("a", "m", 64)
     timings = Timings(submitted=10.5, placed=10.75, accepted=11.0, first_token=12.0)
     # arrival 10, validated at 10.25, the app handed the first token on at 12.125
     metrics.finished("completions", 200, 10.0, 12.125, 13.0, 5, 3, 3, 10.25, timings)
