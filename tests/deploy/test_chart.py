@@ -54,10 +54,11 @@ def test_lint_strict_passes(values: list[Path]):
 
 
 def test_default_and_gpu_renders_hold_the_rayservice_and_the_test_pod(render):
-    """A render is the NetworkPolicy, the RayService and the ``helm test`` pod; the
-    ServiceMonitor is opt-in."""
+    """A render is the NetworkPolicy, the Grafana dashboard's ConfigMap, the RayService
+    and the ``helm test`` pod; the ServiceMonitor is opt-in."""
     assert [(doc["apiVersion"], doc["kind"]) for doc in render] == [
         ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("v1", "ConfigMap"),
         ("ray.io/v1", "RayService"),
         ("v1", "Pod"),
     ]

@@ -1,8 +1,8 @@
 """The rendered resources are what a Kubernetes API server would accept in strict field
-validation: core resources (the ``helm test`` pod, the NetworkPolicy, and the pod templates
-and Service that the RayService embeds) against Kubernetes' own schemas
-(kubernetes-validate), and the RayService against KubeRay v1.7.0's CRD with unknown fields
-refused."""
+validation: core resources (the ``helm test`` pod, the NetworkPolicy, the dashboard's
+ConfigMap, and the pod templates and Service that the RayService embeds) against
+Kubernetes' own schemas (kubernetes-validate), and the RayService against KubeRay
+v1.7.0's CRD with unknown fields refused."""
 
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def core_resources(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_core_resources_pass_kubernetes_validate_strict(render, version):
-    """Pods, the Service and the NetworkPolicy are valid Kubernetes objects, unknown fields
-    refused."""
+    """Pods, the Service, the NetworkPolicy and the dashboard's ConfigMap are valid
+    Kubernetes objects, unknown fields refused."""
     resources = core_resources(render)
-    assert {doc["kind"] for doc in resources} == {"Pod", "Service", "NetworkPolicy"}
+    assert {doc["kind"] for doc in resources} == {"Pod", "Service", "NetworkPolicy", "ConfigMap"}
     for resource in resources:
         try:
             kubernetes_validate.validate(resource, version, strict=True)
