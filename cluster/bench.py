@@ -10,7 +10,7 @@ carries k tokens, by ``usage.completion_tokens``, gives k gaps of 1/k its time, 
 the stream. A request fails on an HTTP status other than 200, an error event in the
 stream, or a transport error; a failed request counts nowhere but ``failed``.
 
-aiohttp (the ``bench`` extra) is imported when a client opens, not with this module.
+aiohttp is imported when a client opens, not with this module (``tessera --help``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
 #: The metrics a summary gives percentiles of, by the names of vLLM's bench serve.
 METRICS = ("ttft", "tpot", "itl", "e2el")
-
-
-class MissingExtra(RuntimeError):
-    """aiohttp is not installed: the message names the extra that brings it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,12 +258,8 @@ def http_client(request_timeout_s: float = 600.0) -> aiohttp.ClientSession:
     (``request_timeout_s`` bounds each read). aiohttp, as vLLM's own serving benchmark:
     the client shares the server's cores, and httpx's streams cost ~2.5x the CPU per
     event (0.07 against 0.03 ms)."""
-    try:
-        import aiohttp
-    except ImportError:
-        raise MissingExtra(
-            "the load generator needs aiohttp: pip install 'tessera[bench]'"
-        ) from None
+    import aiohttp
+
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=request_timeout_s)
     return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
 

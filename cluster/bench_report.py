@@ -30,7 +30,7 @@ def _line(label: str, value: Any, digits: int = 2) -> str:
         shown = "inf" if math.isinf(value) else f"{value:.{digits}f}"
     else:
         shown = str(value)
-    return f"{label:<40} {shown:<10}"
+    return f"{label:<40} {shown}"
 
 
 def summary_text(
@@ -95,6 +95,9 @@ def write_png(
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 20, not 2 x 10^1
 
     fig, (cdf, timeline) = plt.subplots(1, 2, figsize=(12, 4.5))
     for metric, values in metric_samples(outcomes).items():
@@ -103,6 +106,8 @@ def write_png(
             share = [(i + 1) / len(ordered) for i in range(len(ordered))]
             cdf.step(ordered, share, where="post", label=HEADERS[metric][1])
     cdf.set_xscale("log")
+    cdf.xaxis.set_major_formatter(plain)
+    cdf.xaxis.set_minor_formatter(plain)
     cdf.set_xlabel("latency (ms)")
     cdf.set_ylabel("share of samples at or below")
     cdf.legend(fontsize=8)
@@ -111,6 +116,8 @@ def write_png(
     timeline.plot(arrivals, [o.ttft_s * 1e3 for _, o in done], "o", ms=3, label="TTFT")
     timeline.plot(arrivals, [o.e2e_s * 1e3 for _, o in done], "x", ms=3, label="E2EL")
     timeline.set_yscale("log")
+    timeline.yaxis.set_major_formatter(plain)
+    timeline.yaxis.set_minor_formatter(plain)
     timeline.set_xlabel("scheduled send time (s)")
     timeline.set_ylabel("ms")
     timeline.legend(fontsize=8)

@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and the mean, median and percentiles of TTFT, TPOT, ITL and end-to-end latency, "
         "timed on this client. The same flags and --seed give two servers the same "
         "prompts and arrival times. --save-result writes the numbers as JSON and a PNG "
-        "of the latencies. Needs aiohttp: pip install 'tessera[bench]'. Bad options or "
-        "dataset files exit with status 2, naming the option or line.",
+        "of the latencies (with matplotlib: pip install 'tessera[bench]'). Bad options "
+        "or dataset files exit with status 2, naming the option or line.",
     )
     add_bench_serve_arguments(load)
     load.set_defaults(func=_bench_serve)

@@ -245,7 +245,6 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
-    from tessera.cluster.bench import MissingExtra
     from tessera.cluster.bench_datasets import DatasetError
 
     if args.dataset_name != "random" and args.dataset_path is None:
@@ -258,7 +257,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         return _usage(str(error))
     try:
         return asyncio.run(_run(args, requests))
-    except (MissingExtra, ConnectionError) as error:
+    except ConnectionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
