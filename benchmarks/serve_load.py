@@ -114,12 +114,8 @@ sys.path.insert(0, str(ROOT))
 
 # the client core: schedules, the streaming sender and the timing math
 from tessera.cluster.bench import (  # noqa: E402
-    TOKEN_IDS,
     Outcome,
-    Request,
     Target,
-    build_closed,
-    build_schedule,
     http_client,
     meets_slos,
     metric_samples,
@@ -128,6 +124,12 @@ from tessera.cluster.bench import (  # noqa: E402
     run_schedule,
     send,
     spread_gaps,
+)
+from tessera.cluster.bench_schedule import (  # noqa: E402
+    TOKEN_IDS,
+    Request,
+    build_closed,
+    build_schedule,
 )
 
 LENGTHS = Path(__file__).parent / "data" / "serve_lengths.json"

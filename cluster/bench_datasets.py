@@ -1,7 +1,7 @@
 """Prompts for ``tessera bench serve``: random, a JSONL file or a ShareGPT file.
 
 random: prompts of exactly ``input_len`` tokens. On ``/v1/completions`` they are token
-ids drawn from ``bench.TOKEN_IDS`` (any vocabulary of 30k or more holds them), so the
+ids drawn from ``bench_schedule.TOKEN_IDS`` (any vocabulary of 30k or more holds them), so the
 length is exact without a tokenizer; the chat endpoint takes text only, so there a
 prompt is ``input_len`` random words and the summary's input tokens are what the
 server's usage reports.
@@ -29,7 +29,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.cluster.bench import CHAT, token_prompt
+from tessera.cluster.bench import CHAT
+from tessera.cluster.bench_schedule import token_prompt
 
 DATASETS = ("random", "jsonl", "sharegpt")
 #: Characters per token for ShareGPT's answers when no --sharegpt-output-len is given.

@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         "timed on this client. The same flags and --seed give two servers the same "
         "prompts and arrival times. --save-result writes the numbers as JSON and a PNG "
         "of the latencies (with matplotlib: pip install 'tessera[bench]'). Bad options "
-        "or dataset files exit with status 2, naming the option or line.",
+        "or dataset files exit with status 2, naming the option or line; a server that "
+        "does not answer, or answers no request, with status 1.",
     )
     add_bench_serve_arguments(load)
     load.set_defaults(func=_bench_serve)

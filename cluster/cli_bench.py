@@ -4,7 +4,7 @@ command compares Tessera with the server in use today.
 
 The requests' arrivals, prompts and lengths come from ``--seed`` alone, so two servers
 given the same flags get the same load. The client core (schedules, the streaming
-sender, the timing math) is ``tessera.cluster.bench``; prompts come from
+sender, the timing math) is ``tessera.cluster.bench`` and ``bench_schedule``; prompts come from
 ``bench_datasets``, the summary, JSON and PNG from ``bench_report``.
 """
 
@@ -273,7 +273,7 @@ def build_requests(args: argparse.Namespace):
     """The run's requests: prompts from the dataset, arrivals from the rate (both from
     --seed)."""
     from tessera.cluster import bench_datasets as datasets
-    from tessera.cluster.bench import Request, arrival_times
+    from tessera.cluster.bench_schedule import Request, arrival_times
 
     if args.dataset_name == "random":
         prompts = datasets.random_prompts(
@@ -295,6 +295,7 @@ def build_requests(args: argparse.Namespace):
 
 async def _run(args: argparse.Namespace, requests) -> int:
     from tessera.cluster import bench, bench_report
+    from tessera.cluster.bench_schedule import Request
 
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
@@ -304,7 +305,7 @@ async def _run(args: argparse.Namespace, requests) -> int:
             client, "server", base_url, base_url, args.model, api_key, args.ready_check_timeout_sec
         )
 
-        async def sender(request: bench.Request) -> bench.Outcome:
+        async def sender(request: Request) -> bench.Outcome:
             return await bench.send(
                 client,
                 target,
@@ -317,7 +318,7 @@ async def _run(args: argparse.Namespace, requests) -> int:
         if args.num_warmups:
             print(f"warming up with {args.num_warmups} requests", file=sys.stderr)
             warm = [
-                bench.Request(0.0, q.prompt, q.output_tokens)
+                Request(0.0, q.prompt, q.output_tokens)
                 for q in (requests * args.num_warmups)[: args.num_warmups]
             ]
             outcomes, _, _ = await bench.run_schedule(
@@ -387,7 +388,7 @@ async def _run(args: argparse.Namespace, requests) -> int:
         picture = path.with_suffix(".png")
         if bench_report.write_png(picture, requests, outcomes, title):
             print(f"plot: {picture}", file=sys.stderr)
-    return exit_status.OK
+    return exit_status.OK if numbers["completed"] else 1  # no request succeeded
 
 
 def _default_name(args: argparse.Namespace, model: str) -> str:

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tessera.cluster import bench
-from tessera.cluster.bench import Outcome, Request
+from tessera.cluster import bench, bench_schedule
+from tessera.cluster.bench import Outcome
 from tessera.cluster.bench_datasets import (
     DatasetError,
     Prompt,
@@ -21,6 +21,7 @@ from tessera.cluster.bench_datasets import (
     random_prompts,
     sample,
 )
+from tessera.cluster.bench_schedule import Request
 from tessera.cluster.cli import main
 
 
@@ -102,7 +103,9 @@ def test_sharegpt_errors_name_the_entry(tmp_path, entries, message):
 def test_random_prompts_are_exact_token_ids_or_words():
     ids = random_prompts(3, 12, 4, seed=1, endpoint=bench.COMPLETIONS)
     assert [len(p.text) for p in ids] == [12, 12, 12] and {p.output_len for p in ids} == {4}
-    assert all(bench.TOKEN_IDS[0] <= t < bench.TOKEN_IDS[1] for p in ids for t in p.text)
+    assert all(
+        bench_schedule.TOKEN_IDS[0] <= t < bench_schedule.TOKEN_IDS[1] for p in ids for t in p.text
+    )
     assert ids == random_prompts(3, 12, 4, seed=1, endpoint=bench.COMPLETIONS)
     words = random_prompts(2, 5, 4, seed=1, endpoint=bench.CHAT)
     assert all(isinstance(p.text, str) and len(p.text.split()) == 5 for p in words)
@@ -168,14 +171,14 @@ def test_bad_option_values_are_usage_errors(capsys, argv, message):
 
 # ------------------------------------------------------------------ schedules
 def test_poisson_arrivals_are_seeded_and_scale_with_the_rate():
-    first = bench.arrival_times(50, 2.0, seed=7)
-    assert first == bench.arrival_times(50, 2.0, seed=7)
-    assert first != bench.arrival_times(50, 2.0, seed=8)
+    first = bench_schedule.arrival_times(50, 2.0, seed=7)
+    assert first == bench_schedule.arrival_times(50, 2.0, seed=7)
+    assert first != bench_schedule.arrival_times(50, 2.0, seed=8)
     assert first[0] == 0.0 and first == sorted(first)
-    half = bench.arrival_times(50, 1.0, seed=7)  # the same unit gaps, twice as long
+    half = bench_schedule.arrival_times(50, 1.0, seed=7)  # the same unit gaps, twice as long
     assert all(math.isclose(a * 2, b) for a, b in zip(first, half, strict=True))
-    assert bench.arrival_times(4, math.inf, seed=7) == [0.0] * 4
-    many = bench.arrival_times(20_000, 4.0, seed=1, burstiness=0.5)
+    assert bench_schedule.arrival_times(4, math.inf, seed=7) == [0.0] * 4
+    many = bench_schedule.arrival_times(20_000, 4.0, seed=1, burstiness=0.5)
     assert many[-1] / (len(many) - 1) == pytest.approx(0.25, rel=0.05)  # the mean rate holds
 
 
@@ -277,3 +280,25 @@ async def test_a_run_against_a_scripted_chat_stream(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "============ Serving Benchmark Result ============" in out
     assert "Total generated tokens:                  12" in out
+
+
+async def test_a_server_that_fails_every_request_exits_1_naming_the_error(capsys):
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "no capacity"}}, status=503)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", refuse)
+    async with TestServer(app) as server:
+        argv = [
+            *("bench", "serve", "--base-url", str(server.make_url("")).rstrip("/")),
+            *("--model", "m", "--num-prompts", "2", "--random-input-len", "4"),
+            "--disable-tqdm",
+        ]
+        assert await asyncio.to_thread(main, argv) == 1
+    captured = capsys.readouterr()
+    assert "Successful requests:                     0\n" in captured.out
+    assert "Failed requests:                         2\n" in captured.out
+    assert 'failed: HTTP 503: {"error": {"message": "no capacity"}}' in captured.err
