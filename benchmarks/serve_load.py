@@ -79,6 +79,10 @@ what the in-process engine's runs do not pay).
     python benchmarks/serve_load.py --start --engine --concurrency 1 16 64 \
         --peer-url http://127.0.0.1:8001 --peer-name vLLM-cpu --serve-args --dtype bfloat16
 
+The schedules, the streaming client and the timing rules above are
+``tessera.cluster.bench_schedule`` and ``tessera.cluster.bench``, which ``tessera bench
+serve`` also runs; this script adds what needs a Tessera server of its own.
+
 ``--start`` runs ``python -m tessera.cluster.cli serve --port <--url's port> <--serve-args>``,
 waits for its "ready" line, measures, then stops that process with SIGINT.
 """
