@@ -79,6 +79,10 @@ what the in-process engine's runs do not pay).
     python benchmarks/serve_load.py --start --engine --concurrency 1 16 64 \
         --peer-url http://127.0.0.1:8001 --peer-name vLLM-cpu --serve-args --dtype bfloat16
 
+The schedules, the streaming client and the timing rules above are
+``tessera.cluster.bench_schedule`` and ``tessera.cluster.bench``, which ``tessera bench
+serve`` also runs; this script adds what needs a Tessera server of its own.
+
 ``--start`` runs ``python -m tessera.cluster.cli serve --port <--url's port> <--serve-args>``,
 waits for its "ready" line, measures, then stops that process with SIGINT.
 """
@@ -102,65 +106,46 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp.http_exceptions import HttpProcessingError
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# the client core: schedules, the streaming sender and the timing math
+from tessera.cluster.bench import (  # noqa: E402
+    Outcome,
+    Target,
+    http_client,
+    meets_slos,
+    metric_samples,
+    percentile,
+    resolve,
+    run_schedule,
+    send,
+    spread_gaps,
+)
+from tessera.cluster.bench_schedule import (  # noqa: E402
+    TOKEN_IDS,
+    Request,
+    build_closed,
+    build_schedule,
+)
+
 LENGTHS = Path(__file__).parent / "data" / "serve_lengths.json"
-TOKEN_IDS = (1000, 30000)  # prompt ids are drawn from [low, high): ordinary SmolLM2 tokens
 PERCENTILES = (50, 90, 99)
 WARMUP_LENGTHS = (32, 16)  # prompt, output tokens of a warm-up request
 READY = re.compile(r"\bready\b", re.IGNORECASE)
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    arrival_s: float  # from the start of the run
-    prompt: list[int]
-    output_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    role: str  # "ours" or "peer"
-    name: str
-    url: str
-    model: str
-    headers: dict[str, str]
 
 
 #: The in-process engine as a target (``--engine``): no URL, no model id. It runs before
 #: the server starts and again after it stops (``ENGINE_AFTER``).
 ENGINE = Target("engine", "engine (in-process)", "", "", {})
 ENGINE_AFTER = Target("engine_after", "engine (in-process, after)", "", "", {})
-
-
-@dataclass(slots=True)
-class Outcome:
-    error: str | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    completion_tokens: int = 0
-    itls_s: list[float] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.completion_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
 # ------------------------------------------------------------------ the schedule
@@ -170,93 +155,13 @@ def load_lengths(path: Path = LENGTHS) -> list[tuple[int, int]]:
     return pairs
 
 
-def build_schedule(
-    lengths: list[tuple[int, int]],
-    rate: float,
-    rate_index: int,
-    seed: int,
-    num_requests: int | None,
-    duration_s: float | None,
-    salt: str = "",
-) -> list[Request]:
-    """Poisson arrivals at ``rate``: the first at 0, then exponential gaps. The token ids
-    are drawn from ``seed`` and ``salt`` (``--prompt-salt``), the rest from ``seed``."""
-    gaps = random.Random(seed)  # the same unit-rate gaps and length draws at every rate
-    draws = random.Random(seed + 1)
-    ids = random.Random(f"{seed}-{salt}-ids-{rate_index}")  # fresh ids per rate: no prefix hits
-    requests: list[Request] = []
-    arrival = 0.0
-    while num_requests is None or len(requests) < num_requests:
-        if duration_s is not None and arrival >= duration_s:
-            break
-        prompt_tokens, output_tokens = draws.choice(lengths)
-        prompt = [ids.randrange(*TOKEN_IDS) for _ in range(prompt_tokens)]
-        requests.append(Request(arrival, prompt, output_tokens))
-        arrival += gaps.expovariate(1.0) / rate
-    return requests
-
-
-def build_closed(
-    lengths: list[tuple[int, int]], index: int, seed: int, num_requests: int, salt: str = ""
-) -> list[Request]:
-    """``num_requests`` due at once (a closed loop sends each when a slot frees); token
-    ids as in ``build_schedule``."""
-    draws = random.Random(seed + 1)
-    ids = random.Random(f"{seed}-{salt}-ids-closed-{index}")
-    requests = []
-    for _ in range(num_requests):
-        prompt_tokens, output_tokens = draws.choice(lengths)
-        prompt = [ids.randrange(*TOKEN_IDS) for _ in range(prompt_tokens)]
-        requests.append(Request(0.0, prompt, output_tokens))
-    return requests
-
-
 # ------------------------------------------------------------------ statistics
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def spread_gaps(times: list[float], tokens: int) -> list[float]:
-    """Inter-token latencies from the arrival times of the chunks with text.
-
-    The first chunk carries the first token; the other ``tokens - 1`` are spread evenly
-    over the later chunks (the stream does not say which chunk carried how many), and a
-    chunk's gap is split equally among its tokens. A chunk given no token (more chunks
-    than tokens) hands its gap on to the next one, so the ITLs always sum to
-    ``times[-1] - times[0]``.
-    """
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    rest = tokens - 1
-    if not gaps or rest <= 0:
-        return []
-    if rest == len(gaps):
-        return gaps
-    itls: list[float] = []
-    pending = 0.0
-    for j, gap in enumerate(gaps):
-        count = (j + 1) * rest // len(gaps) - j * rest // len(gaps)
-        pending += gap
-        if count:
-            itls.extend([pending / count] * count)
-            pending = 0.0
-    return itls
-
-
 def summarize(
     target: Target, level: float, outcomes: list[Outcome], wall_s: float, args
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
-    good = sum(
-        o.ttft_s <= args.slo_ttft_s and (o.tpot_s is None or o.tpot_s <= args.slo_tpot_s)
-        for o in ok
-    )
+    slos = {"ttft": args.slo_ttft_s, "tpot": args.slo_tpot_s}
+    good = sum(meets_slos(o, slos) for o in outcomes)
     row: dict[str, Any] = {
         args.load_key: level,
         "server": target.name,
@@ -266,13 +171,10 @@ def summarize(
         "out_tok_s": sum(o.completion_tokens for o in ok) / wall_s,
         "goodput": good / wall_s,
     }
-    samples = {
-        "ttft": ([o.ttft_s for o in ok], 1e3, "ms"),
-        "tpot": ([o.tpot_s for o in ok if o.tpot_s is not None], 1e3, "ms"),
-        "itl": ([gap for o in ok for gap in o.itls_s], 1e3, "ms"),
-        "e2e": ([o.e2e_s for o in ok], 1.0, "s"),
-    }
-    for metric, (values, scale, unit) in samples.items():
+    samples = metric_samples(outcomes)
+    units = {"ttft": (1e3, "ms"), "tpot": (1e3, "ms"), "itl": (1e3, "ms"), "e2e": (1.0, "s")}
+    for metric, (scale, unit) in units.items():
+        values = samples["e2el" if metric == "e2e" else metric]
         for q in PERCENTILES:
             value = percentile(values, q)
             row[f"{metric}_p{q}_{unit}"] = None if value is None else value * scale
@@ -280,51 +182,20 @@ def summarize(
 
 
 # ------------------------------------------------------------------ the client
-async def send(client: aiohttp.ClientSession, target: Target, request: Request, args) -> Outcome:
-    body = {
-        "model": target.model,
-        "prompt": request.prompt,
-        "max_tokens": request.output_tokens,
-        "temperature": float(args.temperature),
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    text_times: list[float] = []
-    usage_tokens: int | None = None
-    start = time.perf_counter()
-    try:
-        async with client.post(
-            f"{target.url}/v1/completions", json=body, headers=target.headers
-        ) as response:
-            if response.status != 200:
-                detail = (await response.read()).decode(errors="replace")[:300]
-                return Outcome(error=f"HTTP {response.status}: {detail}")
-            async for line in response.content:  # one line at a time
-                now = time.perf_counter()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[len(b"data:") :].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk or chunk.get("object") == "error":
-                    return Outcome(error=f"stream error: {json.dumps(chunk)[:300]}")
-                if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                    text_times.append(now)
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-    except (aiohttp.ClientError, HttpProcessingError, TimeoutError, ValueError) as error:
-        return Outcome(error=f"{type(error).__name__}: {error}")  # ValueError: bad JSON
-    end = time.perf_counter()
-    if not text_times:
-        return Outcome(error="the stream carried no text")
-    tokens = usage_tokens if usage_tokens is not None else len(text_times)
-    return Outcome(
-        ttft_s=text_times[0] - start,
-        e2e_s=end - start,
-        completion_tokens=tokens,
-        itls_s=spread_gaps(text_times, tokens),
+async def send_http(client: aiohttp.ClientSession, target: Target, request: Request, args):
+    """One request to a server: /v1/completions, token ids, ignore_eos."""
+    return await send(client, target, request, temperature=float(args.temperature))
+
+
+async def run_level(sender, name: str, schedule: list[Request], level: float, args):
+    """``run_schedule`` at one rate (the schedule's arrivals) or one concurrency."""
+    closed = args.load_key == "concurrency"
+    unit = "concurrent" if closed else "req/s"
+    return await run_schedule(
+        sender,
+        schedule,
+        max_concurrency=int(level) if closed else None,
+        desc=f"{name} @ {level:g} {unit}",
     )
 
 
@@ -355,66 +226,6 @@ async def send_engine(engine, request: Request, args) -> Outcome:
         completion_tokens=tokens,
         itls_s=spread_gaps(text_times, tokens),
     )
-
-
-async def run_schedule(
-    sender: Callable[[Request], Awaitable[Outcome]],
-    name: str,
-    schedule: list[Request],
-    level: float,
-    args,
-) -> tuple[list[Outcome], float, float]:
-    """Send each request at its arrival time (a closed loop: when one of ``level`` slots
-    frees); (outcomes, wall seconds, worst send lag)."""
-    unit = "req/s" if args.load_key == "rate" else "concurrent"
-    bar = tqdm(total=len(schedule), desc=f"{name} @ {level:g} {unit}", unit="req")
-    failed = 0
-    slots = asyncio.Semaphore(int(level)) if args.load_key == "concurrency" else None
-
-    async def fire(request: Request) -> Outcome:
-        nonlocal failed
-        if slots is None:
-            outcome = await sender(request)
-        else:
-            async with slots:
-                outcome = await sender(request)
-        failed += not outcome.ok
-        bar.set_postfix(failed=failed, refresh=False)
-        bar.update()
-        return outcome
-
-    tasks = []
-    lag = 0.0
-    start = time.perf_counter()
-    for request in schedule:
-        delay = start + request.arrival_s - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        lag = max(lag, time.perf_counter() - start - request.arrival_s)
-        tasks.append(asyncio.create_task(fire(request)))
-    outcomes = await asyncio.gather(*tasks)
-    wall = time.perf_counter() - start
-    bar.close()
-    return list(outcomes), wall, lag
-
-
-async def resolve(
-    client: aiohttp.ClientSession, role: str, name: str, url: str, model, key, wait_s: float
-) -> Target:
-    """The target, its model id from ``GET /v1/models`` unless given; waits ``wait_s``."""
-    url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    deadline = time.monotonic() + wait_s
-    while model is None:
-        try:
-            async with client.get(f"{url}/v1/models", headers=headers) as response:
-                response.raise_for_status()
-                model = (await response.json())["data"][0]["id"]
-        except (aiohttp.ClientError, TimeoutError) as error:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no model list at {url}/v1/models ({error})") from None
-            await asyncio.sleep(1.0)
-    return Target(role, name, url, model, headers)
 
 
 def engine_settings(serve_args: list[str]):
@@ -454,7 +265,7 @@ def bench_engine(
             runs, steps = {}, {}
             for level, schedule in schedules.items():
                 before = counters(engine)
-                runs[level] = await run_schedule(
+                runs[level] = await run_level(
                     lambda request: send_engine(engine, request, args),
                     target.name,
                     schedule,
@@ -550,28 +361,27 @@ async def server_totals(
 
 
 async def bench(args, schedules: dict[float, list[Request]]) -> dict:
-    # aiohttp, as vLLM's own serving benchmark: the client shares the server's cores,
-    # and httpx's streams cost it ~2.5x the CPU per event (0.07 against 0.03 ms)
-    # no limit on a whole stream, as httpx's: --request-timeout-s bounds each read
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=args.request_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # no cap on connections
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
+    async with http_client(args.request_timeout_s) as client:
         wait_s = args.start_timeout_s if args.start else 5.0
-        targets = [
-            await resolve(client, "ours", "tessera", args.url, args.model, args.api_key, wait_s)
-        ]
-        if args.peer_url:
-            key = args.peer_api_key or args.api_key
-            targets.append(
-                await resolve(
-                    client, "peer", args.peer_name, args.peer_url, args.peer_model, key, 5.0
+        try:
+            targets = [
+                await resolve(client, "ours", "tessera", args.url, args.model, args.api_key, wait_s)
+            ]
+            if args.peer_url:
+                key = args.peer_api_key or args.api_key
+                targets.append(
+                    await resolve(
+                        client, "peer", args.peer_name, args.peer_url, args.peer_model, key, 5.0
+                    )
                 )
-            )
+        except ConnectionError as error:
+            raise SystemExit(str(error)) from None
         warm = random.Random(f"{args.seed}-{args.prompt_salt}-warm-up")
         for target in targets:
             for _ in range(args.warmup):
                 prompt = [warm.randrange(*TOKEN_IDS) for _ in range(WARMUP_LENGTHS[0])]
-                outcome = await send(client, target, Request(0.0, prompt, WARMUP_LENGTHS[1]), args)
+                warm_up = Request(0.0, prompt, WARMUP_LENGTHS[1])
+                outcome = await send_http(client, target, warm_up, args)
                 if not outcome.ok:
                     raise SystemExit(f"warm-up request to {target.name} failed: {outcome.error}")
         runs, cpu, phases, steps, client_cpu = {}, {}, {}, {}, {}
@@ -584,8 +394,8 @@ async def bench(args, schedules: dict[float, list[Request]]) -> dict:
                 if target.role == "ours":
                     phases_before, engine_before = await server_totals(client, target)
                 client_before = time.process_time()
-                runs[target.role, rate] = await run_schedule(
-                    lambda request, target=target: send(client, target, request, args),
+                runs[target.role, rate] = await run_level(
+                    lambda request, target=target: send_http(client, target, request, args),
                     target.name,
                     schedule,
                     rate,

@@ -1,4 +1,4 @@
-"""The ``tessera`` command line: ``generate``, ``cluster`` and ``serve``.
+"""The ``tessera`` command line: ``generate``, ``cluster``, ``serve`` and ``bench serve``.
 
 This module builds the parser and turns each command's flags into its settings (a bad
 one exits with its message, naming the flag or field); each command runs from its own
@@ -14,6 +14,7 @@ import typing
 
 # Only what the parser needs is imported here: `tessera --help` must not load torch.
 from tessera.cluster import exit_status
+from tessera.cluster.cli_bench import add_bench_serve_arguments
 from tessera.cluster.cli_sampling import early_stopping, sampling_from_args
 from tessera.cluster.flags import add_config_arguments, add_engine_arguments
 from tessera.cluster.serve_config import ServeConfig
@@ -260,7 +261,35 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", metavar="FILE", help="YAML file with any of the settings below")
     add_config_arguments(srv, ServeConfig, only_given=True)
     srv.set_defaults(func=_serve)
+
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark a server",
+        description="Benchmarks; `tessera bench serve --help` for the serving one.",
+    )
+    benches = bench.add_subparsers(dest="bench", required=True)
+    load = benches.add_parser(
+        "serve",
+        help="load any OpenAI-compatible server and report TTFT, TPOT, ITL, throughput",
+        description="Send --num-prompts streaming requests to an OpenAI-compatible server "
+        "(Tessera, vLLM, or any other) at --request-rate and at most --max-concurrency "
+        "at once, then print the summary as `vllm bench serve` does: throughputs, goodput "
+        "and the mean, median and percentiles of TTFT, TPOT, ITL and end-to-end latency, "
+        "timed on this client. The same flags and --seed give two servers the same "
+        "prompts and arrival times. --save-result writes the numbers as JSON and a PNG "
+        "of the latencies (with matplotlib: pip install 'tessera[bench]'). Bad options "
+        "or dataset files exit with status 2, naming the option or line; a server that "
+        "does not answer, or answers no request, with status 1.",
+    )
+    add_bench_serve_arguments(load)
+    load.set_defaults(func=_bench_serve)
     return parser
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from tessera.cluster.cli_bench import run_bench_serve
+
+    return run_bench_serve(args)
 
 
 def _serve(args: argparse.Namespace) -> int:

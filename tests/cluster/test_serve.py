@@ -12,8 +12,11 @@ import asyncio
 import collections
 import json
 import math
+import os
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -1039,6 +1042,29 @@ def test_32_concurrent_streaming_clients_all_complete(server, make_engine):
     for i in (0, 17, 31):  # batching does not change greedy outputs
         expected, _ = engine_text(make_engine, prompts[i], max_tokens=12, temperature=0)
         assert results[i][0] == expected
+    _wait_idle(server)
+
+
+def test_bench_serve_drives_the_server_and_writes_json_and_png(server, tmp_path):
+    """`tessera bench serve` as a user runs it, its key from $OPENAI_API_KEY: every
+    request completes with exactly its max_tokens (ignore_eos)."""
+    command = [
+        *(sys.executable, "-m", "tessera.cluster.cli", "bench", "serve"),
+        *("--base-url", server.url, "--num-prompts", "6", "--max-concurrency", "3"),
+        *("--random-input-len", "16", "--random-output-len", "8", "--ignore-eos"),
+        *("--goodput", "ttft:60000", "tpot:60000", "--num-warmups", "1"),
+        *("--save-result", "--result-dir", str(tmp_path), "--result-filename", "run.json"),
+    ]
+    env = {**os.environ, "OPENAI_API_KEY": API_KEY}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert (result["completed"], result["failed"], result["model_id"]) == (6, 0, MODEL)
+    assert result["total_output_tokens"] == 6 * 8
+    assert result["total_input_tokens"] == 6 * 16  # token-id prompts: exact lengths
+    assert result["request_goodput"] == result["request_throughput"]
+    assert (tmp_path / "run.png").stat().st_size > 0
+    assert "Total generated tokens:                  48" in done.stdout
     _wait_idle(server)
 
 

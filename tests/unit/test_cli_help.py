@@ -30,14 +30,23 @@ def test_building_the_parser_imports_nothing_heavy():
 @pytest.mark.parametrize(
     ("command", "expected"),
     [
-        ([], "{generate,cluster,serve}"),
+        ([], "{generate,cluster,serve,bench}"),
+        (["bench", "serve"], "--goodput METRIC:MS [METRIC:MS ...]"),
         (["serve"], "--enable-prefix-caching, --no-enable-prefix-caching"),
         (["cluster"], "--speculative-method {ngram,draft}"),
         (["generate"], "--speculative-method {ngram,draft}"),
         (["serve"], "--reasoning-parser {deepseek_r1,qwen3}"),
         (["generate"], "--chat-template CHAT_TEMPLATE"),
     ],
-    ids=["tessera", "serve", "cluster", "generate", "serve-reasoning", "generate-sources"],
+    ids=[
+        "tessera",
+        "bench-serve",
+        "serve",
+        "cluster",
+        "generate",
+        "serve-reasoning",
+        "generate-sources",
+    ],
 )
 def test_help_exits_zero(command: list[str], expected: str):
     done = subprocess.run(
