@@ -37,6 +37,8 @@ FAST = "fast"
 INT8 = "int8"
 #: Every ``dtype`` a user may ask for: the modes, then the dtypes.
 DTYPE_CHOICES = (AUTO_DTYPE, INT8, *DTYPES)
+#: How ``/v1/embeddings`` pools a prompt's final hidden states: its last token's, or the mean.
+EMBEDDING_POOLINGS = ("last", "mean")
 #: Each precision a model computes in, in words (logs and ready lines).
 PRECISION_TEXT = {
     FAST: "float32, fast mode: bf16 inputs to the GGUF matmuls, fp16 KV cache",
@@ -200,6 +202,15 @@ class EngineConfig:
         "or .gguf sharing the model's vocabulary, 'target' (the model itself) or "
         "'target:K' (its first K layers)",
     )
+    embedding_pooling: str = _setting(
+        "last",
+        "how /v1/embeddings pools a prompt's final hidden states (after the final norm): "
+        "last takes its last token's, mean averages every token's",
+        choices=EMBEDDING_POOLINGS,
+    )
+    embedding_normalize: bool = _setting(
+        True, "scale each /v1/embeddings vector to unit L2 norm; off: the pooled state as is"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -218,6 +229,7 @@ class EngineConfig:
             "packed_weights",
             "cuda_graphs",
             "native_decode",
+            "embedding_normalize",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -225,6 +237,11 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory_fraction: must be in (0, 0.95], got "
                 f"{self.kv_cache_memory_fraction}"
+            )
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(
+                f"embedding_pooling: must be one of {', '.join(EMBEDDING_POOLINGS)}, "
+                f"got {self.embedding_pooling!r}"
             )
         self._check_speculative()
         self._check_sources()

@@ -43,6 +43,7 @@ from tessera.workers.decoding.rows import Rows
 from tessera.workers.decoding.sampling import Sampler, argmax_only
 from tessera.workers.decoding.speculative import DraftModel, Speculator, load_draft
 from tessera.workers.decoding.stop import StopStringMatcher
+from tessera.workers.engine import embedding
 from tessera.workers.engine.batcher import Batcher, ScheduledBatch
 from tessera.workers.engine.hashing import BlockHasher
 from tessera.workers.engine.model_runner import ModelRunner
@@ -231,6 +232,23 @@ class Engine:
             dataclasses.replace(request, prompt_token_ids=token_ids, arrival_time=arrived),
             grammar,
         )
+
+    def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Each input's pooled final hidden state (``embedding.embed``: the config's
+        ``embedding_pooling`` and ``embedding_normalize``), float32 ``[len(inputs),
+        hidden]``, between steps; ``InvalidRequestError`` naming the input at fault."""
+        vocab = self.model_config.vocab_size
+        embedding.check_inputs(inputs, vocab, self.max_model_len)
+        config = self.config
+        with self._step_lock:
+            return embedding.embed(
+                self.runner,
+                self.kv,
+                inputs,
+                config.max_num_batched_tokens,
+                config.embedding_pooling,
+                config.embedding_normalize,
+            )
 
     def grammar_matcher(self, sampling: SamplingParams, resume: Resume | None) -> object | None:
         """The structured output's matcher for a request with ``sampling`` and

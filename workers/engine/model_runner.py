@@ -87,10 +87,15 @@ class ModelRunner:
         self.forward_time = 0.0
         self._host_ints = HostInts()  # the CPU's step inputs
 
-    def execute(self, chunks: Seq[Chunk], argmax_only: bool = False) -> torch.Tensor:
+    def execute(
+        self, chunks: Seq[Chunk], argmax_only: bool = False, hidden_only: bool = False
+    ) -> torch.Tensor:
         """Compute every chunk's tokens (writing their K/V); return the logits of each
         chunk's ``logits_rows``, chunk after chunk, as float32 ``[sum of rows, vocab]``, or
         with ``argmax_only`` each of those rows' argmax (int64, ``argmax_rows``' answer).
+
+        With ``hidden_only``, those rows' final-normed hidden states instead (float32
+        ``[sum of rows, hidden]``, no LM head: ``embedding.embed``).
 
         Pending copy-on-write block copies are applied first, in the order recorded.
         """
@@ -121,7 +126,7 @@ class ModelRunner:
         if whole:
             entries.sort(key=lambda entry: entry[2] != 1)
         graphs = self.decode_graphs
-        if graphs is not None and not whole and graphs.fits(len(entries)):
+        if graphs is not None and not whole and not hidden_only and graphs.fits(len(entries)):
             logits = self._static_decode(chunks, entries)
             return argmax_rows(logits) if argmax_only else logits
         bs = self.block_size
@@ -183,6 +188,7 @@ class ModelRunner:
             num_decodes,
             argmax_only,
             contexts,
+            hidden_only=hidden_only,
         )
 
     def execute_decodes(
@@ -249,6 +255,7 @@ class ModelRunner:
         argmax_only: bool = False,
         contexts: list[int] | None = None,
         logits_for: Seq[int] = (),
+        hidden_only: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward over a flattened batch (the layout in ``flat_batch``'s docstring):
         its first ``num_decodes`` sequences are decodes of one row each, causal; ``masks``
@@ -305,6 +312,7 @@ class ModelRunner:
                 argmax_only=argmax_only,
                 rope_contexts=rope_contexts,
                 logits_for=full,
+                hidden_only=hidden_only,
             )
         )
 

@@ -386,6 +386,7 @@ class LlamaModel(nn.Module):
         argmax_only: bool = False,
         rope_contexts: torch.Tensor | None = None,  # [T]: RotaryEmbedding.lookup's contexts
         logits_for: torch.Tensor | None = None,  # [K]: with argmax_only, rows of the S
+        hidden_only: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab],
         or with ``argmax_only`` each of those rows' argmax (int64 [S], ``argmax_rows``'
@@ -393,6 +394,8 @@ class LlamaModel(nn.Module):
         With ``argmax_only`` and ``logits_for`` (ascending indices into the S rows: rows a
         grammar masks), the pair (the other rows' argmax in order, ``logits_for``'s
         logits): one constrained row does not cost the others their argmax-only head.
+        With ``hidden_only``, the S rows' final-normed hidden states (float32
+        ``[S, hidden]``) and no LM head: what an embedding pools.
 
         ``native``: a batch without masks (decodes, then causal chunks) runs its layers
         through ``native_layers()`` where that exists, not op by op; the chunks' attention
@@ -441,6 +444,8 @@ class LlamaModel(nn.Module):
                 c, s = (cos, sin) if local is None or not layer.window else local
                 hidden = layer(hidden, c, s, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
             hidden = self.norm(hidden)
+        if hidden_only:
+            return hidden.float()
         if argmax_only and logits_for is not None:
             others = torch.ones(hidden.shape[0], dtype=torch.bool, device=hidden.device)
             others[logits_for] = False

@@ -1,0 +1,101 @@
+"""Embeddings (``Engine.embed``) against transformers' final hidden states pooled the
+same way: several inputs of different lengths in one call, whole and chunked, last and
+mean pooling, normalised or not; no KV block held afterwards; the 400s' fields."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.workers.api import InvalidRequestError
+from tessera.workers.engine.embedding import MAX_EMBEDDING_INPUTS
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = (1, 5, 13, 30)
+
+
+def reference(hf_model, inputs: list[list[int]], pooling: str, normalize: bool) -> torch.Tensor:
+    """transformers' last hidden state (after the final norm: checked below against the
+    norm applied to the last layer's output), one input at a time, pooled."""
+    pooled = []
+    with torch.no_grad():
+        for tokens in inputs:
+            out = hf_model(torch.tensor([tokens]), output_hidden_states=True)
+            states = out.hidden_states[-1][0]  # [T, hidden]
+            pooled.append(states.mean(0) if pooling == "mean" else states[-1])
+    result = torch.stack(pooled).float()
+    return torch.nn.functional.normalize(result, dim=-1) if normalize else result
+
+
+def random_inputs(seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def test_hf_last_hidden_state_is_after_the_final_norm(tiny_llama):
+    _, hf_model = tiny_llama
+    tokens = torch.tensor([random_inputs(0)[2]])
+    with torch.no_grad():
+        out = hf_model(tokens, output_hidden_states=True)
+        logits = hf_model.lm_head(out.hidden_states[-1])
+    torch.testing.assert_close(logits, out.logits, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "raw"])
+@pytest.mark.parametrize("budget", [2048, 8], ids=["whole", "chunked"])
+def test_embeddings_match_transformers(tiny_llama, pooling, normalize, budget):
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+
+    path, hf_model = tiny_llama
+    config = EngineConfig(
+        model=str(path),
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=budget,
+        embedding_pooling=pooling,
+        embedding_normalize=normalize,
+    )
+    engine = Engine(config)
+    inputs = random_inputs(1)
+    ours = engine.embed(inputs)
+    expected = reference(hf_model, inputs, pooling, normalize)
+    assert ours.shape == (len(inputs), hf_model.config.hidden_size)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    # no block held afterwards, and the pool's invariants hold
+    engine.check_integrity()
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert not engine.kv.tables
+
+
+def test_embeddings_of_smollm2_match_transformers(make_engine, hf_reference):
+    """The built-in model, exact mode, last pooling normalised (the defaults)."""
+    engine = make_engine()
+    inputs = [engine.tokenize(text) for text in ("Hello there.", "A longer sentence " * 5)]
+    expected = reference(hf_reference.model, inputs, "last", True)
+    torch.testing.assert_close(engine.embed(inputs), expected, atol=1e-5, rtol=1e-5)
+    engine.check_integrity()
+    assert not engine.kv.tables
+
+
+def test_embedding_input_errors_name_the_field(tiny_llama):
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+
+    path, _ = tiny_llama
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=4))
+    cases = [
+        ([], "input", "must not be empty"),
+        ([[5], []], "input[1]", "must not be empty"),
+        ([[5]] * (MAX_EMBEDDING_INPUTS + 1), "input", f"got {MAX_EMBEDDING_INPUTS + 1}"),
+        ([[5] * 257], "input[0]", "more than the model's context of 256 tokens"),
+        ([[5, 512]], "input[0]", "token id 512 is out of the vocabulary [0, 512)"),
+    ]
+    for inputs, field, message in cases:
+        with pytest.raises(InvalidRequestError) as caught:
+            engine.embed(inputs)
+        assert caught.value.field == field
+        assert message in caught.value.message
+    assert not engine.kv.tables
