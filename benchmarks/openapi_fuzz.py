@@ -32,6 +32,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 
 from tessera.cluster.openai_chat import ChatCompletionRequest, TokenizeChatRequest
+from tessera.cluster.openai_embeddings import EmbeddingRequest
 from tessera.cluster.openai_requests import (
     CompletionRequest,
     DetokenizeRequest,
@@ -44,11 +45,12 @@ BODIES = {
     "/v1/chat/completions": (ChatCompletionRequest,),
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
+    "/v1/embeddings": (EmbeddingRequest,),
 }
 #: The routes that generate, whose cases are bounded.
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 #: Body fields that hold token ids.
-TOKEN_FIELDS = ("prompt", "tokens", "stop_token_ids")
+TOKEN_FIELDS = ("prompt", "tokens", "stop_token_ids", "input")
 #: The most tokens, and outputs (n, best_of, beam_width), one case may ask for.
 MAX_TOKENS = 4
 MAX_WIDTH = 2

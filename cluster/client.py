@@ -38,11 +38,12 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 
 from tessera.cluster.request_run import RELEASE_WAIT_S, RequestRun, Timings
-from tessera.scheduler.api import ClusterStats, Placement
+from tessera.scheduler.api import ClusterStats, Placement, Refusal
 from tessera.workers.api import (
     InvalidRequestError,
     Request,
@@ -53,6 +54,7 @@ from tessera.workers.kv.prefix_cache import extend_block_hashes
 from tessera.workers.process.channel_reader import (
     ChannelReader,
 )
+from tessera.workers.process.protocol import MIXED
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +210,24 @@ class ClusterClient:
                 "prompt", f"must be text or a list of token ids, got {type(prompt).__name__}"
             )
         return tuple(prompt)
+
+    async def embed(
+        self, request_id: str, inputs: list[list[int]], timeout_s: float | None = None
+    ) -> Any:
+        """Each input's embedding (float32 numpy ``[len(inputs), hidden]``) from one
+        worker the scheduler places the request on (as any request: its admission
+        queue and placement policy; no prefix affinity); its place is released at the
+        end. Raises ``submit``'s errors, and ``InvalidRequestError`` naming the input."""
+        placement = await self.scheduler.place.remote(
+            request_id, [], MIXED, timeout_s, False, (request_id,)
+        )
+        if isinstance(placement, Refusal):
+            raise placement.error(placement.message)
+        try:
+            return await placement.worker.embed.remote(inputs)
+        finally:
+            release = self.scheduler.release.remote(request_id)
+            await asyncio.wait_for(asyncio.shield(release), RELEASE_WAIT_S)
 
     async def abort(self, request_id: str) -> bool:
         """End a request with ``finish_reason`` abort; False if no worker has it."""

@@ -88,6 +88,7 @@ class FrontEnd:
         self.model_name = config.model_name
         self.max_model_len: int = info.max_model_len
         self.vocab_size: int = info.vocab_size
+        self.hidden_size: int | None = info.hidden_size  # an embedding's dimensions
         self.pool_tokens: int = info.total_blocks * info.block_size  # one worker's KV pool
         self.metrics = Metrics(replica, self.model_name, self.max_model_len)
         self.board = ReplicaBoard(

@@ -44,6 +44,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
+from tessera.cluster import openai_embeddings
 from tessera.cluster.front_end import FrontEnd
 from tessera.cluster.grpc_access import check_message_limit
 from tessera.cluster.grpc_api import GenerationService
@@ -54,6 +55,7 @@ from tessera.cluster.http_bodies import BodyReader
 from tessera.cluster.jobs import Job
 from tessera.cluster.metrics import CONTENT_TYPE
 from tessera.cluster.openai_chat import ChatCompletionRequest, TokenizeChatRequest
+from tessera.cluster.openai_embeddings import EmbeddingRequest
 from tessera.cluster.openai_errors import APIError, invalid
 from tessera.cluster.openai_parsing import parse_body
 from tessera.cluster.openai_requests import (
@@ -222,6 +224,18 @@ class OpenAIServer(GenerationService):
             return self.answers.sse(job, self.answers.chat_chunks(job, body), "chat")
         await self.front.collect(job, "chat")
         return JSONResponse(await self.answers.chat(job, body))
+
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            body = parse_body(await self.bodies.read(request), EmbeddingRequest)
+            answer = await openai_embeddings.embeddings(self.front, body)
+        except APIError as error:
+            openai_embeddings.count(self.front, error.status)
+            raise
+        openai_embeddings.count(self.front, 200)
+        return JSONResponse(answer)
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:

@@ -9,6 +9,9 @@ from tessera.workers.config import EngineConfig
 from tessera.workers.kv.manager import blocks_needed
 from tessera.workers.model.config import ModelConfig
 
+#: Most inputs in one embeddings request (OpenAI's own limit).
+MAX_EMBEDDING_INPUTS = 2048
+
 
 def check_prompt_ids(
     token_ids: Sequence[object], vocab_size: int, field: str = "prompt", max_len: int | None = None
@@ -154,3 +157,20 @@ def _check_width(
     raise InvalidRequestError(
         "max_tokens", f"{what} {need} KV blocks, but the KV pool has only {num_blocks}"
     )
+
+
+def check_embedding_inputs(
+    inputs: Sequence[Sequence[int]], vocab_size: int, max_model_len: int
+) -> None:
+    """``InvalidRequestError`` naming ``input`` (or ``input[i]``): no inputs, more than
+    ``MAX_EMBEDDING_INPUTS``, an empty one, one over the context or out of the vocabulary."""
+    if not inputs:
+        raise InvalidRequestError("input", "must not be empty")
+    if len(inputs) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequestError(
+            "input", f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(inputs)}"
+        )
+    for i, tokens in enumerate(inputs):
+        if not tokens:
+            raise InvalidRequestError(f"input[{i}]", "must not be empty")
+        check_prompt_ids(tokens, vocab_size, f"input[{i}]", max_model_len)

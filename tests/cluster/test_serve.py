@@ -1194,3 +1194,69 @@ def test_vllm_metrics_are_served_and_move_by_exactly_the_request(server):
         assert moved(f"{name}_count") == 1, name
     assert 0 <= after[key("vllm:kv_cache_usage_perc", **engine)] <= 1
     assert key("vllm:num_requests_waiting", engine="queue") in after  # the global queue
+
+
+# ------------------------------------------------------------------ embeddings
+def test_embeddings_match_transformers_through_the_openai_client(server, hf_reference):
+    """Texts and token ids of different lengths batched in one request: transformers'
+    last token's final hidden state, L2-normalised (the defaults); base64 decodes to
+    the same floats; no KV block is held afterwards."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    texts = ["Hello there.", "The lighthouse keeper climbed the stairs at dusk " * 3]
+    client = server.client()
+    done = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    ids = [1, 2, 3, 500, 42, 7]
+    by_ids = client.embeddings.create(model=MODEL, input=[ids, ids[:2]], encoding_format="float")
+    # (the openai client decodes base64 where it chose the format, not where asked)
+    default = client.embeddings.create(model=MODEL, input=texts)
+    assert done.object == "list" and done.model == MODEL
+    assert [d.index for d in done.data] == [0, 1]
+    hf = hf_reference.model
+    tokens = [server_tokens(server, text) for text in texts]
+    assert done.usage.prompt_tokens == done.usage.total_tokens == sum(map(len, tokens))
+    for response, inputs in ((done, tokens), (by_ids, [ids, ids[:2]])):
+        for item, prompt in zip(response.data, inputs, strict=True):
+            with torch.no_grad():
+                states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            expected = torch.nn.functional.normalize(states[-1][0, -1].float(), dim=0)
+            got = torch.tensor(item.embedding)
+            assert got.shape == (hf.config.hidden_size,)
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    raw = server.post("/v1/embeddings", {"input": texts, "encoding_format": "base64"}).json()
+    for item, floats in zip(raw["data"], done.data, strict=True):
+        decoded = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
+        assert decoded.tolist() == floats.embedding
+    assert [d.embedding for d in default.data] == [d.embedding for d in done.data]
+    _wait_idle(server)
+    after = ray.get(server.scheduler().stats.remote()).workers[0].load.engine
+    assert after.free_blocks == after.total_blocks
+
+
+def server_tokens(server, text: str) -> list[int]:
+    return server.post("/tokenize", {"prompt": text}).json()["tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": []}, "input", "input: must not be empty"),
+        ({"input": ""}, "input", "input: must not be empty"),
+        ({"input": ["a", ""]}, "input[1]", "input[1]: must not be empty"),
+        ({"input": ["a"] * 2049}, "input", "input: at most 2048 inputs, got 2049"),
+        ({"input": [[1] * 8193]}, "input[0]", "more than the model's context of 8192"),
+        ({"input": [5, 10**7]}, "input", "token id 10000000 is out of the vocabulary"),
+        ({"input": "a", "dimensions": 3}, "dimensions", "have 576 dimensions; truncation"),
+        ({"input": "a", "encoding_format": "hex"}, "encoding_format", ""),
+    ],
+)
+def test_embeddings_bad_requests_name_the_field(server, body, param, words):
+    response = server.post("/v1/embeddings", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+    assert server.post("/v1/embeddings", {"input": "a", "dimensions": 576}).status_code == 200

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.workers.api import InvalidRequestError
-from tessera.workers.engine.embedding import MAX_EMBEDDING_INPUTS
+from tessera.workers.validation import MAX_EMBEDDING_INPUTS
 
 pytestmark = pytest.mark.slow
 

@@ -22,14 +22,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from tessera.workers.api import InvalidRequestError
 from tessera.workers.engine.flat_batch import Chunk
 from tessera.workers.engine.model_runner import ModelRunner
 from tessera.workers.kv.manager import KVCacheManager
-from tessera.workers.validation import check_prompt_ids
-
-#: Most inputs in one embeddings request (OpenAI's own limit).
-MAX_EMBEDDING_INPUTS = 2048
 
 #: Seq ids of embedding inputs start with this (request ids are uuids or client ids
 #: without a colon-prefixed kind, so they never collide).
@@ -38,21 +33,6 @@ SEQ_PREFIX = "embedding:"
 
 class EmbeddingCapacityError(RuntimeError):
     """The KV pool has too few free blocks for one input, even alone."""
-
-
-def check_inputs(inputs: Seq[Seq[int]], vocab_size: int, max_model_len: int) -> None:
-    """``InvalidRequestError`` naming ``input`` (or ``input[i]``): no inputs, more than
-    ``MAX_EMBEDDING_INPUTS``, an empty one, one over the context or out of the vocabulary."""
-    if not inputs:
-        raise InvalidRequestError("input", "must not be empty")
-    if len(inputs) > MAX_EMBEDDING_INPUTS:
-        raise InvalidRequestError(
-            "input", f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(inputs)}"
-        )
-    for i, tokens in enumerate(inputs):
-        if not tokens:
-            raise InvalidRequestError(f"input[{i}]", "must not be empty")
-        check_prompt_ids(tokens, vocab_size, f"input[{i}]", max_model_len)
 
 
 def embed(

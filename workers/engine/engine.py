@@ -56,7 +56,7 @@ from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.loader import LoadedModel, load_model, load_tokenizer
-from tessera.workers.validation import validate_request
+from tessera.workers.validation import check_embedding_inputs, validate_request
 
 __all__ = ["Engine", "EngineStats"]
 
@@ -238,7 +238,7 @@ class Engine:
         ``embedding_pooling`` and ``embedding_normalize``), float32 ``[len(inputs),
         hidden]``, between steps; ``InvalidRequestError`` naming the input at fault."""
         vocab = self.model_config.vocab_size
-        embedding.check_inputs(inputs, vocab, self.max_model_len)
+        check_embedding_inputs(inputs, vocab, self.max_model_len)
         config = self.config
         with self._step_lock:
             return embedding.embed(

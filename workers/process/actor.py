@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import numpy as np
 import ray
 import torch
 
@@ -137,6 +138,7 @@ class WorkerActor(DeltaChannels):
             pid=os.getpid(),
             kv_address=self._kv_address(),
             precision=engine.loaded.precision,
+            hidden_size=engine.model_config.hidden_size,
         )
 
     def _kv_address(self) -> str | None:
@@ -301,6 +303,14 @@ class WorkerActor(DeltaChannels):
 
     async def has_request(self, request_id: str) -> bool:
         return request_id in self.engine.engine.groups
+
+    async def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """Each input's embedding (``Engine.embed``), float32 numpy ``[len(inputs),
+        hidden]``, run on the engine thread between two steps; ``InvalidRequestError``
+        naming the input at fault."""
+        self._last_active = time.monotonic()
+        vectors = await self.engine.run(self.engine.engine.embed, inputs)
+        return vectors.numpy()
 
     async def check_integrity(self) -> None:
         await self.engine.run(self.engine.engine.check_integrity)  # between two steps

@@ -45,6 +45,7 @@ class WorkerInfo:
     pid: int
     kv_address: str | None = None  # host:port of its KVTransfer server (prefill workers)
     precision: str = "float32"  # LoadedModel.precision: "fast", or the dtype's name
+    hidden_size: int | None = None  # the model's: the dimensions of its embeddings
 
 
 @dataclass(frozen=True, slots=True)
