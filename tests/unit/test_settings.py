@@ -50,6 +50,8 @@ OTHER_VALUES = {
     "speculative_num_tokens": 6,
     "speculative_min_tokens": 2,
     "draft_model": "target:2",
+    "embedding_pooling": "mean",
+    "embedding_normalize": False,
 }
 
 
