@@ -45,7 +45,9 @@ def parse_body(raw: bytes, model: type[Body]) -> Any:
     if not isinstance(data, dict):
         raise invalid(None, f"the body must be a JSON object, got {type(data).__name__}")
     _check_unicode(data, [])
-    data = {key: value for key, value in data.items() if value is not None}  # null: default
+    # null: a declared field's default (an undeclared one stays, and is refused)
+    fields = model.model_fields
+    data = {key: value for key, value in data.items() if value is not None or key not in fields}
     return validate_body(data, model)
 
 
