@@ -99,3 +99,32 @@ def test_embedding_input_errors_name_the_field(tiny_llama):
         assert caught.value.field == field
         assert message in caught.value.message
     assert not engine.kv.tables
+
+
+@pytest.mark.parametrize("static_decode", ["off", "eager"])
+def test_embeddings_op_by_op_match_transformers(tiny_llama, static_decode):
+    """Without the native stack (every layer op by op), and with the static decode path
+    on (an input of one token must not take it: it has no hidden states to give)."""
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+
+    path, hf_model = tiny_llama
+    config = EngineConfig(
+        model=str(path),
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=16,
+        native_decode=False,
+        embedding_pooling="mean",
+    )
+    engine = Engine(config)
+    runner = engine.runner
+    engine.runner = type(runner)(
+        engine.loaded.model, engine.kv, runner.kv_cache, static_decode=static_decode
+    )
+    inputs = random_inputs(2)
+    expected = reference(hf_model, inputs, "mean", True)
+    torch.testing.assert_close(engine.embed(inputs), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(engine.embed([[7]]), reference(hf_model, [[7]], "mean", True))
+    engine.check_integrity()
+    assert not engine.kv.tables
