@@ -35,6 +35,7 @@ however late the caller reads them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -227,7 +228,8 @@ class ClusterClient:
             return await placement.worker.embed.remote(inputs)
         finally:
             release = self.scheduler.release.remote(request_id)
-            await asyncio.wait_for(asyncio.shield(release), RELEASE_WAIT_S)
+            with contextlib.suppress(TimeoutError):  # the scheduler notes it when it can
+                await asyncio.wait_for(asyncio.shield(release), RELEASE_WAIT_S)
 
     async def abort(self, request_id: str) -> bool:
         """End a request with ``finish_reason`` abort; False if no worker has it."""

@@ -71,6 +71,8 @@ async def embeddings(front: FrontEnd, body: EmbeddingRequest) -> dict[str, Any]:
                 field,
                 f"{len(ids)} tokens, more than the model's context of {front.max_model_len} tokens",
             )
+        if len(ids) > front.pool_tokens:
+            raise invalid(field, f"{len(ids)} tokens, more than the KV pool's {front.pool_tokens}")
         prompts.append(ids)
     try:  # (the worker checks them too; the same function names the same field)
         check_embedding_inputs(prompts, front.vocab_size, front.max_model_len)

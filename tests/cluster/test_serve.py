@@ -1251,6 +1251,7 @@ def server_tokens(server, text: str) -> list[int]:
         ({"input": ["a", ""]}, "input[1]", "input[1]: must not be empty"),
         ({"input": ["a"] * 2049}, "input", "input: at most 2048 inputs, got 2049"),
         ({"input": [[1] * 8193]}, "input[0]", "more than the model's context of 8192"),
+        ({"input": [[1] * 5000]}, "input[0]", "5000 tokens, more than the KV pool's"),
         ({"input": [5, 10**7]}, "input", "token id 10000000 is out of the vocabulary"),
         ({"input": "a", "dimensions": 3}, "dimensions", "have 576 dimensions; truncation"),
         ({"input": "a", "encoding_format": "hex"}, "encoding_format", ""),

@@ -128,3 +128,21 @@ def test_embeddings_op_by_op_match_transformers(tiny_llama, static_decode):
     torch.testing.assert_close(engine.embed([[7]]), reference(hf_model, [[7]], "mean", True))
     engine.check_integrity()
     assert not engine.kv.tables
+
+
+def test_an_input_over_the_kv_pool_is_refused_and_the_others_freed(tiny_llama):
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+
+    path, hf_model = tiny_llama
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4, block_size=4))
+    with pytest.raises(InvalidRequestError) as caught:
+        engine.embed([[5] * 9, [6] * 17])  # the pool holds 16 tokens
+    assert caught.value.field == "input[1]"
+    assert caught.value.message == "17 tokens, more than the KV pool's 16"
+    engine.check_integrity()
+    assert not engine.kv.tables and engine.kv.num_free_blocks == 4
+    inputs = [[5] * 9, [6] * 16, [7] * 3]  # one after another: each fits alone
+    expected = reference(hf_model, inputs, "last", True)
+    torch.testing.assert_close(engine.embed(inputs), expected, atol=1e-5, rtol=1e-5)
+    assert not engine.kv.tables

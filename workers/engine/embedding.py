@@ -22,9 +22,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from tessera.workers.api import InvalidRequestError
 from tessera.workers.engine.flat_batch import Chunk
 from tessera.workers.engine.model_runner import ModelRunner
-from tessera.workers.kv.manager import KVCacheManager
+from tessera.workers.kv.manager import KVCacheManager, blocks_needed
 
 #: Seq ids of embedding inputs start with this (request ids are uuids or client ids
 #: without a colon-prefixed kind, so they never collide).
@@ -59,6 +60,13 @@ def embed(
             # start inputs while the pool holds them (at least one runs at a time)
             while following < len(inputs) and sum(len(inputs[i]) - done[i] for i in live) < budget:
                 if not kv.allocate(seq_ids[following], len(inputs[following])):
+                    size = len(inputs[following])
+                    if blocks_needed(size, kv.block_size) > kv.pool.num_blocks:
+                        raise InvalidRequestError(
+                            f"input[{following}]",
+                            f"{size} tokens, more than the KV pool's "
+                            f"{kv.pool.num_blocks * kv.block_size}",
+                        )
                     if not live:
                         raise EmbeddingCapacityError(
                             f"the KV pool has {kv.num_free_blocks} free blocks, too few "
