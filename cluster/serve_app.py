@@ -9,7 +9,8 @@ merging its streams under its deadline, the metrics) is the replica's
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models`` and
-``GET /v1/models/{model}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
+``GET /v1/models/{model}``, ``POST /v1/embeddings`` (``openai_embeddings``),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
 ``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
