@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tessera.cluster.openai_errors import invalid
+from tessera.cluster.openai_errors import APIError, invalid
 from tessera.cluster.openai_requests import Body
 
 
@@ -55,37 +55,67 @@ def validate_body(data: dict[str, Any], model: type[Body]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        loc = [str(part) for part in first["loc"]]
-        # A union's branch name (e.g. 'str', 'list[int]') is not part of the path.
-        param = ".".join(part for part in loc if not _is_type_name(part)) or None
-        if first["type"] == "extra_forbidden":
-            raise invalid(param, f"Unrecognized request argument supplied: {param}") from None
-        if first["type"] == "missing":
-            raise invalid(param, "is required") from None
-        message = first["msg"]
-        if param == "prompt":
-            message = (
-                "must be a string, a list of strings, a list of token ids or a list of "
-                "lists of token ids"
-            )
-        elif param == "chat_template_kwargs":
-            message = (
-                "must be an object of the chat template's extra variables with string keys, "
-                'e.g. {"enable_thinking": false}'
-            )
-        elif param == "store":
-            message = "must be false: this server keeps no completions to fetch later"
-        elif param is not None and _MESSAGE_CONTENT.fullmatch(param):
-            message = (
-                "must be a string or a list of text parts ({'type': 'text', 'text': ...}): "
-                "the model reads text only"
-            )
-        raise invalid(param, f"{message}, got {_short(first.get('input'))}") from None
+        raise _refusal(error.errors()[0], data) from None
 
 
-#: A chat message's ``content``, whose errors pydantic words as a bad string's.
-_MESSAGE_CONTENT = re.compile(r"messages\.\d+\.content")
+def _refusal(first: Any, data: dict[str, Any]) -> APIError:
+    """The 400 for pydantic's first error about ``data``."""
+    loc = [str(part) for part in first["loc"]]
+    # A union's branch name (e.g. 'str', 'list[int]') is not part of the path.
+    param = ".".join(part for part in loc if not _is_type_name(part)) or None
+    if first["type"] == "extra_forbidden":
+        return invalid(param, f"Unrecognized request argument supplied: {param}")
+    if first["type"] == "missing":
+        return invalid(param, "is required")
+    message, given = first["msg"], first.get("input")
+    for pattern, must in _MUST:
+        found = pattern.match(param or "")
+        if found:  # an error inside the field (an item of it) is the field's
+            param, message = found.group(0), must
+            given = _value_at(data, param.split("."))
+            break
+    return invalid(param, f"{message}, got {_short(given)}")
+
+
+#: What these fields must be, where pydantic's words would not say it: the field's path
+#: (a regex, matched at the start of the error's path) and what it must be.
+_MUST = [
+    (re.compile(rf"{path}(?=\.|$)"), must)
+    for path, must in (
+        (
+            r"prompt",
+            "must be a string, a list of strings, a list of token ids or a list of lists of "
+            "token ids",
+        ),
+        (
+            r"chat_template_kwargs",
+            "must be an object of the chat template's extra variables with string keys, "
+            'e.g. {"enable_thinking": false}',
+        ),
+        (r"store", "must be false: this server keeps no completions to fetch later"),
+        (
+            r"messages\.\d+\.content",
+            "must be a string or a list of text parts ({'type': 'text', 'text': ...}): "
+            "the model reads text only",
+        ),
+        (r"modalities", 'must be ["text"]: this server writes text only'),
+        (r"audio", "must be null: this server writes text only"),
+        (
+            r"messages\.\d+\.audio",
+            "must be null: this server writes text only, so no earlier audio answer exists",
+        ),
+        (r"web_search_options", "must be null: this server does not search the web"),
+        (r"moderation", "must be null: this server runs no moderation model"),
+        (r"suffix", "must be null: this server has no insertion (fill-in-the-middle) completions"),
+    )
+]
+
+
+def _value_at(data: Any, path: list[str]) -> Any:
+    """The value at ``path`` (keys, and list indices as text) in ``data``."""
+    for part in path:
+        data = data[int(part)] if isinstance(data, list) else data.get(part)
+    return data
 
 
 def _is_type_name(part: str) -> bool:

@@ -57,6 +57,9 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    #: OpenAI pads its streamed chunks with an ``obfuscation`` field unless this is
+    #: false; these streams carry none either way.
+    include_obfuscation: bool = True
 
 
 class SpeculativeBody(Body):
@@ -216,7 +219,7 @@ class CompletionRequest(SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
-    suffix: None = None  # accepted only when absent / null (no fill-in-the-middle)
+    suffix: None = None  # only absent or null: no fill-in-the-middle (openai_parsing says so)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids (OpenAI's four forms)."""
