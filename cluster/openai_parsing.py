@@ -1,16 +1,26 @@
 """Request bodies from the wire: JSON in, a validated body model out, or an
-``APIError`` 400 that names the field in OpenAI's words."""
+``APIError`` 400 that names the field in OpenAI's words.
+
+A field the body does not declare is refused, as OpenAI refuses it ("Unrecognized
+request argument supplied"), unless the server sets ``ignore_unknown_fields``: then the
+request goes on without them and the log has one warning naming them (vLLM's way).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
-from typing import Any
+import types
+import typing
+from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tessera.cluster.openai_errors import APIError, invalid
 from tessera.cluster.openai_requests import Body
+
+logger = logging.getLogger(__name__)
 
 
 def _check_unicode(value: Any, path: list[str]) -> None:
@@ -34,8 +44,9 @@ def _check_unicode(value: Any, path: list[str]) -> None:
             _check_unicode(item, [*path, str(index)])
 
 
-def parse_body(raw: bytes, model: type[Body]) -> Any:
-    """The request body as ``model``; ``APIError`` 400 naming the field otherwise."""
+def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> Any:
+    """The request body as ``model``; ``APIError`` 400 naming the field otherwise.
+    ``ignore_unknown``: fields ``model`` does not declare are dropped and logged."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -46,16 +57,36 @@ def parse_body(raw: bytes, model: type[Body]) -> Any:
         raise invalid(None, f"the body must be a JSON object, got {type(data).__name__}")
     _check_unicode(data, [])
     data = {key: value for key, value in data.items() if value is not None}  # null: default
-    return validate_body(data, model)
+    return validate_body(data, model, ignore_unknown)
 
 
-def validate_body(data: dict[str, Any], model: type[Body]) -> Any:
+def validate_body(data: dict[str, Any], model: type[Body], ignore_unknown: bool = False) -> Any:
     """``data`` as ``model`` (a body the gRPC door builds, too); ``APIError`` 400
-    naming the field otherwise."""
+    naming the field otherwise. ``ignore_unknown``: fields ``model`` does not declare
+    are dropped (from ``data``) and logged."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise _refusal(error.errors()[0], data) from None
+        errors = error.errors()
+    # pydantic also calls a field extra in the members of a union that do not declare it
+    unknown: list[str] = []
+    if any(e["type"] == "extra_forbidden" for e in errors):
+        _unknown_fields(data, [model], (), unknown, drop=ignore_unknown)
+    if unknown and not ignore_unknown:
+        raise invalid(unknown[0], f"Unrecognized request argument supplied: {unknown[0]}")
+    if unknown:
+        try:
+            body = model.model_validate(data)
+        except ValidationError as error:
+            errors = error.errors()  # refused for another reason: that one is named
+        else:
+            logger.warning(
+                "%s: ignored fields this server does not know (ignore_unknown_fields): %s",
+                model.__name__,
+                ", ".join(unknown),
+            )
+            return body
+    raise _refusal(errors[0], data) from None
 
 
 def _refusal(first: Any, data: dict[str, Any]) -> APIError:
@@ -109,6 +140,59 @@ _MUST = [
         (r"suffix", "must be null: this server has no insertion (fill-in-the-middle) completions"),
     )
 ]
+
+
+def _unknown_fields(data: Any, kinds: list[Any], path: tuple, found: list[str], drop: bool) -> None:
+    """The path of every key in ``data`` that no body model of ``kinds`` (the types
+    the value may have: a union's members each) declares, into ``found``; removed from
+    ``data`` where ``drop``. An object whose ``type`` no model takes (an image part) is
+    not looked into: it is refused for its type."""
+    members = _members(kinds)
+    if isinstance(data, dict):
+        known: dict[str, list[Any]] = {}
+        for model in members:
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                continue
+            if not _takes_type(model, data.get("type")):
+                continue
+            for name, info in model.model_fields.items():
+                names = {info.alias or name}
+                if model.model_config.get("populate_by_name"):
+                    names.add(name)
+                for key in names:
+                    known.setdefault(key, []).append(info.annotation)
+        if not known:  # a free object (chat_template_kwargs, metadata)
+            return
+        for key in list(data):
+            if key in known:
+                _unknown_fields(data[key], known[key], (*path, key), found, drop)
+            else:
+                found.append(".".join(map(str, (*path, key))))
+                if drop:
+                    del data[key]
+    elif isinstance(data, list):
+        items = [typing.get_args(kind)[0] for kind in members if typing.get_origin(kind) is list]
+        for index, item in enumerate(data):
+            _unknown_fields(item, items, (*path, index), found, drop)
+
+
+def _takes_type(model: type[BaseModel], kind: Any) -> bool:
+    """Whether ``model`` may be an object whose ``type`` is ``kind``."""
+    field = model.model_fields.get("type")
+    if kind is None or field is None or typing.get_origin(field.annotation) is not Literal:
+        return True
+    return kind in typing.get_args(field.annotation)
+
+
+def _members(kinds: list[Any]) -> list[Any]:
+    """``kinds`` with each union replaced by its members."""
+    out = []
+    for kind in kinds:
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            out.extend(_members(list(typing.get_args(kind))))
+        else:
+            out.append(kind)
+    return out
 
 
 def _value_at(data: Any, path: list[str]) -> Any:

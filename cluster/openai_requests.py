@@ -1,7 +1,8 @@
 """The OpenAI request bodies both endpoints share, and the completions endpoint's.
 
 Request models are strict and forbid unknown fields (as OpenAI's API answers
-"Unrecognized request argument supplied"). The sampling fields carry the engine's names
+"Unrecognized request argument supplied"; ``openai_parsing`` drops them instead with
+``ignore_unknown_fields``). The sampling fields carry the engine's names
 and map to ``SamplingParams`` by ``tessera.workers.decoding.sampling_fields``; their
 defaults are the engine's (one declaration). The chat endpoint's bodies are in
 ``openai_chat``.

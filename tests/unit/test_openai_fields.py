@@ -2,14 +2,18 @@
 (``reasoning_effort``, the deprecated ``functions`` / ``function_call``), taken with a
 meaning that changes no token (``verbosity``, ``prediction``, cache bookkeeping), or
 refused in words where it asks for what this server has not (audio, web search,
-moderation, fill-in-the-middle). The wire format alone: no Ray, no HTTP."""
+moderation, fill-in-the-middle). A field no body declares is refused, or dropped and
+logged with ``ignore_unknown_fields``. The wire format alone: no Ray, no HTTP."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
+from tessera.cluster.cli import build_parser
+from tessera.cluster.config import ServeConfig, config_from_args
 from tessera.cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -26,9 +30,9 @@ WEATHER = {
 }
 
 
-def chat(**body) -> ChatCompletionRequest:
+def chat(ignore_unknown: bool = False, **body) -> ChatCompletionRequest:
     body.setdefault("messages", MESSAGES)
-    return parse_body(json.dumps(body).encode(), ChatCompletionRequest)
+    return parse_body(json.dumps(body).encode(), ChatCompletionRequest, ignore_unknown)
 
 
 def refusal(model=ChatCompletionRequest, **body) -> tuple[str | None, str]:
@@ -261,14 +265,60 @@ def test_a_legacy_answer_keeps_its_first_call_and_the_rest_as_text():
     assert len(parse(f"{first}\n{second}", "hermes", {"f"})[1]) == 2
 
 
+def test_unknown_fields_are_refused_or_dropped_and_logged(caplog):
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache": 1}]}],
+        "tools": [{"type": "function", "function": {**WEATHER, "examples": []}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}, "why": "x"},
+        "chat_template_kwargs": {"free": "variables are not fields"},
+        "top_k_sampling": 3,
+    }
+    assert refusal(**body) == (
+        "messages.0.content.0.cache",
+        "messages.0.content.0.cache: Unrecognized request argument supplied: "
+        "messages.0.content.0.cache",
+    )
+    with caplog.at_level(logging.WARNING, logger="tessera.cluster.openai_parsing"):
+        taken = chat(ignore_unknown=True, **body)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "ChatCompletionRequest: ignored fields this server does not know "
+        "(ignore_unknown_fields): messages.0.content.0.cache, tools.0.function.examples, "
+        "tool_choice.why, top_k_sampling"
+    )
+    del body["top_k_sampling"], body["tool_choice"]["why"], body["tools"][0]["function"]["examples"]
+    body["messages"][0]["content"][0].pop("cache")
+    assert taken == chat(**body)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tessera.cluster.openai_parsing"):
+        assert chat(ignore_unknown=True).messages == chat().messages  # nothing to say
+        wrong = {"prompt": "x", "n": "2", "bogus": 1}
+        with pytest.raises(APIError, match="n: Input should be a valid integer, got '2'"):
+            parse_body(json.dumps(wrong).encode(), CompletionRequest, ignore_unknown=True)
+    assert caplog.records == []  # refused for its own error: nothing was ignored
+
+
+def test_ignore_unknown_fields_is_a_serve_setting():
+    """Off by default; a config file's key, and a flag that overrides the file."""
+    assert ServeConfig.create().ignore_unknown_fields is False
+    flag = build_parser().parse_args(["serve", "--ignore-unknown-fields"])
+    assert config_from_args(flag, ServeConfig).ignore_unknown_fields is True
+    file = {"ignore_unknown_fields": True}
+    given = config_from_args(build_parser().parse_args(["serve"]), ServeConfig, file)
+    assert given.ignore_unknown_fields is True
+    off = build_parser().parse_args(["serve", "--no-ignore-unknown-fields"])
+    assert config_from_args(off, ServeConfig, file).ignore_unknown_fields is False
+
+
 def test_an_object_of_another_type_is_refused_for_its_type_not_its_fields():
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
     custom = {"type": "custom", "custom": {"name": "shell"}}
-    with pytest.raises(APIError) as caught:
-        chat(messages=[{"role": "user", "content": [image]}])
-    assert caught.value.message.startswith(
-        "messages.0.content: must be a string or a list of text parts"
-    )
-    with pytest.raises(APIError) as caught:
-        chat(tools=[custom])
-    assert caught.value.message == "tools.0.type: Input should be 'function', got 'custom'"
+    for ignore_unknown in (False, True):
+        with pytest.raises(APIError) as caught:
+            chat(ignore_unknown, messages=[{"role": "user", "content": [image]}])
+        assert caught.value.message.startswith(
+            "messages.0.content: must be a string or a list of text parts"
+        )
+        with pytest.raises(APIError) as caught:
+            chat(ignore_unknown, tools=[custom])
+        assert caught.value.message == "tools.0.type: Input should be 'function', got 'custom'"
