@@ -56,7 +56,9 @@ def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> A
     if not isinstance(data, dict):
         raise invalid(None, f"the body must be a JSON object, got {type(data).__name__}")
     _check_unicode(data, [])
-    data = {key: value for key, value in data.items() if value is not None}  # null: default
+    # a declared field's null reads as its default; an unknown one's is still unknown
+    declared = {info.alias or name for name, info in model.model_fields.items()}
+    data = {key: value for key, value in data.items() if value is not None or key not in declared}
     return validate_body(data, model, ignore_unknown)
 
 

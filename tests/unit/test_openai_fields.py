@@ -322,3 +322,14 @@ def test_an_object_of_another_type_is_refused_for_its_type_not_its_fields():
         with pytest.raises(APIError) as caught:
             chat(ignore_unknown, tools=[custom])
         assert caught.value.message == "tools.0.type: Input should be 'function', got 'custom'"
+
+
+def test_a_null_reads_as_the_default_only_for_a_declared_field(caplog):
+    body = json.dumps({"prompt": "x", "suffix": None, "best_of": None, "bogus": None}).encode()
+    with pytest.raises(APIError, match="^bogus: Unrecognized request argument supplied: bogus$"):
+        parse_body(body, CompletionRequest)
+    with caplog.at_level(logging.WARNING, logger="tessera.cluster.openai_parsing"):
+        assert parse_body(body, CompletionRequest, ignore_unknown=True).best_of is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "CompletionRequest: ignored fields this server does not know (ignore_unknown_fields): bogus"
+    ]
