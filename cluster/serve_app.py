@@ -19,7 +19,8 @@ to run: ``tessera serve``, ``serve run tessera.cluster.serve_app:app_builder`` a
 tokenize, place each request through the scheduler and relay the worker's stream.
 
 **Errors** are OpenAI's error objects (``cluster.openai_errors.APIError``): 400
-naming the field, 401 without the API key, 403 for a ``Host`` a keyless local server
+naming the field (an unknown one too, unless ``ignore_unknown_fields``: then it is
+dropped and logged), 401 without the API key, 403 for a ``Host`` a keyless local server
 does not answer to (``http_access``), 404 for an unknown model or route, 408 past the
 request's deadline or a body slower than ``body_timeout_s``, 413 above the body limit,
 415 for a body that is not JSON, 429 with ``Retry-After`` when the cluster is
@@ -57,6 +58,7 @@ from tessera.cluster.openai_chat import ChatCompletionRequest, TokenizeChatReque
 from tessera.cluster.openai_errors import APIError, invalid
 from tessera.cluster.openai_parsing import parse_body
 from tessera.cluster.openai_requests import (
+    Body,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeCompletionRequest,
@@ -154,7 +156,7 @@ class OpenAIServer(GenerationService):
         arrival = time.monotonic()
         try:
             self._authorize(request)
-            body = parse_body(await self.bodies.read(request), CompletionRequest)
+            body = self._parse(await self.bodies.read(request), CompletionRequest)
             self.front.check_model(body.model)
             self.front.check_request(body.priority, body.cache_salt)
             prompts = [await self.front.token_ids(p, "prompt") for p in body.prompts()]
@@ -186,7 +188,7 @@ class OpenAIServer(GenerationService):
         arrival = time.monotonic()
         try:
             self._authorize(request)
-            body = parse_body(await self.bodies.read(request), ChatCompletionRequest)
+            body = self._parse(await self.bodies.read(request), ChatCompletionRequest)
             self.front.check_model(body.model)
             self.front.check_request(body.priority, body.cache_salt)
             await self.front.check_tools(body)
@@ -228,11 +230,11 @@ class OpenAIServer(GenerationService):
         """A prompt's or a conversation's token ids, as vLLM's ``/tokenize`` gives them."""
         self._authorize(request)
         raw = await self.bodies.read(request)
-        try:  # the shape decides; parse_body names a bad field
+        try:  # the shape decides; _parse names a bad field
             chat = "messages" in json.loads(raw)
         except (ValueError, TypeError):
             chat = False
-        body = parse_body(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        body = self._parse(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
         self.front.check_model(body.model)
         if chat:
             ids = await self.front.chat_prompt(body, body.add_special_tokens)
@@ -252,7 +254,7 @@ class OpenAIServer(GenerationService):
     async def detokenize(self, request: Request) -> JSONResponse:
         """Token ids back to text, as vLLM's ``/detokenize`` gives it."""
         self._authorize(request)
-        body = parse_body(await self.bodies.read(request), DetokenizeRequest)
+        body = self._parse(await self.bodies.read(request), DetokenizeRequest)
         self.front.check_model(body.model)
         ids = await self.front.token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": await self.front.off_loop(self.front.tokenizer.decode, ids)})
@@ -260,6 +262,11 @@ class OpenAIServer(GenerationService):
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
         self.access.authorize(request)
+
+    def _parse(self, raw: bytes, model: type[Body]) -> Any:
+        """The body as ``model``, its unknown fields refused or (``ignore_unknown_fields``)
+        dropped and logged."""
+        return parse_body(raw, model, self.config.ignore_unknown_fields)
 
     def _job(
         self,

@@ -3,7 +3,8 @@ template file), called with the official `openai` client: the scripted model
 (``tests/scripted_model.py``) writes ``<think>abc</think>answer`` after any prompt, so
 every expected string is exact. Its reasoning reaches ``reasoning_content`` and its
 answer ``content``, whole and streamed; structured outputs and tool calls hold the answer
-only; ``chat_template_kwargs`` reach the template; completions are not split."""
+only; ``chat_template_kwargs`` and ``reasoning_effort`` reach the template; completions
+are not split."""
 
 from __future__ import annotations
 
@@ -157,6 +158,29 @@ def test_the_chat_template_file_and_its_kwargs_render_the_prompt(server):
         assert done.choices[0].message.content == "answer"  # the scripted model's
     closed = tokenize_chat(server, chat_template_kwargs={"enable_thinking": False})
     assert tokenizer.decode(closed["tokens"]).endswith("assistant [thinker]<think>\n\n</think>")
+
+
+def test_reasoning_effort_sets_the_templates_thinking_switch(server):
+    """none and minimal render the prompt as enable_thinking false does (the reasoning
+    closed in the prompt, so the answer has none), the others as true;
+    chat_template_kwargs that set the switch win."""
+    thinking = tokenize_chat(server)["count"]
+    closed = tokenize_chat(server, chat_template_kwargs={"enable_thinking": False})["count"]
+    assert closed > thinking
+    for effort, kwargs, expected in (
+        ("none", {}, closed),
+        ("minimal", {}, closed),
+        ("low", {}, thinking),
+        ("high", {}, thinking),
+        ("none", {"enable_thinking": True}, thinking),
+        ("high", {"enable_thinking": False}, closed),
+    ):
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+        done = chat(server, reasoning_effort=effort, extra_body=extra)
+        assert done.usage.prompt_tokens == expected, (effort, kwargs)
+        message = done.choices[0].message
+        reasoning = None if expected == closed else "abc"  # the script goes on after </think>
+        assert (message.reasoning_content, message.content) == (reasoning, "answer")
 
 
 def test_chat_template_kwargs_that_set_the_calls_own_arguments_are_refused(server):
