@@ -214,7 +214,15 @@ class ResponsesChatRequest(ChatCompletionRequest):
 
     def wire_name(self, field: str) -> str:
         name = super().wire_name(field)
-        return {"max_tokens": "max_output_tokens", "response_format": "text.format"}.get(name, name)
+        return _WIRE_NAMES.get(name, name)
+
+
+#: The chat request's fields under their Responses API names.
+_WIRE_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
 
 
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

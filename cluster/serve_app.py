@@ -243,10 +243,10 @@ class OpenAIServer(GenerationService):
             limit = min(self.front.max_model_len, self.front.pool_tokens // max(width, 1))
             if len(prompt) >= limit:
                 raise invalid(
-                    "messages",
+                    body.wire_name("messages"),
                     f"the conversation is {len(prompt)} tokens, at or over the {limit} "
                     "tokens each output may hold here (the context length, or the KV "
-                    "pool shared by the outputs); set max_tokens",
+                    f"pool shared by the outputs); set {body.wire_name('max_tokens')}",
                 )
             max_tokens = limit - len(prompt)
         self.front.check_length(prompt, max_tokens, body.wire_name("max_tokens"))
