@@ -181,31 +181,22 @@ def test_tools_give_function_calls_as_chat_and_their_outputs_continue(server):
     (streamed,) = [i for i in final.output if i.type == "function_call"]
     assert streamed.arguments == args_done.arguments == call.arguments
 
-    # The call's output goes back as input: the same as chat's tool message after it.
+    # The output goes back as input (the SDK's own items), with the call's result: the
+    # same as chat's assistant and tool messages.
     history = [
         *messages,
-        {
-            "type": "function_call",
-            "call_id": "call_7",
-            "name": "get_weather",
-            "arguments": call.arguments,
-        },
-        {"type": "function_call_output", "call_id": "call_7", "output": '{"temp": 21}'},
+        *done.output,
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'},
     ]
+    assistant_call = {"name": "get_weather", "arguments": call.arguments}
     chat_history = [
         *messages,
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_7",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": call.arguments},
-                }
-            ],
+            "tool_calls": [{"id": call.call_id, "type": "function", "function": assistant_call}],
         },
-        {"role": "tool", "tool_call_id": "call_7", "content": '{"temp": 21}'},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 21}'},
     ]
     answer = client.responses.create(
         model=MODEL, input=history, tools=[WEATHER], max_output_tokens=16, temperature=0
@@ -282,7 +273,7 @@ def test_stored_responses_continue_and_are_fetched_and_deleted(server):
         ({"input": "x", "background": True}, "background"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-            "input.0.message.content",
+            "input.0.message.content.0.type",
         ),
         ({"input": [{"type": "web_search_call"}]}, "input.0"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
