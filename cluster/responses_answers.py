@@ -13,7 +13,7 @@ response object, or as the Responses API's typed server-sent events (``event: TY
 
 A stream that fails after it began ends with an ``error`` event. Output items: the
 reasoning (with a reasoning parser), the answer's message, then the function calls.
-Responses are kept (``store``) in the replica's ``ResponseStore``.
+Responses are kept (``store``) in the cluster's ``ResponseStore``.
 """
 
 from __future__ import annotations
@@ -107,27 +107,28 @@ class ResponsesWriter:
         self.store = store
 
     # ------------------------------------------------------------------ requests
-    def chat_request(self, body: ResponsesRequest) -> ResponsesChatRequest:
-        """The chat request of ``body``, after the conversation it continues."""
+    async def chat_request(self, body: ResponsesRequest) -> tuple[ResponsesChatRequest, list[dict]]:
+        """The chat request of ``body``, and its conversation's items: those of the
+        response it continues, then its input."""
         earlier: list[dict] = []
         if body.previous_response_id is not None:
-            stored = self.store.get(body.previous_response_id)
+            stored = await self.front.off_loop(self.store.get, body.previous_response_id)
             if stored is None:
                 error = not_found(body.previous_response_id)
                 error.param = "previous_response_id"
                 error.message = error.message.replace("response_id", "previous_response_id", 1)
                 raise error
             earlier = stored.items
-        return body.chat_request(earlier)
+        return body.chat_request(earlier), [*earlier, *body.input_items()]
 
-    def retrieve(self, response_id: str) -> dict:
-        stored = self.store.get(response_id)
+    async def retrieve(self, response_id: str) -> dict:
+        stored = await self.front.off_loop(self.store.get, response_id)
         if stored is None:
             raise not_found(response_id)
         return stored.response
 
-    def delete(self, response_id: str) -> dict:
-        if not self.store.delete(response_id):
+    async def delete(self, response_id: str) -> dict:
+        if not await self.front.off_loop(self.store.delete, response_id):
             raise not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -184,33 +185,29 @@ class ResponsesWriter:
             "total_tokens": job.prompt_tokens + job.completion_tokens,
         }
 
-    def _keep(self, body: ResponsesRequest, chat_items: list, response: dict) -> None:
+    async def _keep(self, body: ResponsesRequest, conversation: list, response: dict) -> None:
         if body.store:
-            self.store.put(response, [*chat_items, *response["output"]])
+            items = [*conversation, *response["output"]]
+            await self.front.off_loop(self.store.put, response, items)
 
-    async def whole(self, job: Job, body: ResponsesRequest, chat: ResponsesChatRequest) -> dict:
-        """The response of a collected job."""
+    async def whole(
+        self, job: Job, body: ResponsesRequest, chat: ResponsesChatRequest, conversation: list
+    ) -> dict:
+        """The response of a collected job; ``conversation``: its items
+        (``chat_request``'s)."""
         answer = await self.answers.chat(job, chat)
         choice = answer["choices"][0]
         output = output_items(choice["message"])
         response = self.response(job, body, chat, output, choice["finish_reason"] or "stop")
-        self._keep(body, self._conversation(body), response)
+        await self._keep(body, conversation, response)
         return response
-
-    def _conversation(self, body: ResponsesRequest) -> list[dict]:
-        earlier = []
-        if body.previous_response_id is not None:
-            stored = self.store.get(body.previous_response_id)
-            earlier = stored.items if stored is not None else []
-        return [*earlier, *body.input_items()]
 
     # ------------------------------------------------------------------ streamed
     def stream(
-        self, job: Job, body: ResponsesRequest, chat: ResponsesChatRequest
+        self, job: Job, body: ResponsesRequest, chat: ResponsesChatRequest, conversation: list
     ) -> StreamingResponse:
         """The job's answer as typed server-sent events; its metrics when it ends."""
         numbers = itertools.count()
-        conversation = self._conversation(body)
         events = self._events(job, body, chat, numbers, conversation)
 
         async def lines() -> AsyncIterator[bytes]:
@@ -349,7 +346,7 @@ class ResponsesWriter:
             for out in [*opened(message_item("", status="in_progress")), *closed()]:
                 yield out
         response = self.response(job, body, chat, output, finish or "stop")
-        self._keep(body, conversation, response)
+        await self._keep(body, conversation, response)
         kind = "incomplete" if response["status"] == "incomplete" else "completed"
         yield event(f"response.{kind}", response=response)
 

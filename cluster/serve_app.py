@@ -64,7 +64,7 @@ from tessera.cluster.openai_requests import (
     TokenizeCompletionRequest,
 )
 from tessera.cluster.openai_responses_api import ResponsesRequest
-from tessera.cluster.response_store import ResponseStore
+from tessera.cluster.response_store import GcsKeyValue, ResponseStore
 from tessera.cluster.responses_answers import ResponsesWriter
 from tessera.cluster.serve_config import ServeConfig
 from tessera.scheduler.api import WorkerStatus
@@ -88,7 +88,11 @@ class OpenAIServer(GenerationService):
         self.config = config
         self.front = await FrontEnd.connect(config, replica_name())
         self.answers = AnswerWriter(self.front)
-        self.responses = ResponsesWriter(self.front, self.answers, ResponseStore())
+        store = ResponseStore(
+            GcsKeyValue(), f"tessera/{config.namespace}/{config.scheduler_name}/responses/"
+        )
+        await self.front.off_loop(store.sweep)  # those of replicas gone
+        self.responses = ResponsesWriter(self.front, self.answers, store)
         self.bodies = BodyReader(config)
         self.access = HttpAccess(config)
         self._api_key = self.access.api_key  # the gRPC door's check (GenerationService)
@@ -209,26 +213,26 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = parse_body(await self.bodies.read(request), ResponsesRequest)
-            chat = self.responses.chat_request(body)
+            chat, conversation = await self.responses.chat_request(body)
             job = await self._start_chat(chat, arrival, "resp")
         except APIError as error:
             self.front.refused("responses", error.status)
             raise
         if body.stream:
-            return self.responses.stream(job, body, chat)
+            return self.responses.stream(job, body, chat, conversation)
         await self.front.collect(job, "responses")
-        return JSONResponse(await self.responses.whole(job, body, chat))
+        return JSONResponse(await self.responses.whole(job, body, chat, conversation))
 
     @api.get("/v1/responses/{response_id}")
     async def retrieve_response(self, request: Request, response_id: str) -> JSONResponse:
-        """A stored response (this replica's: ``response_store``); 404 for any other."""
+        """A stored response (``response_store``); 404 for any other."""
         self._authorize(request)
-        return JSONResponse(self.responses.retrieve(response_id))
+        return JSONResponse(await self.responses.retrieve(response_id))
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, request: Request, response_id: str) -> JSONResponse:
         self._authorize(request)
-        return JSONResponse(self.responses.delete(response_id))
+        return JSONResponse(await self.responses.delete(response_id))
 
     async def _start_chat(self, body: ChatCompletionRequest, arrival: float, prefix: str) -> Job:
         """Check a chat request, render its conversation and start its job (the chat
