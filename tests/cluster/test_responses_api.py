@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import ray
+from ray.experimental import internal_kv
 
 from tests.cluster.serve_process import Server, serve_process
 
@@ -252,7 +253,11 @@ def test_stored_responses_continue_and_are_fetched_and_deleted(server):
 
     fetched = client.responses.retrieve(second.id)
     assert fetched.model_dump() == second.model_dump()
+    # In the GCS, where every front-end replica finds it.
+    key = f"tessera/{NAMESPACE}/tessera-scheduler/responses/{second.id}"
+    assert internal_kv._internal_kv_get(key) is not None
     client.responses.delete(second.id)
+    assert internal_kv._internal_kv_get(key) is None
     for call in (client.responses.retrieve, client.responses.delete):
         with pytest.raises(openai.NotFoundError) as missing:
             call(second.id)
