@@ -42,11 +42,13 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def not_found(response_id: str) -> APIError:
+def not_found(response_id: str, param: str = "response_id") -> APIError:
+    """OpenAI's 404 for an id that no stored response has (never stored, expired or
+    deleted)."""
     return APIError(
         404,
-        f"response_id: no response with id {response_id!r} is stored here",
-        param="response_id",
+        f"{param}: no response with id {response_id!r} is stored here",
+        param=param,
         code="not_found",
     )
 
@@ -114,10 +116,7 @@ class ResponsesWriter:
         if body.previous_response_id is not None:
             stored = await self.front.off_loop(self.store.get, body.previous_response_id)
             if stored is None:
-                error = not_found(body.previous_response_id)
-                error.param = "previous_response_id"
-                error.message = error.message.replace("response_id", "previous_response_id", 1)
-                raise error
+                raise not_found(body.previous_response_id, "previous_response_id")
             earlier = stored.items
         return body.chat_request(earlier), [*earlier, *body.input_items()]
 
@@ -134,7 +133,12 @@ class ResponsesWriter:
 
     # ------------------------------------------------------------------ answers
     def response(
-        self, job: Job, body: ResponsesRequest, chat: ResponsesChatRequest, output: list, finish
+        self,
+        job: Job,
+        body: ResponsesRequest,
+        chat: ResponsesChatRequest,
+        output: list,
+        finish: str | None,
     ) -> dict:
         """The response object; ``finish``: the chat choice's finish reason (None while
         it is in progress)."""
