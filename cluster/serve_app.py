@@ -8,9 +8,11 @@ merging its streams under its deadline, the metrics) is the replica's
 ``tessera.cluster.front_end.FrontEnd``; the gRPC door is ``tessera.cluster.grpc_api``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
-server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models`` and
-``GET /v1/models/{model}``, ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
-``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
+server-sent events ending in ``data: [DONE]``, or whole), ``POST /v1/responses``
+(OpenAI's Responses API on the chat path, ``responses_answers``) with ``GET`` and
+``DELETE /v1/responses/{id}``, ``GET /v1/models`` and ``GET /v1/models/{model}``,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503
+while no worker is healthy) and ``GET /metrics`` (Prometheus).
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
 or creates it (detached, so that it outlives the replica) when this app is the first
@@ -63,6 +65,9 @@ from tessera.cluster.openai_requests import (
     DetokenizeRequest,
     TokenizeCompletionRequest,
 )
+from tessera.cluster.openai_responses_api import ResponsesRequest
+from tessera.cluster.response_store import GcsKeyValue, ResponseStore
+from tessera.cluster.responses_answers import ResponsesWriter
 from tessera.cluster.serve_config import ServeConfig
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import SamplingParams
@@ -85,6 +90,11 @@ class OpenAIServer(GenerationService):
         self.config = config
         self.front = await FrontEnd.connect(config, replica_name())
         self.answers = AnswerWriter(self.front)
+        store = ResponseStore(
+            GcsKeyValue(), f"tessera/{config.namespace}/{config.scheduler_name}/responses/"
+        )
+        await self.front.off_loop(store.sweep)  # those of replicas gone
+        self.responses = ResponsesWriter(self.front, self.answers, store)
         self.bodies = BodyReader(config)
         self.access = HttpAccess(config)
         self._api_key = self.access.api_key  # the gRPC door's check (GenerationService)
@@ -189,34 +199,7 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = self._parse(await self.bodies.read(request), ChatCompletionRequest)
-            self.front.check_model(body.model)
-            self.front.check_request(body.priority, body.cache_salt)
-            await self.front.check_tools(body)
-            prompt = await self.front.chat_prompt(body)
-            max_tokens = body.requested_max_tokens
-            if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
-                width = body.beam_width or body.best_of or body.n
-                limit = min(self.front.max_model_len, self.front.pool_tokens // max(width, 1))
-                if len(prompt) >= limit:
-                    raise invalid(
-                        "messages",
-                        f"the conversation is {len(prompt)} tokens, at or over the {limit} "
-                        "tokens each output may hold here (the context length, or the KV "
-                        "pool shared by the outputs); set max_tokens",
-                    )
-                max_tokens = limit - len(prompt)
-            field_name = (
-                "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            )
-            self.front.check_length(prompt, max_tokens, field_name)
-            body._tool_format = self.front.tool_format
-            sampling = body.sampling_for(max_tokens)
-            await self.front.check_structured(sampling.structured, body.wire_name("structured"))
-            sampling = await self.front.answer_only(sampling)
-            self.front.check_token_ids(sampling)
-            job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
-            job.tool_names = frozenset(f["name"] for f in body.offered_tools())
-            await self.front.start(job, body.priority, body.cache_salt)
+            job = await self._start_chat(body, arrival, "chatcmpl")
         except APIError as error:
             self.front.refused("chat", error.status)
             raise
@@ -224,6 +207,64 @@ class OpenAIServer(GenerationService):
             return self.answers.sse(job, self.answers.chat_chunks(job, body), "chat")
         await self.front.collect(job, "chat")
         return JSONResponse(await self.answers.chat(job, body))
+
+    @api.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's Responses API, on the chat path (``openai_responses_api``)."""
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            body = self._parse(await self.bodies.read(request), ResponsesRequest)
+            chat, conversation = await self.responses.chat_request(body)
+            job = await self._start_chat(chat, arrival, "resp")
+        except APIError as error:
+            self.front.refused("responses", error.status)
+            raise
+        if body.stream:
+            return self.responses.stream(job, body, chat, conversation)
+        await self.front.collect(job, "responses")
+        return JSONResponse(await self.responses.whole(job, body, chat, conversation))
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, request: Request, response_id: str) -> JSONResponse:
+        """A stored response (``response_store``); 404 for any other."""
+        self._authorize(request)
+        return JSONResponse(await self.responses.retrieve(response_id))
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, request: Request, response_id: str) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse(await self.responses.delete(response_id))
+
+    async def _start_chat(self, body: ChatCompletionRequest, arrival: float, prefix: str) -> Job:
+        """Check a chat request, render its conversation and start its job (the chat
+        route's, and the Responses API's with the chat request it becomes)."""
+        self.front.check_model(body.model)
+        self.front.check_request(body.priority, body.cache_salt)
+        await self.front.check_tools(body)
+        prompt = await self.front.chat_prompt(body)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
+            width = body.beam_width or body.best_of or body.n
+            limit = min(self.front.max_model_len, self.front.pool_tokens // max(width, 1))
+            if len(prompt) >= limit:
+                raise invalid(
+                    body.wire_name("messages"),
+                    f"the conversation is {len(prompt)} tokens, at or over the {limit} "
+                    "tokens each output may hold here (the context length, or the KV "
+                    f"pool shared by the outputs); set {body.wire_name('max_tokens')}",
+                )
+            max_tokens = limit - len(prompt)
+        self.front.check_length(prompt, max_tokens, body.wire_name("max_tokens"))
+        body._tool_format = self.front.tool_format
+        sampling = body.sampling_for(max_tokens)
+        await self.front.check_structured(sampling.structured, body.wire_name("structured"))
+        sampling = await self.front.answer_only(sampling)
+        self.front.check_token_ids(sampling)
+        job = self._job("chat", prefix, [prompt], sampling, body, arrival)
+        job.tool_names = frozenset(f["name"] for f in body.offered_tools())
+        await self.front.start(job, body.priority, body.cache_salt)
+        return job
 
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:

@@ -197,3 +197,38 @@ def test_chat_template_kwargs_that_set_the_calls_own_arguments_are_refused(serve
             "code": "invalid_value",
         }
     assert chat(server).choices[0].message.content == "answer"  # and it serves on
+
+
+def test_the_responses_api_gives_the_reasoning_its_own_item(server):
+    client = server.client()
+    fields = {"model": MODEL, "input": MESSAGES, "max_output_tokens": 16, "temperature": 0}
+    done = client.responses.create(**fields)
+    reasoning, message = done.output
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [part.text for part in reasoning.content] == ["abc"]
+    assert message.type == "message" and done.output_text == "answer"
+    events = list(client.responses.create(stream=True, **fields))
+    types = [e.type for e in events]
+    for kind in ("reasoning_text", "output_text"):
+        assert "".join(e.delta for e in events if e.type == f"response.{kind}.delta") == (
+            "abc" if kind == "reasoning_text" else "answer"
+        )
+    order = [t for i, t in enumerate(types) if "delta" not in t or types[i - 1] != t]
+    item = ["response.output_item.added", "response.content_part.added"]
+    close = ["response.content_part.done", "response.output_item.done"]
+    assert order == [
+        "response.created",
+        "response.in_progress",
+        *item,
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        *close,
+        *item,
+        "response.output_text.delta",
+        "response.output_text.done",
+        *close,
+        "response.completed",
+    ]
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "abc" and final.output_text == "answer"
