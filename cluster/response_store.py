@@ -13,13 +13,12 @@ one it meets, a writer its own expired ones, and a new replica those of replicas
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import orjson
 
 #: The most responses one replica keeps of those it wrote; past it the oldest go.
 RESPONSE_STORE_SIZE = 4096
@@ -111,7 +110,9 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         now = time.time()
-        payload = orjson.dumps({"response": response, "items": items})
+        # the standard library's JSON, not orjson's: a request's items may hold what JSON
+        # allows and orjson refuses (an integer past 64 bits, a lone surrogate)
+        payload = json.dumps({"response": response, "items": items}).encode()
         self.kv.put(self.prefix + response["id"], _WRITTEN.pack(now) + payload)
         self._mine[response["id"]] = now
         while self._mine:
@@ -131,7 +132,7 @@ class ResponseStore:
         if time.time() - written >= self.ttl_s:
             self.delete(response_id)
             return None
-        data = orjson.loads(value[_WRITTEN.size :])
+        data = json.loads(value[_WRITTEN.size :])
         return StoredResponse(data["response"], data["items"])
 
     def delete(self, response_id: str) -> bool:

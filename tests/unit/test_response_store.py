@@ -92,3 +92,12 @@ def test_calls_join_their_assistant_turn_and_outputs_become_tool_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
         {"role": "assistant", "content": "Cold."},
     ]
+
+
+def test_any_json_a_request_sent_is_stored_whole():
+    """A stored conversation keeps whatever JSON its items held (a client's content parts
+    carry free-form annotations): integers past 64 bits and lone surrogates included."""
+    store = ResponseStore(MemoryKeyValue(), PREFIX, size=2, ttl_s=60)
+    items = [{"role": "user", "content": [{"annotations": [2**200, -(2**70)], "text": "\udb36"}]}]
+    store.put(_response(0), items)
+    assert store.get("resp_0").items == items
