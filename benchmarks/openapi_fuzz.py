@@ -18,7 +18,8 @@ after the doors and the checks, not the model.
 **The checks** (``problems``): no 5xx but the documented ones (503 overloaded or
 unavailable); a refusal (4xx) within ``REFUSAL_WITHIN_S`` as OpenAI's error object; an
 answer within ``ANSWER_WITHIN_S``, a stream of JSON events with no internal error that
-ends in ``data: [DONE]``; and a negative case refused.
+ends in ``data: [DONE]`` (a Responses API stream: in its last event); and a negative
+case refused.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tessera.cluster.openai_requests import (
     DetokenizeRequest,
     TokenizeCompletionRequest,
 )
+from tessera.cluster.openai_responses_api import ResponsesRequest
 
 #: Each POST route's body: the models its handler parses it with.
 BODIES = {
@@ -45,10 +47,11 @@ BODIES = {
     "/v1/chat/completions": (ChatCompletionRequest,),
     "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
     "/detokenize": (DetokenizeRequest,),
+    "/v1/responses": (ResponsesRequest,),
     "/v1/embeddings": (EmbeddingRequest,),
 }
 #: The routes that generate, whose cases are bounded.
-GENERATING = ("/v1/completions", "/v1/chat/completions")
+GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 #: Body fields that hold token ids.
 TOKEN_FIELDS = ("prompt", "tokens", "stop_token_ids", "input")
 #: The most tokens, and outputs (n, best_of, beam_width), one case may ask for.
@@ -58,6 +61,7 @@ MAX_WIDTH = 2
 RANGES: dict[str, dict[str, float]] = {
     "max_tokens": {"minimum": 1, "maximum": MAX_TOKENS},
     "max_completion_tokens": {"minimum": 1, "maximum": MAX_TOKENS},
+    "max_output_tokens": {"minimum": 1, "maximum": MAX_TOKENS},
     "min_tokens": {"minimum": 0, "maximum": 1},
     "n": {"minimum": 1, "maximum": MAX_WIDTH},
     "best_of": {"minimum": 1, "maximum": MAX_WIDTH},
@@ -84,8 +88,12 @@ REFUSAL_WITHIN_S = 2.0
 ANSWER_WITHIN_S = 20.0
 #: The 5xx the server documents (``serve_app``'s docstring), with their error types.
 DOCUMENTED_5XX = {503: ("overloaded_error", "unavailable_error")}
-#: Error events a stream may end with that are not the server's fault.
+#: Error events a stream may end with that are not the server's fault: by type, and by
+#: code (the Responses API's ``error`` events have no type).
 CLEAN_STREAM_ERRORS = ("timeout_error", "overloaded_error", "unavailable_error")
+CLEAN_STREAM_CODES = ("timeout", "overloaded", "no_worker", "unavailable")
+#: The events a Responses API stream ends with (it sends no ``[DONE]``).
+RESPONSES_LAST = ("response.completed", "response.incomplete", "response.failed", "error")
 
 
 def _numbers(node: Any, bounds: dict[str, float]) -> None:
@@ -168,13 +176,16 @@ def bounded(case: schemathesis.Case, positive: bool) -> schemathesis.Case:
         body = case.body = _whole_to_int(body)
     if case.path not in GENERATING:
         return case
-    limits = {"max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS}
+    limits = dict.fromkeys(("max_tokens", "max_completion_tokens", "max_output_tokens"), MAX_TOKENS)
     limits.update(dict.fromkeys(("n", "best_of", "beam_width"), MAX_WIDTH))
     for name, limit in limits.items():
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > limit:
             body[name] = limit
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if case.path == "/v1/responses":
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS
     return case
 
@@ -241,9 +252,21 @@ def stream_problems(content: bytes, cut_short: bool = False) -> list[str]:
         error = parsed.get("error") if isinstance(parsed, dict) else None
         if isinstance(error, dict) and error.get("type") not in CLEAN_STREAM_ERRORS:
             found.append(f"an error event: {event[:300]}")
-    if (not events or events[-1] != "[DONE]") and not cut_short:
-        found.append("a stream that does not end with data: [DONE]")
+        if _typed(event, "error") and parsed.get("code") not in CLEAN_STREAM_CODES:
+            found.append(f"an error event: {event[:300]}")
+    ended = events and (events[-1] == "[DONE]" or _typed(events[-1], *RESPONSES_LAST))
+    if not ended and not cut_short:
+        found.append("a stream that does not end with data: [DONE] or a Responses API end")
     return found
+
+
+def _typed(event: str, *types: str) -> bool:
+    """Whether ``event`` is a JSON object whose ``type`` is one of ``types``."""
+    try:
+        parsed = json.loads(event)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("type") in types
 
 
 def problems(

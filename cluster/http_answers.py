@@ -7,10 +7,13 @@ a choice's output). What a choice holds differs: a completion's text follows its
 prompt, whose tokens carry logprobs too (computed in the prefill); a chat choice is a
 message. A streamed chat choice's first chunk names its role; with tools offered, its
 calls are parsed once its output is whole, then streamed as OpenAI does: each call's id
-and name, then its arguments in pieces. With a reasoning parser (``reasoning``), a chat
-choice's reasoning goes to ``reasoning_content`` (streamed as it comes, tools or not)
-and only its answer to ``content`` and the tool-call parser. A stream that fails after
-it began ends with an error event, then ``data: [DONE]``.
+and name, then its arguments in pieces. Functions offered the deprecated way
+(``functions``) get their one call as OpenAI answers it: ``function_call`` (name and
+arguments) in the message or the deltas, and finish reason ``function_call``. With a
+reasoning parser (``reasoning``), a chat choice's reasoning goes to ``reasoning_content``
+(streamed as it comes, tools or not) and only its answer to ``content`` and the tool-call
+parser. A stream that fails after it began ends with an error event, then ``data:
+[DONE]``.
 """
 
 from __future__ import annotations
@@ -149,8 +152,9 @@ class AnswerWriter:
             logprobs = None
             if body.logprobs:
                 logprobs = {"content": self.logprobs.chat(choice.logprobs)}
-            message = await self._chat_message(job, "".join(choice.text))
-            finish = "tool_calls" if "tool_calls" in message else choice.finish_reason
+            message = await self._chat_message(job, "".join(choice.text), body.legacy_calls)
+            calls = "function_call" if body.legacy_calls else "tool_calls"
+            finish = calls if calls in message else choice.finish_reason
             extras = choice_extras(choice)
             prompt_logprobs = self._prompt_logprobs(job, 0, body)
             choices.append(
@@ -256,7 +260,9 @@ class AnswerWriter:
                         yield envelope(job, [entry], streamed=True)
                     if delta.finished:
                         answer = "".join(answers.pop(index))
-                        entries = await self._tool_call_entries(job, index, choice, answer)
+                        entries = await self._tool_call_entries(
+                            job, index, choice, answer, body.legacy_calls
+                        )
                         for entry in entries:
                             yield envelope(job, [entry], streamed=True)
                     continue
@@ -294,17 +300,19 @@ class AnswerWriter:
         return self.logprobs.prompt_logprobs(job.prompt_logprobs[k])
 
     async def _parse_calls(
-        self, job: Job, text: str
+        self, job: Job, text: str, legacy: bool
     ) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        """``tools.parse`` of a choice's answer, off the event loop when it is long."""
-        args = (text, self.front.tool_format, job.tool_names)
+        """``tools.parse`` of a choice's answer, off the event loop when it is long;
+        ``legacy`` (``functions``): the first call only, the rest stays text."""
+        args = (text, self.front.tool_format, job.tool_names, 1 if legacy else None)
         if len(text) <= TOOL_PARSE_ON_LOOP_CHARS:
             return tool_calls.parse(*args)
         return await self.front.off_loop(tool_calls.parse, *args)
 
-    async def _chat_message(self, job: Job, text: str) -> dict[str, Any]:
+    async def _chat_message(self, job: Job, text: str, legacy: bool) -> dict[str, Any]:
         """A whole chat choice's message: with a reasoning parser, its reasoning apart
-        (``reasoning_content``); with tools offered, the calls its answer makes."""
+        (``reasoning_content``); with tools offered, the calls its answer makes
+        (``legacy``: its one call as ``function_call``)."""
         fmt = self.front.reasoning
         if fmt is None:
             reasoning, content = None, text
@@ -314,22 +322,34 @@ class AnswerWriter:
         if fmt is not None:
             message["reasoning_content"] = reasoning
         if job.tool_names and content is not None:  # calls are in the answer only
-            rest, calls = await self._parse_calls(job, content)
-            if calls:
+            rest, calls = await self._parse_calls(job, content, legacy)
+            if calls and legacy:
+                message["content"] = rest
+                message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+            elif calls:
                 message["content"] = rest
                 message["tool_calls"] = [call.message() for call in calls]
         return message
 
     async def _tool_call_entries(
-        self, job: Job, index: int, choice: Choice, text: str
+        self, job: Job, index: int, choice: Choice, text: str, legacy: bool
     ) -> list[dict]:
         """A finished choice of a chat with tools, as OpenAI streams it: each call's
-        id and name, then its arguments in pieces; or the answer ``text``, if it made
+        id and name, then its arguments in pieces (``legacy``: the one call's name,
+        then its arguments, as ``function_call``); or the answer ``text``, if it made
         no call."""
-        content, calls = await self._parse_calls(job, text)
+        content, calls = await self._parse_calls(job, text, legacy)
         if not calls:
             deltas = [{"content": text}] if text else []
             finish = choice.finish_reason
+        elif legacy:
+            (call,) = calls
+            deltas = [{"content": content}] if content else []
+            deltas.append({"function_call": {"name": call.name, "arguments": ""}})
+            for start in range(0, len(call.arguments), TOOL_ARGUMENT_PIECE):
+                piece = call.arguments[start : start + TOOL_ARGUMENT_PIECE]
+                deltas.append({"function_call": {"arguments": piece}})
+            finish = "function_call"
         else:
             deltas = [{"content": content}] if content else []
             for i, call in enumerate(calls):

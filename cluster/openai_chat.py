@@ -3,7 +3,15 @@ renders (``POST /v1/chat/completions``, and ``POST /tokenize`` with messages).
 
 Tools offered with ``tool_choice`` ``required`` or a named function make decoding follow
 the calls' grammar (``tessera.cluster.tools``); earlier calls and their results reach
-the template as it takes them.
+the template as it takes them. OpenAI's deprecated ``functions`` and ``function_call``
+are read as ``tools`` and ``tool_choice`` (one call at most, answered as
+``message.function_call``), its ``function`` messages as tool results.
+
+Every field OpenAI documents for the endpoint's body is here: implemented, taken with a
+meaning that changes no token here (``verbosity``, ``prediction``, the bookkeeping), or
+(outputs this server does not have: audio, web search, moderation) accepted only absent
+or null, which ``openai_parsing`` words. Tools are functions: OpenAI's ``custom`` tools
+and its ``allowed_tools`` choice are refused by their ``type``.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, model_validator
 
 from tessera.cluster import tools as tool_calls
 from tessera.cluster.openai_errors import invalid
@@ -23,9 +31,24 @@ from tessera.workers.api import MAX_TOP_LOGPROBS, SamplingParams, StructuredPara
 MAX_TOOLS = 128
 
 
+class CacheBreakpoint(Body):
+    """OpenAI's explicit prompt-cache boundary; the prefix cache here needs none."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
+
+
 class TextPart(Body):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+class RefusalPart(Body):
+    """An assistant's earlier refusal, as OpenAI answers one."""
+
+    type: Literal["refusal"]
+    refusal: str
 
 
 class FunctionCall(Body):
@@ -40,16 +63,28 @@ class AssistantToolCall(Body):
 
 
 class Message(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    #: ``function``: a deprecated function's result (``name`` names it), read as a tool's.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    function_call: FunctionCall | None = None  # an assistant's deprecated earlier call
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    refusal: str | None = None  # an assistant's earlier refusal: its text when no content
+    audio: None = None  # an earlier spoken answer: none exists here
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+            return "".join(
+                part.text if isinstance(part, TextPart) else part.refusal for part in self.content
+            )
+        return self.content or self.refusal or ""
+
+    def calls(self) -> list[FunctionCall]:
+        """An assistant's earlier calls: ``tool_calls``, or the deprecated ``function_call``."""
+        if self.tool_calls:
+            return [call.function for call in self.tool_calls]
+        return [self.function_call] if self.function_call is not None else []
 
 
 class FunctionDef(Body):
@@ -71,6 +106,26 @@ class ToolChoiceFunction(Body):
 class NamedToolChoice(Body):
     type: Literal["function"]
     function: ToolChoiceFunction
+
+
+#: The roles a chat template takes for OpenAI's others.
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+#: ``reasoning_effort`` values that turn a chat template's thinking off.
+NO_THINKING = ("none", "minimal")
+
+
+class Prediction(Body):
+    """OpenAI's predicted output: text the answer is expected to repeat, which makes
+    OpenAI's answers faster and never different."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+class PromptCacheOptions(Body):
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m"] = "30m"
 
 
 #: The chat template call's own arguments (``apply_chat_template``'s, and the template's
@@ -111,10 +166,10 @@ class Conversation(Body):
         (arguments parsed); to others as plain turns in the Hermes format."""
         out: list[dict[str, Any]] = []
         for m in self.messages:
-            role = "system" if m.role == "developer" else m.role
+            role = _TEMPLATE_ROLES.get(m.role, m.role)
             message: dict[str, Any] = {"role": role, "content": m.text()}
-            if m.tool_calls:
-                calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+            if m.calls():
+                calls = [(c.name, _arguments(c.arguments)) for c in m.calls()]
                 if template_takes_tools:
                     message["tool_calls"] = [
                         {"type": "function", "function": {"name": n, "arguments": a}}
@@ -127,6 +182,8 @@ class Conversation(Body):
             if role == "tool":
                 if template_takes_tools:
                     message["tool_call_id"] = m.tool_call_id
+                    if m.role == "function":
+                        message["name"] = m.name
                 else:
                     message = {
                         "role": "user",
@@ -143,14 +200,80 @@ class ChatCompletionRequest(SamplingBody, Conversation):
     tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    # OpenAI's bookkeeping, which changes no token: taken and not used (like ``user``)
+    # OpenAI's deprecated function calling: read as tools and tool_choice
+    functions: list[FunctionDef] | None = Field(None, max_length=MAX_TOOLS)
+    function_call: Literal["none", "auto"] | ToolChoiceFunction | None = None
+    #: The chat template's thinking switch (``template_kwargs``).
+    reasoning_effort: ReasoningEffort | None = None
+    # What changes no token here: taken and not used (like ``user``). The model's own
+    # length (max_tokens bounds it); a prediction (which changes no token at OpenAI
+    # either); OpenAI's bookkeeping and cache lifetimes (the prefix cache keeps blocks
+    # while the pool has room).
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: Prediction | None = None
     metadata: dict[str, str] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     safety_identifier: str | None = None
     store: Literal[False] = False
+    # Outputs this server does not have: text only, no web search, no moderation model
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    web_search_options: None = None
+    moderation: None = None
     #: The model family's call format (``tools.tool_format``); the server sets it.
     _tool_format: str = PrivateAttr("hermes")
+
+    @model_validator(mode="after")
+    def _read_functions(self) -> ChatCompletionRequest:
+        """The deprecated ``functions`` and ``function_call`` as ``tools`` and
+        ``tool_choice``, checked under their own names."""
+        if self.functions is None and self.function_call is None:
+            return self
+        given = "functions" if self.functions is not None else "function_call"
+        for modern in ("tools", "tool_choice"):
+            if getattr(self, modern) is not None:
+                raise invalid(
+                    given,
+                    f"is not allowed together with {modern}: give tools and tool_choice, or "
+                    "the deprecated functions and function_call",
+                )
+        names = [f.name for f in self.functions or ()]
+        choice = self.function_call
+        if choice not in (None, "none") and not names:
+            raise invalid("function_call", "needs functions")
+        if len(set(names)) != len(names):
+            raise invalid("functions", "function names must be unique")
+        if isinstance(choice, ToolChoiceFunction):
+            if choice.name not in names:
+                raise invalid(
+                    "function_call.name",
+                    f"{choice.name!r} is not among the functions ({', '.join(names)})",
+                )
+            choice = NamedToolChoice(type="function", function=choice)
+        self.tool_choice = choice
+        if self.functions is not None:
+            self.tools = [ToolDef(type="function", function=f) for f in self.functions]
+        return self
+
+    @property
+    def legacy_calls(self) -> bool:
+        """Functions offered the deprecated way: their call is answered as
+        ``message.function_call``, one at most."""
+        return self.functions is not None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs``, and ``reasoning_effort`` as the template variables
+        ``enable_thinking`` (false for none and minimal: Qwen3's switch) and
+        ``reasoning_effort`` (gpt-oss's), where the request's kwargs do not set them; a
+        template that reads neither renders as without."""
+        kwargs = super().template_kwargs()
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort not in NO_THINKING)
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The functions the model may call (none with ``tool_choice`` none)."""
@@ -174,8 +297,9 @@ class ChatCompletionRequest(SamplingBody, Conversation):
     def tool_schemas(self) -> list[tuple[str, StructuredParams]]:
         """(field, JSON schema) of each function's ``parameters``, for the front end to
         check (bounded in size, compiled off the event loop) before anything uses them."""
+        path = "functions.{}.parameters" if self.legacy_calls else "tools.{}.function.parameters"
         return [
-            (f"tools.{i}.function.parameters", StructuredParams("json", json.dumps(parameters)))
+            (path.format(i), StructuredParams("json", json.dumps(parameters)))
             for i, tool in enumerate(self.tools or ())
             if (parameters := tool.function.parameters) is not None
         ]
@@ -189,14 +313,14 @@ class ChatCompletionRequest(SamplingBody, Conversation):
         given = super().structured()
         if not (self.offered_tools() and self.calls_forced):
             return given
+        field = "function_call" if self.legacy_calls else "tool_choice"
         if given is not None:
-            raise invalid("tool_choice", f"is not allowed together with {given[1]}")
+            raise invalid(field, f"is not allowed together with {given[1]}")
         choice = self.tool_choice
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        grammar = tool_calls.call_grammar(
-            self.offered_tools(), name, self.parallel_tool_calls, self._tool_format
-        )
-        return {"kind": "grammar", "spec": grammar}, "tool_choice"
+        parallel = self.parallel_tool_calls and not self.legacy_calls
+        grammar = tool_calls.call_grammar(self.offered_tools(), name, parallel, self._tool_format)
+        return {"kind": "grammar", "spec": grammar}, field
 
     def sampling_for(self, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None:

@@ -2,8 +2,9 @@
 
 Pure functions and pydantic models, no Ray and no HTTP, so each mapping is unit
 tested alone. Request models are strict and forbid unknown fields (as OpenAI's API
-answers "Unrecognized request argument supplied"); every error becomes an ``APIError``
-that the HTTP app renders as ``{"error": {"message", "type", "param", "code"}}``.
+answers "Unrecognized request argument supplied"; with ``ignore_unknown_fields`` they are
+dropped and logged instead); every error becomes an ``APIError`` that the HTTP app
+renders as ``{"error": {"message", "type", "param", "code"}}``.
 
 Tessera's extras ride in the same body, as vLLM's do: ``best_of``, ``beam_width`` /
 ``use_beam_search``, ``length_penalty``, ``early_stopping``, ``min_tokens``,

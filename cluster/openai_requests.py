@@ -1,7 +1,8 @@
 """The OpenAI request bodies both endpoints share, and the completions endpoint's.
 
 Request models are strict and forbid unknown fields (as OpenAI's API answers
-"Unrecognized request argument supplied"). The sampling fields carry the engine's names
+"Unrecognized request argument supplied"; ``openai_parsing`` drops them instead with
+``ignore_unknown_fields``). The sampling fields carry the engine's names
 and map to ``SamplingParams`` by ``tessera.workers.decoding.sampling_fields``; their
 defaults are the engine's (one declaration). The chat endpoint's bodies are in
 ``openai_chat``.
@@ -57,6 +58,9 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    #: OpenAI pads its streamed chunks with an ``obfuscation`` field unless this is
+    #: false; these streams carry none either way.
+    include_obfuscation: bool = True
 
 
 class SpeculativeBody(Body):
@@ -216,7 +220,7 @@ class CompletionRequest(SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
-    suffix: None = None  # accepted only when absent / null (no fill-in-the-middle)
+    suffix: None = None  # only absent or null: no fill-in-the-middle (openai_parsing says so)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids (OpenAI's four forms)."""

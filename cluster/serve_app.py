@@ -8,10 +8,12 @@ merging its streams under its deadline, the metrics) is the replica's
 ``tessera.cluster.front_end.FrontEnd``; the gRPC door is ``tessera.cluster.grpc_api``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
-server-sent events ending in ``data: [DONE]``, or whole), ``GET /v1/models`` and
-``GET /v1/models/{model}``, ``POST /v1/embeddings`` (``openai_embeddings``),
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
-``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
+server-sent events ending in ``data: [DONE]``, or whole), ``POST /v1/responses``
+(OpenAI's Responses API on the chat path, ``responses_answers``) with ``GET`` and
+``DELETE /v1/responses/{id}``, ``POST /v1/embeddings`` (``openai_embeddings``),
+``GET /v1/models`` and ``GET /v1/models/{model}``, ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 while no worker is healthy)
+and ``GET /metrics`` (Prometheus).
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
 or creates it (detached, so that it outlives the replica) when this app is the first
@@ -20,7 +22,8 @@ to run: ``tessera serve``, ``serve run tessera.cluster.serve_app:app_builder`` a
 tokenize, place each request through the scheduler and relay the worker's stream.
 
 **Errors** are OpenAI's error objects (``cluster.openai_errors.APIError``): 400
-naming the field, 401 without the API key, 403 for a ``Host`` a keyless local server
+naming the field (an unknown one too, unless ``ignore_unknown_fields``: then it is
+dropped and logged), 401 without the API key, 403 for a ``Host`` a keyless local server
 does not answer to (``http_access``), 404 for an unknown model or route, 408 past the
 request's deadline or a body slower than ``body_timeout_s``, 413 above the body limit,
 415 for a body that is not JSON, 429 with ``Retry-After`` when the cluster is
@@ -60,10 +63,14 @@ from tessera.cluster.openai_embeddings import EmbeddingRequest
 from tessera.cluster.openai_errors import APIError, invalid
 from tessera.cluster.openai_parsing import parse_body
 from tessera.cluster.openai_requests import (
+    Body,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeCompletionRequest,
 )
+from tessera.cluster.openai_responses_api import ResponsesRequest
+from tessera.cluster.response_store import GcsKeyValue, ResponseStore
+from tessera.cluster.responses_answers import ResponsesWriter
 from tessera.cluster.serve_config import ServeConfig
 from tessera.scheduler.api import WorkerStatus
 from tessera.workers.api import SamplingParams
@@ -86,6 +93,11 @@ class OpenAIServer(GenerationService):
         self.config = config
         self.front = await FrontEnd.connect(config, replica_name())
         self.answers = AnswerWriter(self.front)
+        store = ResponseStore(
+            GcsKeyValue(), f"tessera/{config.namespace}/{config.scheduler_name}/responses/"
+        )
+        await self.front.off_loop(store.sweep)  # those of replicas gone
+        self.responses = ResponsesWriter(self.front, self.answers, store)
         self.bodies = BodyReader(config)
         self.access = HttpAccess(config)
         self._api_key = self.access.api_key  # the gRPC door's check (GenerationService)
@@ -157,7 +169,7 @@ class OpenAIServer(GenerationService):
         arrival = time.monotonic()
         try:
             self._authorize(request)
-            body = parse_body(await self.bodies.read(request), CompletionRequest)
+            body = self._parse(await self.bodies.read(request), CompletionRequest)
             self.front.check_model(body.model)
             self.front.check_request(body.priority, body.cache_salt)
             prompts = [await self.front.token_ids(p, "prompt") for p in body.prompts()]
@@ -189,35 +201,8 @@ class OpenAIServer(GenerationService):
         arrival = time.monotonic()
         try:
             self._authorize(request)
-            body = parse_body(await self.bodies.read(request), ChatCompletionRequest)
-            self.front.check_model(body.model)
-            self.front.check_request(body.priority, body.cache_salt)
-            await self.front.check_tools(body)
-            prompt = await self.front.chat_prompt(body)
-            max_tokens = body.requested_max_tokens
-            if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
-                width = body.beam_width or body.best_of or body.n
-                limit = min(self.front.max_model_len, self.front.pool_tokens // max(width, 1))
-                if len(prompt) >= limit:
-                    raise invalid(
-                        "messages",
-                        f"the conversation is {len(prompt)} tokens, at or over the {limit} "
-                        "tokens each output may hold here (the context length, or the KV "
-                        "pool shared by the outputs); set max_tokens",
-                    )
-                max_tokens = limit - len(prompt)
-            field_name = (
-                "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-            )
-            self.front.check_length(prompt, max_tokens, field_name)
-            body._tool_format = self.front.tool_format
-            sampling = body.sampling_for(max_tokens)
-            await self.front.check_structured(sampling.structured, body.wire_name("structured"))
-            sampling = await self.front.answer_only(sampling)
-            self.front.check_token_ids(sampling)
-            job = self._job("chat", "chatcmpl", [prompt], sampling, body, arrival)
-            job.tool_names = frozenset(f["name"] for f in body.offered_tools())
-            await self.front.start(job, body.priority, body.cache_salt)
+            body = self._parse(await self.bodies.read(request), ChatCompletionRequest)
+            job = await self._start_chat(body, arrival, "chatcmpl")
         except APIError as error:
             self.front.refused("chat", error.status)
             raise
@@ -226,11 +211,69 @@ class OpenAIServer(GenerationService):
         await self.front.collect(job, "chat")
         return JSONResponse(await self.answers.chat(job, body))
 
+    @api.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's Responses API, on the chat path (``openai_responses_api``)."""
+        arrival = time.monotonic()
+        try:
+            self._authorize(request)
+            body = self._parse(await self.bodies.read(request), ResponsesRequest)
+            chat, conversation = await self.responses.chat_request(body)
+            job = await self._start_chat(chat, arrival, "resp")
+        except APIError as error:
+            self.front.refused("responses", error.status)
+            raise
+        if body.stream:
+            return self.responses.stream(job, body, chat, conversation)
+        await self.front.collect(job, "responses")
+        return JSONResponse(await self.responses.whole(job, body, chat, conversation))
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, request: Request, response_id: str) -> JSONResponse:
+        """A stored response (``response_store``); 404 for any other."""
+        self._authorize(request)
+        return JSONResponse(await self.responses.retrieve(response_id))
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, request: Request, response_id: str) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse(await self.responses.delete(response_id))
+
+    async def _start_chat(self, body: ChatCompletionRequest, arrival: float, prefix: str) -> Job:
+        """Check a chat request, render its conversation and start its job (the chat
+        route's, and the Responses API's with the chat request it becomes)."""
+        self.front.check_model(body.model)
+        self.front.check_request(body.priority, body.cache_salt)
+        await self.front.check_tools(body)
+        prompt = await self.front.chat_prompt(body)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:  # as vLLM: the rest of the context (that the pool holds)
+            width = body.beam_width or body.best_of or body.n
+            limit = min(self.front.max_model_len, self.front.pool_tokens // max(width, 1))
+            if len(prompt) >= limit:
+                raise invalid(
+                    body.wire_name("messages"),
+                    f"the conversation is {len(prompt)} tokens, at or over the {limit} "
+                    "tokens each output may hold here (the context length, or the KV "
+                    f"pool shared by the outputs); set {body.wire_name('max_tokens')}",
+                )
+            max_tokens = limit - len(prompt)
+        self.front.check_length(prompt, max_tokens, body.wire_name("max_tokens"))
+        body._tool_format = self.front.tool_format
+        sampling = body.sampling_for(max_tokens)
+        await self.front.check_structured(sampling.structured, body.wire_name("structured"))
+        sampling = await self.front.answer_only(sampling)
+        self.front.check_token_ids(sampling)
+        job = self._job("chat", prefix, [prompt], sampling, body, arrival)
+        job.tool_names = frozenset(f["name"] for f in body.offered_tools())
+        await self.front.start(job, body.priority, body.cache_salt)
+        return job
+
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request) -> JSONResponse:
         try:
             self._authorize(request)
-            body = parse_body(await self.bodies.read(request), EmbeddingRequest)
+            body = self._parse(await self.bodies.read(request), EmbeddingRequest)
             answer = await openai_embeddings.embeddings(self.front, body)
         except APIError as error:
             openai_embeddings.count(self.front, error.status)
@@ -243,11 +286,11 @@ class OpenAIServer(GenerationService):
         """A prompt's or a conversation's token ids, as vLLM's ``/tokenize`` gives them."""
         self._authorize(request)
         raw = await self.bodies.read(request)
-        try:  # the shape decides; parse_body names a bad field
+        try:  # the shape decides; _parse names a bad field
             chat = "messages" in json.loads(raw)
         except (ValueError, TypeError):
             chat = False
-        body = parse_body(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        body = self._parse(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
         self.front.check_model(body.model)
         if chat:
             ids = await self.front.chat_prompt(body, body.add_special_tokens)
@@ -267,7 +310,7 @@ class OpenAIServer(GenerationService):
     async def detokenize(self, request: Request) -> JSONResponse:
         """Token ids back to text, as vLLM's ``/detokenize`` gives it."""
         self._authorize(request)
-        body = parse_body(await self.bodies.read(request), DetokenizeRequest)
+        body = self._parse(await self.bodies.read(request), DetokenizeRequest)
         self.front.check_model(body.model)
         ids = await self.front.token_ids(body.tokens, "tokens")
         return JSONResponse({"prompt": await self.front.off_loop(self.front.tokenizer.decode, ids)})
@@ -275,6 +318,11 @@ class OpenAIServer(GenerationService):
     # ------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
         self.access.authorize(request)
+
+    def _parse(self, raw: bytes, model: type[Body]) -> Any:
+        """The body as ``model``, its unknown fields refused or (``ignore_unknown_fields``)
+        dropped and logged."""
+        return parse_body(raw, model, self.config.ignore_unknown_fields)
 
     def _job(
         self,

@@ -65,6 +65,12 @@ class ServeConfig(ClusterConfig):
         "calls and structured outputs apply to the answer only; completions are not "
         "split (default: off)",
     )
+    ignore_unknown_fields: bool = Field(
+        False,
+        description="take request bodies with fields the API does not declare: such a "
+        "request goes on without them and logs one warning naming them (vLLM's way); off: "
+        "400 'Unrecognized request argument supplied' naming the first (OpenAI's way)",
+    )
     min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
     max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")
     replica_target_ongoing_requests: float = Field(

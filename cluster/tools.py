@@ -109,9 +109,12 @@ def call_grammar(
     )
 
 
-def parse(text: str, fmt: ToolFormat, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+def parse(
+    text: str, fmt: ToolFormat, names: set[str], most: int | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """(the text outside the calls, or None; the calls found) in a model's output.
-    A block that is not a call to one of ``names`` stays text."""
+    A block that is not a call to one of ``names`` stays text, and so do the blocks
+    after the first ``most`` calls."""
     calls: list[ToolCall] = []
     if fmt == "llama3":
         stripped = text.strip().removeprefix("<|python_tag|>").strip()
@@ -119,6 +122,8 @@ def parse(text: str, fmt: ToolFormat, names: set[str]) -> tuple[str | None, list
         return (None, [call]) if call is not None else (text, [])
     kept, last = [], 0
     for start, end, block in _hermes_blocks(text):
+        if len(calls) == most:
+            break
         call = _call(block, names, "arguments")
         if call is None:
             continue

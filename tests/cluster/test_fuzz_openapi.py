@@ -38,6 +38,8 @@ OPERATIONS = [
     ("GET", "/metrics", "positive"),
     ("GET", "/v1/models", "positive"),
     ("GET", "/v1/models/{model}", "positive"),
+    ("GET", "/v1/responses/{response_id}", "positive"),
+    ("DELETE", "/v1/responses/{response_id}", "positive"),
     *(("POST", path, mode) for path in BODIES for mode in ("positive", "negative")),
 ]
 #: Per operation and mode: cases sent, responses by status, failures (printed at the end).

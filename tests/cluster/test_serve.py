@@ -786,6 +786,111 @@ def test_a_conversation_with_tool_results_renders_and_bad_tool_choices_are_named
         assert bad.json()["error"]["param"] == param
 
 
+def test_legacy_functions_answer_as_the_same_tools_request_does(server):
+    """``functions`` / ``function_call`` (deprecated) decode as ``tools`` /
+    ``tool_choice`` do, and answer OpenAI's legacy shape: ``message.function_call`` and
+    finish reason ``function_call``, whole and streamed; a legacy conversation renders."""
+    client = server.client()
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+           "max_tokens": 80, "temperature": 0}  # fmt: skip
+    tools = client.chat.completions.create(
+        **ask, tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    (call,) = tools.choices[0].message.tool_calls
+    functions = [WEATHER_TOOL["function"], TIME_TOOL["function"]]
+    legacy = client.chat.completions.create(
+        **ask, functions=functions, function_call={"name": "get_weather"}
+    )
+    (choice,) = legacy.choices
+    assert choice.finish_reason == "function_call"
+    assert choice.message.tool_calls is None and choice.message.content is None
+    assert choice.message.function_call.model_dump() == call.function.model_dump()
+    assert legacy.usage == tools.usage
+    name, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(
+        **ask, functions=functions, function_call={"name": "get_weather"}, stream=True
+    ):
+        delta = chunk.choices[0].delta
+        assert delta.tool_calls is None
+        if delta.function_call is not None:
+            name += delta.function_call.name or ""
+            arguments += delta.function_call.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, arguments, finish) == ("get_weather", call.function.arguments, "function_call")
+    conversation = [
+        *ask["messages"],
+        {"role": "assistant", "content": None, "function_call": call.function.model_dump()},
+        {"role": "function", "name": "get_weather", "content": '{"temp": 21}'},
+    ]
+    answered = client.chat.completions.create(
+        **{**ask, "messages": conversation, "max_tokens": 4}, functions=functions
+    )
+    assert answered.usage.prompt_tokens > legacy.usage.prompt_tokens
+
+
+def test_documented_fields_that_change_no_token_are_taken(server):
+    """OpenAI's fields with no effect on this server's tokens are taken through the
+    openai client, and the answer is the plain request's."""
+    client = server.client()
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+           "max_tokens": 6, "temperature": 0}  # fmt: skip
+    plain = client.chat.completions.create(**ask)
+    taken = client.chat.completions.create(
+        **ask,
+        reasoning_effort="low",  # SmolLM2's template has no thinking switch
+        verbosity="low",
+        prediction={"type": "content", "content": "Blue."},
+        modalities=["text"],
+        service_tier="fast",
+        prompt_cache_retention="24h",
+        prompt_cache_key="colours",
+        audio=None,
+        web_search_options=None,
+    )
+    assert taken.choices[0].message == plain.choices[0].message
+    assert taken.usage == plain.usage
+
+
+def test_documented_fields_this_server_cannot_serve_and_unknown_ones_are_refused(server):
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for given, param, message in (
+        (
+            {"modalities": ["audio"]},
+            "modalities",
+            "modalities: must be [\"text\"]: this server writes text only, got ['audio']",
+        ),
+        (
+            {"reasoning_effort": "maximal"},
+            "reasoning_effort",
+            "reasoning_effort: Input should be 'none', 'minimal', 'low', 'medium', 'high', "
+            "'xhigh' or 'max', got 'maximal'",
+        ),
+        (
+            {"functions": [TIME_TOOL["function"]], "tools": [TIME_TOOL]},
+            "functions",
+            "functions: is not allowed together with tools: give tools and tool_choice, or the "
+            "deprecated functions and function_call",
+        ),
+        (  # ignore_unknown_fields is off: OpenAI's answer
+            {"reasoning": {"effort": "low"}},
+            "reasoning",
+            "reasoning: Unrecognized request argument supplied: reasoning",
+        ),
+    ):
+        refused = server.post("/v1/chat/completions", {**ask, **given})
+        assert refused.status_code == 400, refused.text
+        assert refused.json() == {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "invalid_value",
+            }
+        }
+    assert server.post("/v1/chat/completions", ask).status_code == 200
+
+
 def test_echo_with_logprobs_and_prompt_logprobs_match_transformers(server, hf_reference):
     import torch
 

@@ -3,7 +3,8 @@ template file), called with the official `openai` client: the scripted model
 (``tests/scripted_model.py``) writes ``<think>abc</think>answer`` after any prompt, so
 every expected string is exact. Its reasoning reaches ``reasoning_content`` and its
 answer ``content``, whole and streamed; structured outputs and tool calls hold the answer
-only; ``chat_template_kwargs`` reach the template; completions are not split."""
+only; ``chat_template_kwargs`` and ``reasoning_effort`` reach the template; completions
+are not split."""
 
 from __future__ import annotations
 
@@ -159,6 +160,29 @@ def test_the_chat_template_file_and_its_kwargs_render_the_prompt(server):
     assert tokenizer.decode(closed["tokens"]).endswith("assistant [thinker]<think>\n\n</think>")
 
 
+def test_reasoning_effort_sets_the_templates_thinking_switch(server):
+    """none and minimal render the prompt as enable_thinking false does (the reasoning
+    closed in the prompt, so the answer has none), the others as true;
+    chat_template_kwargs that set the switch win."""
+    thinking = tokenize_chat(server)["count"]
+    closed = tokenize_chat(server, chat_template_kwargs={"enable_thinking": False})["count"]
+    assert closed > thinking
+    for effort, kwargs, expected in (
+        ("none", {}, closed),
+        ("minimal", {}, closed),
+        ("low", {}, thinking),
+        ("high", {}, thinking),
+        ("none", {"enable_thinking": True}, thinking),
+        ("high", {"enable_thinking": False}, closed),
+    ):
+        extra = {"chat_template_kwargs": kwargs} if kwargs else {}
+        done = chat(server, reasoning_effort=effort, extra_body=extra)
+        assert done.usage.prompt_tokens == expected, (effort, kwargs)
+        message = done.choices[0].message
+        reasoning = None if expected == closed else "abc"  # the script goes on after </think>
+        assert (message.reasoning_content, message.content) == (reasoning, "answer")
+
+
 def test_chat_template_kwargs_that_set_the_calls_own_arguments_are_refused(server):
     for path in ("/v1/chat/completions", "/tokenize"):
         refused = server.post(
@@ -173,3 +197,38 @@ def test_chat_template_kwargs_that_set_the_calls_own_arguments_are_refused(serve
             "code": "invalid_value",
         }
     assert chat(server).choices[0].message.content == "answer"  # and it serves on
+
+
+def test_the_responses_api_gives_the_reasoning_its_own_item(server):
+    client = server.client()
+    fields = {"model": MODEL, "input": MESSAGES, "max_output_tokens": 16, "temperature": 0}
+    done = client.responses.create(**fields)
+    reasoning, message = done.output
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [part.text for part in reasoning.content] == ["abc"]
+    assert message.type == "message" and done.output_text == "answer"
+    events = list(client.responses.create(stream=True, **fields))
+    types = [e.type for e in events]
+    for kind in ("reasoning_text", "output_text"):
+        assert "".join(e.delta for e in events if e.type == f"response.{kind}.delta") == (
+            "abc" if kind == "reasoning_text" else "answer"
+        )
+    order = [t for i, t in enumerate(types) if "delta" not in t or types[i - 1] != t]
+    item = ["response.output_item.added", "response.content_part.added"]
+    close = ["response.content_part.done", "response.output_item.done"]
+    assert order == [
+        "response.created",
+        "response.in_progress",
+        *item,
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        *close,
+        *item,
+        "response.output_text.delta",
+        "response.output_text.done",
+        *close,
+        "response.completed",
+    ]
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "abc" and final.output_text == "answer"

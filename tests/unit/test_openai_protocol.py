@@ -101,7 +101,7 @@ def test_beam_search_extras():
         ({"prompt": "x", "stop": ["a"] * 17}, "stop", "at most 16 stop strings, got 17"),
         ({"prompt": "x", "timeout": 0}, "timeout", "timeout: must be a number of seconds > 0"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
-        ({"prompt": "x", "suffix": "y"}, "suffix", "suffix: Input should be None"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "suffix: must be null: this server has no"),
         ({}, "prompt", "prompt: is required"),
         (
             {"prompt": "x", "speculative": {"method": "eagle"}},

@@ -149,7 +149,11 @@ def test_token_index_and_seed_change_the_stream():
     assert torch.equal(torch.rand(5, generator=g1), torch.rand(5, generator=g2))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6)])
+@pytest.mark.parametrize(
+    "params",
+    # 5e-324 (the smallest double) is 0 in float32: the best token survives even so
+    [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(top_p=5e-324)],
+)
 def test_truncation_to_one_token_is_greedy(logits, params):
     logits = torch.cat([logits, torch.zeros(1, 50), torch.tensor([[0.0] * 40 + [1.0] * 10])])
     rows = [row(params, seed=s) for s in range(len(logits))]

@@ -64,7 +64,8 @@ def _top_p(x: torch.Tensor, probs: torch.Tensor, top_p: list[float]) -> torch.Te
         p = probs[todo].gather(1, ids)  # tied logits have equal p: their order is moot
         mass_before = p.cumsum(dim=1) - p  # of strictly better-ranked tokens
         reached = (mass_before[:, -1] + p[:, -1] >= threshold[todo, 0]) | (n == vocab)
-        found = (mass_before < threshold[todo]).sum(dim=1, keepdim=True)[reached]  # >= 1
+        found = (mass_before < threshold[todo]).sum(dim=1, keepdim=True)[reached]
+        found.clamp_(min=1)  # the best token: a top_p below float32's least (5e-324) is 0
         count[todo[reached]] = found
         kth[todo[reached]] = best[reached].gather(1, found - 1)
         todo = todo[~reached]
