@@ -44,13 +44,14 @@ from typing import Any
 import ray
 
 from tessera.cluster.request_run import RELEASE_WAIT_S, RequestRun, Timings
-from tessera.scheduler.api import ClusterStats, Placement, Refusal
+from tessera.scheduler.api import ClusterStats, OverloadedError, Placement, Refusal
 from tessera.workers.api import (
     InvalidRequestError,
     Request,
     RequestOutput,
     SamplingParams,
 )
+from tessera.workers.engine.embedding import EmbeddingCapacityError
 from tessera.workers.kv.prefix_cache import extend_block_hashes
 from tessera.workers.process.channel_reader import (
     ChannelReader,
@@ -218,7 +219,9 @@ class ClusterClient:
         """Each input's embedding (float32 numpy ``[len(inputs), hidden]``) from one
         worker the scheduler places the request on (as any request: its admission
         queue and placement policy; no prefix affinity); its place is released at the
-        end. Raises ``submit``'s errors, and ``InvalidRequestError`` naming the input."""
+        end. Raises ``submit``'s errors, ``InvalidRequestError`` naming the input, and
+        ``OverloadedError`` (retriable) where the worker's KV pool, held by running
+        requests, has no room for an input now."""
         placement = await self.scheduler.place.remote(
             request_id, [], MIXED, timeout_s, False, (request_id,)
         )
@@ -226,6 +229,11 @@ class ClusterClient:
             raise placement.error(placement.message)
         try:
             return await placement.worker.embed.remote(inputs)
+        except EmbeddingCapacityError as error:  # Ray's error is also the worker's
+            cause = getattr(error, "cause", error)
+            raise OverloadedError(
+                f"the worker's KV pool is held by running requests: {cause}"
+            ) from None
         finally:
             release = self.scheduler.release.remote(request_id)
             with contextlib.suppress(TimeoutError):  # the scheduler notes it when it can
