@@ -46,12 +46,12 @@ import ray
 from tessera.cluster.request_run import RELEASE_WAIT_S, RequestRun, Timings
 from tessera.scheduler.api import ClusterStats, OverloadedError, Placement, Refusal
 from tessera.workers.api import (
+    EmbeddingCapacityError,
     InvalidRequestError,
     Request,
     RequestOutput,
     SamplingParams,
 )
-from tessera.workers.engine.embedding import EmbeddingCapacityError
 from tessera.workers.kv.prefix_cache import extend_block_hashes
 from tessera.workers.process.channel_reader import (
     ChannelReader,

@@ -36,6 +36,7 @@ INTER_TOKEN_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 __all__ = [
+    "EmbeddingCapacityError",
     "INTER_TOKEN_LATENCY_BUCKETS",
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TOP_LOGPROBS",
@@ -58,6 +59,10 @@ __all__ = [
     "TokenLogprob",
     "fork_seed",
 ]
+
+
+class EmbeddingCapacityError(RuntimeError):
+    """The KV pool has too few free blocks for one embedding input, even alone."""
 
 
 class FinishReason(str, enum.Enum):

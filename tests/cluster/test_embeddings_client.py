@@ -12,7 +12,7 @@ import ray
 from tessera.cluster.client import ClusterClient
 from tessera.cluster.openai_errors import api_error
 from tessera.scheduler.api import OverloadedError, Placement
-from tessera.workers.engine.embedding import EmbeddingCapacityError
+from tessera.workers.api import EmbeddingCapacityError
 
 FULL = "the KV pool has 0 free blocks, too few for an input of 9 tokens"
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from tessera.workers.api import InvalidRequestError
+from tessera.workers.api import EmbeddingCapacityError, InvalidRequestError
 from tessera.workers.engine.flat_batch import Chunk
 from tessera.workers.engine.model_runner import ModelRunner
 from tessera.workers.kv.manager import KVCacheManager, blocks_needed
@@ -30,10 +30,6 @@ from tessera.workers.kv.manager import KVCacheManager, blocks_needed
 #: Seq ids of embedding inputs start with this (request ids are uuids or client ids
 #: without a colon-prefixed kind, so they never collide).
 SEQ_PREFIX = "embedding:"
-
-
-class EmbeddingCapacityError(RuntimeError):
-    """The KV pool has too few free blocks for one input, even alone."""
 
 
 def embed(
