@@ -181,8 +181,8 @@ class ClusterClient:
             return []
         block_size, keys = hashing
         hashes: list[bytes] = []
-        salt = request.cache_salt or ""
-        extend_block_hashes(hashes, request.prompt_token_ids, block_size, (*keys, salt))
+        key = request.cache_key or ""
+        extend_block_hashes(hashes, request.prompt_token_ids, block_size, (*keys, key))
         return hashes
 
     async def _channel(self, placement: Placement) -> ChannelReader:

@@ -254,3 +254,30 @@ def weights_digest(model: torch.nn.Module) -> int:
         whole = torch.empty(0, dtype=torch.uint8).set_(storage)
         crc = zlib.crc32(whole.numpy().data, crc)
     return crc
+
+
+#: Every projection a LoRA adapter may target (PEFT's module names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def save_random_lora(path: Path, hf_model, seed: int, rank: int = 4, alpha: int = 8, **config):
+    """A PEFT LoRA adapter of ``hf_model`` with random A and B (``init_lora_weights=False``,
+    B scaled up so the adapter changes the greedy tokens), saved at ``path`` by
+    ``save_pretrained``; returns the PEFT model (over a copy of ``hf_model``): the
+    reference for that adapter."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    fields = dict(
+        r=rank, lora_alpha=alpha, target_modules=list(LORA_TARGETS), init_lora_weights=False
+    )
+    lora = peft.LoraConfig(**{**fields, **config})
+    model = peft.get_peft_model(copy.deepcopy(hf_model), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(20.0)
+    model.save_pretrained(path)
+    return model.eval()

@@ -45,6 +45,7 @@ __all__ = [
     "SPECULATIVE_METHODS",
     "FinishReason",
     "InvalidRequestError",
+    "LoraRef",
     "ParallelSet",
     "ParallelTokensParams",
     "Phase",
@@ -63,6 +64,18 @@ __all__ = [
 
 class EmbeddingCapacityError(RuntimeError):
     """The KV pool has too few free blocks for one embedding input, even alone."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A LoRA adapter a request runs with: the name requests call it by (their
+    ``model``), its folder (PEFT's files, readable by every worker) and the SHA-256 of
+    those files (``model.lora.adapter_digest``): what workers check the files against
+    and the prefix cache keys its blocks on."""
+
+    name: str
+    path: str
+    digest: str
 
 
 class FinishReason(str, enum.Enum):
@@ -163,7 +176,8 @@ class Request:
 
     Lower ``priority`` values are scheduled first and preempted last (as in vLLM).
     ``cache_salt`` joins the prefix-cache hash of every block: only requests with the
-    same salt share cached blocks (a tenant boundary).
+    same salt share cached blocks (a tenant boundary); so does ``lora``'s digest
+    (``cache_key``: an adapter changes every block's K/V).
     """
 
     request_id: str
@@ -174,6 +188,7 @@ class Request:
     cache_salt: str | None = None
     resume: Resume | None = None  # what a worker that died had generated (failover)
     prefill: PrefillSource | None = None  # a decode worker pulls the prompt's blocks here
+    lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -193,6 +208,20 @@ class Request:
             raise InvalidRequestError(
                 "cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}"
             )
+
+
+    @property
+    def cache_key(self) -> str | None:
+        """What its blocks' hashes take besides their tokens and the engine's keys: the
+        salt, and the adapter's digest (None: neither)."""
+        return cache_key(self.cache_salt, self.lora)
+
+
+def cache_key(cache_salt: str | None, lora: LoraRef | None) -> str | None:
+    """``Request.cache_key`` of a salt and an adapter."""
+    if lora is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora.digest}"
 
 
 def check_priority(priority: object) -> None:

@@ -211,11 +211,32 @@ class EngineConfig:
     embedding_normalize: bool = _setting(
         True, "scale each /v1/embeddings vector to unit L2 norm; off: the pooled state as is"
     )
+    enable_lora: bool = _setting(
+        False,
+        "serve LoRA adapters (PEFT folders) over the model, several in one step; on by "
+        "itself with --lora-modules",
+    )
+    max_loras: int = _setting(
+        4,
+        "LoRA adapters one worker holds at once (each a slot in every layer); a request "
+        "whose adapter finds every slot in use by running requests waits",
+        ge=1,
+    )
+    max_lora_rank: int = _setting(
+        16, "the highest LoRA rank served (each slot is this wide); higher is refused", ge=1
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPE_CHOICES)}, got {self.dtype!r}")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "stream_interval"):
+        for name in (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "stream_interval",
+            "max_loras",
+            "max_lora_rank",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
@@ -230,6 +251,7 @@ class EngineConfig:
             "cuda_graphs",
             "native_decode",
             "embedding_normalize",
+            "enable_lora",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")

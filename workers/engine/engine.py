@@ -34,11 +34,19 @@ from collections.abc import Iterator
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
+from tessera.workers.api import (
+    InvalidRequestError,
+    LoraRef,
+    Request,
+    RequestOutput,
+    Resume,
+    SamplingParams,
+)
 from tessera.workers.config import EngineConfig
 from tessera.workers.decoding import structured
 from tessera.workers.decoding.detokenizer import IncrementalDetokenizer, token_bytes
 from tessera.workers.decoding.forks import Forks
+from tessera.workers.decoding.outputs import aborted_outputs
 from tessera.workers.decoding.rows import Rows
 from tessera.workers.decoding.sampling import Sampler, argmax_only
 from tessera.workers.decoding.speculative import DraftModel, Speculator, load_draft
@@ -46,6 +54,7 @@ from tessera.workers.decoding.stop import StopStringMatcher
 from tessera.workers.engine import embedding
 from tessera.workers.engine.batcher import Batcher, ScheduledBatch
 from tessera.workers.engine.hashing import BlockHasher
+from tessera.workers.engine.loras import LoraManager
 from tessera.workers.engine.model_runner import ModelRunner
 from tessera.workers.engine.postprocess import Postprocessor
 from tessera.workers.engine.requests import LiveRequests
@@ -99,12 +108,16 @@ class Engine:
             self.model_config, num_blocks, config.block_size, dtype, device
         )
         graphs = config.cuda_graphs and device.type == "cuda"
+        self.loras = None
+        if config.enable_lora:
+            self.loras = LoraManager(self.loaded.model, config.max_loras, config.max_lora_rank)
         self.runner = ModelRunner(
             self.loaded.model,
             self.kv,
             kv_cache,
             static_decode="graphs" if graphs else "off",
             native_decode=config.native_decode,
+            loras=self.loras,
         )
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
@@ -145,7 +158,7 @@ class Engine:
             self.hash_keys,
             self.loaded.model.rope.context_key,
         )
-        self.requests = LiveRequests(self.batcher)
+        self.requests = LiveRequests(self.batcher, self.loras)
         self.groups = self.requests.groups  # by request id
         self.counters = StepCounters(self.speculator)
         self.post = Postprocessor(
@@ -164,6 +177,10 @@ class Engine:
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self._step_lock = threading.Lock()  # held while the batch or the pool changes
         self._ready: list[RequestOutput] = []  # produced outside step(), returned by the next
+        # admitted requests whose LoRA adapter found every slot pinned, in arrival order
+        self._lora_waiting: collections.deque[tuple[Request, object | None]] = (
+            collections.deque()
+        )
         self._order = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
@@ -208,25 +225,49 @@ class Engine:
         cache_salt: str | None = None,
         resume: Resume | None = None,
         grammar: object | None = None,
+        lora: LoraRef | None = None,
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` naming the field.
 
         ``resume`` continues a request another worker had started (failover): its
         tokens are recomputed here, not generated or sent again. ``grammar``: its
         structured output's matcher, built off the engine thread (``grammar_matcher``);
-        without it the step that admits the request builds it.
+        without it the step that admits the request builds it. ``lora``: the adapter
+        it runs with (read here unless ``prepare_lora`` read it already).
         """
         sampling = sampling or SamplingParams()
         token_ids = self.validate(prompt, sampling, resume)
+        self.prepare_lora(lora)
         request = Request(
-            request_id, token_ids, sampling, priority, time.monotonic(), cache_salt, resume
+            request_id,
+            token_ids,
+            sampling,
+            priority,
+            time.monotonic(),
+            cache_salt,
+            resume,
+            lora=lora,
         )
         return self._queue(request, grammar)
+
+    def prepare_lora(self, lora: LoraRef | None) -> None:
+        """Read and check a request's adapter (any thread: ``AsyncEngine`` calls it off
+        its loop); ``InvalidRequestError`` on ``model`` if it cannot run here."""
+        if lora is None:
+            return
+        if self.loras is None:
+            raise InvalidRequestError(
+                "model",
+                f"{lora.name!r} is a LoRA adapter and this worker serves none (start it "
+                f"with --enable-lora or --lora-modules)",
+            )
+        self.loras.prepare(lora)
 
     def submit(self, request: Request, grammar: object | None = None) -> Request:
         """Queue a request a front end built (``add_request``'s, whole), checked here
         against the model and the pool; its arrival is this engine's clock."""
         token_ids = self.validate(request.prompt_token_ids, request.sampling, request.resume)
+        self.prepare_lora(request.lora)
         arrived = time.monotonic()
         return self._queue(
             dataclasses.replace(request, prompt_token_ids=token_ids, arrival_time=arrived),
@@ -288,7 +329,7 @@ class Engine:
         return self.counters.steps
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._ready) or self.batcher.has_work()
+        return bool(self._inbox or self._ready or self._lora_waiting) or self.batcher.has_work()
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -332,15 +373,33 @@ class Engine:
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
+        if self._lora_waiting:  # slots unpinned by the last step
+            waiting, self._lora_waiting = self._lora_waiting, collections.deque()
+            for request, grammar in waiting:
+                self._admit(request, grammar)
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
                 self._admit(*payload)
             elif (group := self.groups.get(payload)) is not None:
                 outputs += self.post.abort_group(group)
+            else:
+                outputs += self._abort_lora_waiting(payload)
         return outputs
 
+    def _abort_lora_waiting(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request waiting for an adapter slot (none if it is not one)."""
+        for entry in self._lora_waiting:
+            if entry[0].request_id == request_id:
+                self._lora_waiting.remove(entry)
+                self.requests.release(request_id)
+                return aborted_outputs(entry[0])
+        return []
+
     def _admit(self, request: Request, grammar: object | None) -> None:
+        if request.lora is not None and not self.loras.acquire(request.request_id, request.lora):
+            self._lora_waiting.append((request, grammar))  # every slot is pinned
+            return
         sampling, resume = request.sampling, request.resume
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         seq = Sequence(

@@ -2,7 +2,7 @@
 prefix cache.
 
 A block's hash chains its parent's, its tokens and the keys that change its K/V
-besides them (model, precision, kernels, the request's salt, and for a RoPE that
+besides them (model, precision, kernels, the request's salt and LoRA adapter, and for a RoPE that
 depends on the sequence's length, a long prompt's length: ``prompt_keys``). Blocks from a
 sequence's first parallel set on are never hashed: their K/V depend on positions and
 masks, not tokens alone; ``block_hashes`` covers real tokens only (never drafts).
@@ -54,7 +54,7 @@ class BlockHasher:
         end = seq.parallel_sets[0][0] if seq.parallel_sets else len(seq.token_ids)
         if end // self.kv.block_size <= len(seq.block_hashes):
             return  # no block has filled (most tokens fill none)
-        keys = self.prompt_keys(len(seq.request.prompt_token_ids), seq.request.cache_salt)
+        keys = self.prompt_keys(len(seq.request.prompt_token_ids), seq.request.cache_key)
         if seq.request.sampling.prompt_logprobs is not None:
             # Every prompt position's logits are needed, and a cached block holds only
             # K/V: such a prompt runs whole, so it neither matches nor is matched (its
@@ -63,10 +63,11 @@ class BlockHasher:
         token_ids = seq.token_ids if end == len(seq.token_ids) else seq.token_ids[:end]
         extend_block_hashes(seq.block_hashes, token_ids, self.kv.block_size, keys)
 
-    def prompt_keys(self, prompt_len: int, cache_salt: str | None) -> tuple[str, ...]:
-        """The hash keys of a request's blocks: the engine's, its salt's and what its
-        prompt's length changes (``RotaryEmbedding.context_key``)."""
-        keys = (*self.hash_keys, cache_salt or "")
+    def prompt_keys(self, prompt_len: int, cache_key: str | None) -> tuple[str, ...]:
+        """The hash keys of a request's blocks: the engine's, its ``Request.cache_key``
+        (salt and adapter) and what its prompt's length changes
+        (``RotaryEmbedding.context_key``)."""
+        keys = (*self.hash_keys, cache_key or "")
         context = self.context_key(prompt_len)
         return (*keys, context) if context else keys
 

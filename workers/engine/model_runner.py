@@ -17,8 +17,10 @@ from tessera.workers.attention.metadata import PAD_BLOCK_ID, AttentionMetadata
 from tessera.workers.attention.paged import plan_decode
 from tessera.workers.engine.cuda_graphs import DecodeGraphs
 from tessera.workers.engine.flat_batch import Chunk, HostInts, int64_tensors
+from tessera.workers.engine.loras import LoraManager
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.llama import LlamaModel
+from tessera.workers.model.lora import LoraBatch
 from tessera.workers.quant.kernels import argmax_rows
 
 #: A forward's answer: logits or argmax, or ``execute_decodes``' (argmax, logits) pair.
@@ -62,6 +64,7 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         static_decode: str = "off",
         native_decode: bool = False,
+        loras: LoraManager | None = None,
     ) -> None:
         if static_decode not in ("off", "eager", "graphs"):
             raise ValueError(f"static_decode: 'off', 'eager' or 'graphs', got {static_decode!r}")
@@ -82,6 +85,7 @@ class ModelRunner:
         )
         self.native_decode = native_decode and model.native_layers() is not None
         self.native_prompts = self.native_decode and kv_cache.dtype != torch.float32
+        self.loras = loras  # each live request's LoRA adapter slot (``engine.loras``)
         #: Seconds the last ``execute`` spent in the model's forward (on CUDA, up to the
         #: end of its kernels).
         self.forward_time = 0.0
@@ -125,8 +129,17 @@ class ModelRunner:
                 whole = True
         if whole:
             entries.sort(key=lambda entry: entry[2] != 1)
+        lora = None
+        if self.loras is not None and self.loras.request_slots:
+            lora = self.loras.batch([chunks[i].seq_id for i, _, n in entries for _ in range(n)])
         graphs = self.decode_graphs
-        if graphs is not None and not whole and not hidden_only and graphs.fits(len(entries)):
+        if (
+            graphs is not None
+            and not whole
+            and not hidden_only
+            and lora is None
+            and graphs.fits(len(entries))
+        ):
             logits = self._static_decode(chunks, entries)
             return argmax_rows(logits) if argmax_only else logits
         bs = self.block_size
@@ -189,6 +202,7 @@ class ModelRunner:
             argmax_only,
             contexts,
             hidden_only=hidden_only,
+            lora=lora,
         )
 
     def execute_decodes(
@@ -212,8 +226,11 @@ class ModelRunner:
         tables = [block_ids(seq_id) for seq_id in seq_ids]
         num = len(seq_ids)
         rows = list(range(num))
+        lora = None
+        if self.loras is not None and self.loras.request_slots:
+            lora = self.loras.batch(list(seq_ids))
         graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(num):
+        if graphs is not None and lora is None and graphs.fits(num):
             logits = self._timed(graphs.prepare(token_ids, starts, starts, tables, rows))
             if argmax_only and logits_for:
                 others = [row for row in rows if row not in set(logits_for)]
@@ -234,6 +251,7 @@ class ModelRunner:
             num,
             argmax_only,
             logits_for=logits_for,
+            lora=lora,
         )
 
     def _apply_copies(self) -> None:
@@ -256,6 +274,7 @@ class ModelRunner:
         contexts: list[int] | None = None,
         logits_for: Seq[int] = (),
         hidden_only: bool = False,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward over a flattened batch (the layout in ``flat_batch``'s docstring):
         its first ``num_decodes`` sequences are decodes of one row each, causal; ``masks``
@@ -279,7 +298,7 @@ class ModelRunner:
             pieces[-1] = pieces[-1].view(num_seqs, width)
         ids_t, positions_t, slot_mapping, query_start_t, seq_lens_t, rows_t, block_tables = pieces
         masks_given = any(m is not None for m in masks)
-        native = self.native_decode and not masks_given
+        native = self.native_decode and not masks_given and lora is None
         decode_plan = None
         if num_decodes and not native:
             decode_plan = plan_decode(
@@ -313,6 +332,7 @@ class ModelRunner:
                 rope_contexts=rope_contexts,
                 logits_for=full,
                 hidden_only=hidden_only,
+                lora=lora,
             )
         )
 

@@ -10,12 +10,14 @@ import threading
 
 from tessera.workers.api import InvalidRequestError
 from tessera.workers.engine.batcher import Batcher
+from tessera.workers.engine.loras import LoraManager
 from tessera.workers.engine.sequence import SequenceGroup
 
 
 class LiveRequests:
-    def __init__(self, batcher: Batcher) -> None:
+    def __init__(self, batcher: Batcher, loras: LoraManager | None = None) -> None:
         self.batcher = batcher
+        self.loras = loras  # a group's adapter slot is unpinned when it ends
         self.groups: dict[str, SequenceGroup] = {}
         #: Live requests whose sequence speculates: without any, a step skips looking
         #: for sequences to propose drafts for, or drafts to drop.
@@ -42,5 +44,11 @@ class LiveRequests:
         self.batcher.remove(group)
         del self.groups[group.request_id]
         self.speculating.discard(group.request_id)
+        if self.loras is not None:
+            self.loras.release(group.request_id)
+        self.release(group.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free ``request_id`` for another request."""
         with self._lock:
-            self._known_ids.discard(group.request_id)
+            self._known_ids.discard(request_id)

@@ -33,7 +33,7 @@ class _KVCacheHolder(Protocol):
 
 
 class _PromptKeys(Protocol):
-    def prompt_keys(self, prompt_len: int, cache_salt: str | None) -> tuple[str, ...]: ...
+    def prompt_keys(self, prompt_len: int, cache_key: str | None) -> tuple[str, ...]: ...
 
 
 class HandoffEngine(Protocol):
@@ -80,10 +80,11 @@ class BlockHandoff:
     def _kv(self) -> torch.Tensor:  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         return self.engine.runner.kv_cache
 
-    def prompt_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[bytes]:
-        """The content hashes of the prompt's full blocks (as the engine computes them)."""
+    def prompt_hashes(self, token_ids: list[int], cache_key: str | None) -> list[bytes]:
+        """The content hashes of the prompt's full blocks (as the engine computes them;
+        ``cache_key``: the request's ``Request.cache_key``)."""
         hashes: list[bytes] = []
-        keys = self.engine.hasher.prompt_keys(len(token_ids), cache_salt)
+        keys = self.engine.hasher.prompt_keys(len(token_ids), cache_key)
         extend_block_hashes(hashes, token_ids, self.engine.kv.block_size, keys)
         return hashes
 

@@ -25,6 +25,7 @@ from tessera.workers.attention.paged import paged_attention, write_kv
 from tessera.workers.config import FAST, INT8
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.hf_weights import Weight, copy_checked, dequantized, load_hf_state_dict
+from tessera.workers.model.lora import LoraBatch
 from tessera.workers.model.moe import SparseMoE
 from tessera.workers.model.native_stack import build_native_layers
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
@@ -266,12 +267,15 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         rows: torch.Tensor | None = None,  # [S]: the rows that go on past the attention
+        lora: LoraBatch | None = None,  # each row's adapter (``lora.py``)
     ) -> torch.Tensor:
         """``[T, hidden]``; with ``rows`` (the last layer: the rows whose logits are
         wanted), every row's K/V is written and only ``rows`` go on: ``[S, hidden]``."""
         num_tokens = hidden.shape[0]
         x = self.input_layernorm(hidden)
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            qkv = lora.add(self.qkv_proj, x, qkv)
         # q and k heads side by side, rotated together: [T, H + H_kv, D]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         if self.qk_norm:
@@ -286,18 +290,28 @@ class DecoderLayer(nn.Module):
         ).reshape(num_tokens, -1)
         if rows is not None:
             hidden, attn = hidden.index_select(0, rows), attn.index_select(0, rows)
+            lora = None if lora is None else lora.select(rows)
+        attn_out = self.o_proj(attn)
+        if lora is not None:
+            attn_out = lora.add(self.o_proj, attn, attn_out)
         if self.sandwich_norms:
-            hidden = hidden + self.post_attention_layernorm(self.o_proj(attn))
+            hidden = hidden + self.post_attention_layernorm(attn_out)
             x = self.pre_feedforward_layernorm(hidden)
         else:
-            hidden = hidden + self.o_proj(attn)
+            hidden = hidden + attn_out
             x = self.post_attention_layernorm(hidden)
         if self.moe is not None:
             out = self.moe(x)
         else:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if lora is not None:
+                gate_up = lora.add(self.gate_up_proj, x, gate_up)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
             gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-            out = self.down_proj(gate * up)
+            act = gate * up
+            out = self.down_proj(act)
+            if lora is not None:
+                out = lora.add(self.down_proj, act, out)
         if self.sandwich_norms:
             out = self.post_feedforward_layernorm(out)
         return hidden + out
@@ -387,6 +401,7 @@ class LlamaModel(nn.Module):
         rope_contexts: torch.Tensor | None = None,  # [T]: RotaryEmbedding.lookup's contexts
         logits_for: torch.Tensor | None = None,  # [K]: with argmax_only, rows of the S
         hidden_only: bool = False,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch, writing its K/V into the cache; return float32 logits [S, vocab],
         or with ``argmax_only`` each of those rows' argmax (int64 [S], ``argmax_rows``'
@@ -399,7 +414,8 @@ class LlamaModel(nn.Module):
 
         ``native``: a batch without masks (decodes, then causal chunks) runs its layers
         through ``native_layers()`` where that exists, not op by op; the chunks' attention
-        there is the same torch kernel as op by op."""
+        there is the same torch kernel as op by op. ``lora``: each row's LoRA adapter (a
+        batch with one runs op by op)."""
         # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
         # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
         if self.packed_embedding is not None:
@@ -409,7 +425,9 @@ class LlamaModel(nn.Module):
         if self.config.embedding_scale is not None:  # (a float32 scalar, as transformers')
             hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=torch.float32)
         cos, sin = self.rope.lookup(positions, rope_contexts)
-        stack = self.native_layers() if native and meta.attn_masks is None else None
+        stack = None
+        if native and meta.attn_masks is None and lora is None:
+            stack = self.native_layers()
         if stack is not None:
             decodes, starts = meta.num_decodes, meta.query_start_loc_list
             prompts = prompt_tables = None
@@ -442,7 +460,8 @@ class LlamaModel(nn.Module):
             for index, layer in enumerate(self.layers):
                 rows = logits_indices if index == last else None
                 c, s = (cos, sin) if local is None or not layer.window else local
-                hidden = layer(hidden, c, s, kv_cache[index, 0], kv_cache[index, 1], meta, rows)
+                k, v = kv_cache[index, 0], kv_cache[index, 1]
+                hidden = layer(hidden, c, s, k, v, meta, rows, lora)
             hidden = self.norm(hidden)
         if hidden_only:
             return hidden.float()

@@ -1,0 +1,176 @@
+"""LoRA adapters in the engine against ``transformers`` + ``peft`` on the same weights:
+several adapters and the base model batched in one step, a request waiting for a slot,
+the adapter in the prefix-cache key, and the errors of adapters that cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.workers.api import InvalidRequestError, LoraRef, SamplingParams
+from tessera.workers.model.lora import adapter_digest
+from tests.helpers import TransformersReference, assert_greedy_matches, run_engine, save_random_lora
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ((5, 17, 99, 3, 42, 7, 11), (8, 8, 300, 21, 4), (77, 12, 9, 250, 31, 60, 2, 14, 90))
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """Two adapters of the tiny Llama (ranks 4 and 8, one with rsLoRA, one of attention
+    only): name -> (LoraRef, its PEFT model)."""
+    _, hf_model = tiny_llama
+    made = {}
+    for name, seed, extra in (
+        ("first", 1, dict(rank=4, alpha=8)),
+        (
+            "second",
+            2,
+            dict(rank=8, alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj"]),
+        ),
+    ):
+        path = tmp_path_factory.mktemp(f"lora-{name}")
+        model = save_random_lora(path, hf_model, seed, **extra)
+        made[name] = (LoraRef(name, str(path), adapter_digest(str(path))), model)
+    return made
+
+
+def make_engine(tiny_llama, **config):
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+
+    path, _ = tiny_llama
+    fields = dict(model=str(path), num_kv_blocks=96, block_size=4, enable_lora=True, max_loras=2)
+    return Engine(EngineConfig(**{**fields, **config}))
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def tokens(outputs) -> list[int]:
+    return [t for out in outputs for t in out.token_ids]
+
+
+def check_against_peft(tiny_llama, adapters, engine, which: list[str | None]) -> None:
+    for k, name in enumerate(which):
+        lora = None if name is None else adapters[name][0]
+        engine.add_request(f"r{k}", list(PROMPTS[k % len(PROMPTS)]), greedy(), lora=lora)
+    outputs = run_engine(engine)
+    for k, name in enumerate(which):
+        model = tiny_llama[1] if name is None else adapters[name][1]
+        ref = TransformersReference(model).greedy(PROMPTS[k % len(PROMPTS)], MAX_TOKENS)
+        assert_greedy_matches(tokens(outputs[f"r{k}"]), ref)
+
+
+def test_the_adapters_change_the_greedy_tokens(tiny_llama, adapters):
+    """(Else the tests below could not tell an adapter from the base model.)"""
+    base = TransformersReference(tiny_llama[1]).greedy(PROMPTS[0], MAX_TOKENS).token_ids
+    for _, model in adapters.values():
+        assert TransformersReference(model).greedy(PROMPTS[0], MAX_TOKENS).token_ids != base
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "op-by-op"])
+def test_adapters_and_the_base_model_batched_match_peft(tiny_llama, adapters, native):
+    engine = make_engine(tiny_llama, native_decode=native)
+    check_against_peft(tiny_llama, adapters, engine, ["first", None, "second", "first", "second"])
+    assert not engine.loras.request_slots  # every slot unpinned at the end
+    assert not engine.kv.tables  # no sequence holds a block
+
+
+def test_a_request_waits_for_a_slot_and_still_matches(tiny_llama, adapters):
+    engine = make_engine(tiny_llama, max_loras=1)
+    check_against_peft(tiny_llama, adapters, engine, ["first", "second", "first", None])
+    assert sorted(engine.loras.resident) == [adapters["first"][0].digest] or sorted(
+        engine.loras.resident
+    ) == [adapters["second"][0].digest]
+
+
+def test_abort_of_a_request_waiting_for_a_slot(tiny_llama, adapters):
+    engine = make_engine(tiny_llama, max_loras=1)
+    engine.add_request("a", list(PROMPTS[0]), greedy(), lora=adapters["first"][0])
+    engine.add_request("b", list(PROMPTS[1]), greedy(), lora=adapters["second"][0])
+    engine.step()  # admits both: b waits for a's slot
+    assert [len(engine.batcher.running), len(engine._lora_waiting)] == [1, 1]
+    engine.abort("b")
+    outputs = run_engine(engine)
+    assert [o.finish_reason.value for o in outputs["b"]] == ["abort"]
+    assert outputs["b"][0].token_ids == ()
+    engine.add_request("b", list(PROMPTS[1]), greedy())  # its id is free again
+    run_engine(engine)
+
+
+def test_an_adapter_keys_its_own_prefix_cache_blocks(tiny_llama, adapters):
+    engine = make_engine(tiny_llama)
+    prompt = list(PROMPTS[2])
+    engine.add_request("base", prompt, greedy())
+    run_engine(engine)
+    hits = engine.stats().prefix_cache.hits
+    engine.add_request("adapted", prompt, greedy(), lora=adapters["first"][0])
+    outputs = run_engine(engine)
+    assert engine.stats().prefix_cache.hits == hits  # the base model's blocks are not its
+    ref = TransformersReference(adapters["first"][1]).greedy(tuple(prompt), MAX_TOKENS)
+    assert_greedy_matches(tokens(outputs["adapted"]), ref)
+    engine.add_request("again", prompt, greedy(), lora=adapters["first"][0])
+    outputs = run_engine(engine)
+    assert engine.stats().prefix_cache.hits > hits  # but its own are
+    assert_greedy_matches(tokens(outputs["again"]), ref)
+
+
+def refused(engine, lora: LoraRef) -> str:
+    with pytest.raises(InvalidRequestError) as caught:
+        engine.add_request("x", list(PROMPTS[0]), greedy(), lora=lora)
+    assert caught.value.field == "model"
+    return str(caught.value)
+
+
+def test_adapters_that_cannot_run_are_refused_saying_why(tiny_llama, adapters, tmp_path):
+    engine = make_engine(tiny_llama, max_lora_rank=4)
+    ref = adapters["second"][0]
+    assert refused(engine, ref).endswith(
+        "LoRA adapter 'second': r: the adapter's rank 8 is over max_lora_rank 4"
+    )
+    missing = LoraRef("gone", str(tmp_path), "0" * 64)
+    assert refused(engine, missing).endswith(
+        f"LoRA adapter 'gone': no adapter_config.json in {str(tmp_path)!r}"
+    )
+    # an adapter of another base model (hidden 32, not 64)
+    from tests.helpers import save_random_llama
+
+    other = save_random_llama(tmp_path / "other", tiny_llama_tokenizer(tiny_llama), hidden_size=32)
+    save_random_lora(tmp_path / "foreign", other, 3)
+    path = str(tmp_path / "foreign")
+    foreign = LoraRef("foreign", path, adapter_digest(path))
+    assert refused(engine, foreign).endswith(
+        "LoRA adapter 'foreign': layer 0's down_proj: lora_A is [4, 96] and lora_B [32, 4], "
+        "the model needs [4, 96] and [64, 4] (rank 4; an adapter of another base model?)"
+    )
+    # files changed after the adapter was registered
+    changed = LoraRef("first", adapters["first"][0].path, "f" * 64)
+    assert refused(engine, changed).endswith(
+        f"LoRA adapter 'first': its files in {changed.path!r} changed since it was loaded; "
+        "load it again"
+    )
+    settings = json.loads((tmp_path / "foreign" / "adapter_config.json").read_text())
+    settings["use_dora"] = True
+    (tmp_path / "foreign" / "adapter_config.json").write_text(json.dumps(settings))
+    assert refused(engine, LoraRef("d", path, adapter_digest(path))).endswith(
+        "LoRA adapter 'd': use_dora: not supported"
+    )
+
+
+def test_an_engine_without_lora_refuses_an_adapter(tiny_llama, adapters):
+    engine = make_engine(tiny_llama, enable_lora=False)
+    assert refused(engine, adapters["first"][0]) == (
+        "model: 'first' is a LoRA adapter and this worker serves none (start it with "
+        "--enable-lora or --lora-modules)"
+    )
+
+
+def tiny_llama_tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama[0])
