@@ -209,7 +209,6 @@ class Request:
                 "cache_salt", f"must be a non-empty string or None, got {self.cache_salt!r}"
             )
 
-
     @property
     def cache_key(self) -> str | None:
         """What its blocks' hashes take besides their tokens and the engine's keys: the

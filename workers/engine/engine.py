@@ -178,9 +178,7 @@ class Engine:
         self._step_lock = threading.Lock()  # held while the batch or the pool changes
         self._ready: list[RequestOutput] = []  # produced outside step(), returned by the next
         # admitted requests whose LoRA adapter found every slot pinned, in arrival order
-        self._lora_waiting: collections.deque[tuple[Request, object | None]] = (
-            collections.deque()
-        )
+        self._lora_waiting: collections.deque[tuple[Request, object | None]] = collections.deque()
         self._order = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
