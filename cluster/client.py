@@ -48,6 +48,7 @@ from tessera.scheduler.api import ClusterStats, OverloadedError, Placement, Refu
 from tessera.workers.api import (
     EmbeddingCapacityError,
     InvalidRequestError,
+    LoraRef,
     Request,
     RequestOutput,
     SamplingParams,
@@ -140,12 +141,14 @@ class ClusterClient:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        lora: LoraRef | None = None,
     ) -> RequestStream:
         """Start a request; return its stream of deltas (all ``n`` outputs).
 
         Pass a request id, the prompt (text or token ids) and its sampling parameters,
         or a whole ``tessera.workers.api.Request``. ``timeout_s`` is how long it may wait in the
-        global queue for a worker (default: the cluster's ``queue_timeout_s``). Raises
+        global queue for a worker (default: the cluster's ``queue_timeout_s``). ``lora``:
+        the adapter it runs with (``lora``/``load_lora`` give one). Raises
         ``InvalidRequestError``, ``OverloadedError`` or ``NoWorkerError`` before any
         output.
         """
@@ -155,7 +158,13 @@ class ClusterClient:
             raise InvalidRequestError("timeout_s", f"must be a number > 0, got {timeout_s!r}")
         if not isinstance(request, Request):
             request = Request(
-                request, self._token_ids(prompt), _sampling(sampling), priority, 0.0, cache_salt
+                request,
+                self._token_ids(prompt),
+                _sampling(sampling),
+                priority,
+                0.0,
+                cache_salt,
+                lora=lora,
             )
         request_id = request.request_id
         if request_id in self._runs:
@@ -169,6 +178,24 @@ class ClusterClient:
             raise
         run.pump()
         return RequestStream(run)
+
+    async def lora(self, name: str) -> LoraRef | None:
+        """The cluster's adapter called ``name`` (None: there is none)."""
+        return await self.scheduler.lora.remote(name)
+
+    async def loras(self) -> list[LoraRef]:
+        """Every adapter the cluster serves."""
+        return await self.scheduler.lora_list.remote()
+
+    async def load_lora(self, name: str, path: str) -> LoraRef:
+        """Serve the PEFT adapter in folder ``path`` (read by every worker) as ``name``;
+        ``InvalidRequestError`` on ``lora_path`` saying what is wrong with it."""
+        return await self.scheduler.load_lora.remote(name, path)
+
+    async def unload_lora(self, name: str) -> bool:
+        """Stop serving adapter ``name`` (requests running with it finish); False if
+        there is none."""
+        return await self.scheduler.unload_lora.remote(name)
 
     async def block_hashes(self, request: Request) -> list[bytes]:
         """The hashes of the prompt's full blocks, as the workers' prefix caches compute

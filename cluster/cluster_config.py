@@ -147,6 +147,14 @@ class ClusterConfig(EngineSettings):
         "and their decode workers prefill themselves",
     )
 
+    # -- LoRA adapters (the engine's enable_lora, max_loras, max_lora_rank)
+    lora_modules: list[str] = Field(
+        [],
+        description="LoRA adapters served from the start, each NAME=PATH (a PEFT folder "
+        "with adapter_config.json and adapter_model.safetensors, readable by every "
+        "worker); requests choose one by model; turns --enable-lora on",
+    )
+
     # -- placement and admission
     placement: str = Field(
         "prefix_affinity",
@@ -229,7 +237,14 @@ class ClusterConfig(EngineSettings):
             return data
         if (data.get("prefill_workers") or data.get("decode_workers")) and "workers" not in data:
             data = {**data, "workers": 0}
+        if data.get("lora_modules") and "enable_lora" not in data:
+            data = {**data, "enable_lora": True}
         return data
+
+    @property
+    def loras(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as (name, path) pairs."""
+        return [tuple(module.split("=", 1)) for module in self.lora_modules]
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -305,6 +320,16 @@ class ClusterConfig(EngineSettings):
         return f"{text}{weights}; {worker_num_cpus:g} CPU(s) and torch threads per worker"
 
     def _check_common(self) -> ClusterConfig:
+        names = set()
+        for module in self.lora_modules:
+            name, equals, path = module.partition("=")
+            if not (name and equals and path):
+                raise ValueError(f"lora_modules: each must be NAME=PATH, got {module!r}")
+            if name in names:
+                raise ValueError(f"lora_modules: {name!r} is named twice")
+            names.add(name)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("enable_lora: --lora-modules needs it on, got off")
         tls = (self.kv_transfer_tls_cert, self.kv_transfer_tls_key, self.kv_transfer_tls_ca)
         if any(tls) and not all(tls):
             raise ValueError(

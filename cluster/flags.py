@@ -88,7 +88,9 @@ def _add_flag(
             group.set_defaults(**{name: default})
         return
     default = argparse.SUPPRESS if only_given else default
-    if typing.get_origin(kind) is Literal:
+    if typing.get_origin(kind) is list:  # --flag A B C
+        group.add_argument(flag, nargs="+", metavar="VALUE", default=default, help=help_text)
+    elif typing.get_origin(kind) is Literal:
         group.add_argument(flag, choices=typing.get_args(kind), default=default, help=help_text)
     else:
         group.add_argument(flag, type=_PARSERS.get(name, kind), default=default, help=help_text)

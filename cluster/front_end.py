@@ -53,6 +53,7 @@ from tessera.scheduler.api import ClusterStats, DeadlineError
 from tessera.workers import validation
 from tessera.workers.api import (
     InvalidRequestError,
+    LoraRef,
     RequestOutput,
     SamplingParams,
     StructuredParams,
@@ -156,13 +157,28 @@ class FrontEnd:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, call)
 
     def check_model(self, model: str | None) -> None:
+        """``model`` is the base model's name (or not given): routes that serve no
+        adapter."""
         if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"model: {model!r} is not served here; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            raise self._not_served(model)
+
+    async def model_lora(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); a 404
+        for a name that is neither."""
+        if model is None or model == self.model_name:
+            return None
+        lora = await self.client.lora(model)
+        if lora is None:
+            raise self._not_served(model)
+        return lora
+
+    def _not_served(self, model: str) -> APIError:
+        return APIError(
+            404,
+            f"model: {model!r} is not served here; this server serves {self.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_size(self, chars: int, field_name: str) -> None:
         """Refuse text that is certainly over the context before tokenizing it."""
@@ -308,20 +324,23 @@ class FrontEnd:
         arrival: float,
         timeout_s: float | None = None,
         include_usage: bool = False,
+        lora: LoraRef | None = None,
     ) -> Job:
         """A job whose deadline is ``timeout_s`` after arrival (at most the server's
-        ``request_timeout_s``)."""
+        ``request_timeout_s``), run with adapter ``lora`` (its answers then name the
+        adapter as their model)."""
         timeout = min(self.config.request_timeout_s, timeout_s or math.inf)
         return Job(
             kind,
             request_id,
-            self.model_name,
+            self.model_name if lora is None else lora.name,
             prompts,
             sampling,
             timeout,
             arrival + timeout,
             arrival,
             include_usage,
+            lora=lora,
         )
 
     async def start(self, job: Job, priority: int = 0, cache_salt: str | None = None) -> None:
@@ -341,6 +360,7 @@ class FrontEnd:
                     priority=priority,
                     cache_salt=salt,
                     timeout_s=min(remaining, self.config.queue_timeout_s),
+                    lora=job.lora,
                 )
                 job.streams.append(stream)
         except BaseException as error:

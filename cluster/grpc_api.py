@@ -222,7 +222,7 @@ class GenerationService:
         try:
             self._grpc_authorize(grpc_context)
             _check_message(request)
-            front.check_model(request.model or None)
+            lora = await front.model_lora(request.model or None)
             front.check_request(request.priority, request.cache_salt or None)
             prompt, sampling = await self._grpc_prompt(request)
             timeout = None
@@ -233,7 +233,7 @@ class GenerationService:
             check_request_id(request.request_id, allow_empty=True)
             request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
             cluster_id = scoped_id(caller(grpc_context), request_id)
-            job = front.job("generate", cluster_id, [prompt], sampling, arrival, timeout)
+            job = front.job("generate", cluster_id, [prompt], sampling, arrival, timeout, lora=lora)
             await front.start(job, request.priority, request.cache_salt or None)
             finished = 0
             async with contextlib.aclosing(front.events(job)) as events:

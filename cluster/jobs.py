@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from tessera.cluster.openai_protocol import APIError, invalid
-from tessera.workers.api import InvalidRequestError, RequestOutput, SamplingParams, SpeculativeStats
+from tessera.workers.api import (
+    InvalidRequestError,
+    LoraRef,
+    RequestOutput,
+    SamplingParams,
+    SpeculativeStats,
+)
 
 
 @dataclass
@@ -39,6 +45,7 @@ class Job:
     deadline: float  # time.monotonic() when the request is aborted
     arrival: float
     include_usage: bool = False  # streaming: every chunk has "usage", the last one its value
+    lora: LoraRef | None = None  # the adapter it runs with (``model`` is then its name)
     streams: list[AsyncIterator[RequestOutput]] = field(default_factory=list)
     choices: dict[int, Choice] = field(default_factory=dict)
     first_token: float | None = None

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import ray
 
 from tessera.cluster.client import ClusterClient, RequestStream
-from tessera.cluster.cluster_config import ClusterConfig
+from tessera.cluster.cluster_config import ClusterConfig, ConfigError
 from tessera.cluster.environment import check_environment
 from tessera.scheduler.actor import scheduler_actor_class
 from tessera.scheduler.api import ClusterStats
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.config import SchedulerConfig, WorkerPool
 from tessera.scheduler.worker_actors import STARTUP_TIMEOUT_S, worker_actors
-from tessera.workers.api import Request, SamplingParams
+from tessera.workers.api import InvalidRequestError, Request, SamplingParams
 from tessera.workers.process.kv_auth import ClusterSecret
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class Cluster:
         try:
             await scheduler.start.remote()
             stats = await scheduler.wait_ready.remote(ready_timeout_s, not owns_scheduler)
+            await _load_loras(scheduler, config)
         except BaseException:
             if owns_scheduler:
                 await _stop(scheduler, config)
@@ -206,6 +208,17 @@ class Cluster:
             await _stop(self.scheduler, self.config)
         if self.owns_ray:
             ray.shutdown()
+
+
+async def _load_loras(scheduler: Any, config: ClusterConfig) -> None:
+    """Load ``lora_modules``; ``ConfigError`` naming the one that cannot be served."""
+    for name, path in config.loras:
+        try:
+            await scheduler.load_lora.remote(name, path)
+        except InvalidRequestError as error:  # Ray's error is also the scheduler's
+            cause = getattr(error, "cause", error)
+            raise ConfigError(f"lora_modules: {name}={path}: {cause.message}") from None
+        logger.info("LoRA adapter %r served from %s", name, path)
 
 
 async def _stop(scheduler, config: ClusterConfig) -> None:

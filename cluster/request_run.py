@@ -141,6 +141,7 @@ class RequestRun:
                     self.timeout_s,
                     failover,
                     tuple(part.worker_request_id for part in parts),
+                    None if request.lora is None else request.lora.digest,
                 ),
                 wait_s,
             )

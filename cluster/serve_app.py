@@ -48,7 +48,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from tessera.cluster import openai_embeddings
+from tessera.cluster import openai_embeddings, openai_loras
 from tessera.cluster.front_end import FrontEnd
 from tessera.cluster.grpc_access import check_message_limit
 from tessera.cluster.grpc_api import GenerationService
@@ -61,6 +61,7 @@ from tessera.cluster.metrics import CONTENT_TYPE
 from tessera.cluster.openai_chat import ChatCompletionRequest, TokenizeChatRequest
 from tessera.cluster.openai_embeddings import EmbeddingRequest
 from tessera.cluster.openai_errors import APIError, invalid
+from tessera.cluster.openai_loras import LoadLoraRequest, UnloadLoraRequest
 from tessera.cluster.openai_parsing import parse_body
 from tessera.cluster.openai_requests import (
     Body,
@@ -73,7 +74,7 @@ from tessera.cluster.response_store import GcsKeyValue, ResponseStore
 from tessera.cluster.responses_answers import ResponsesWriter
 from tessera.cluster.serve_config import ServeConfig
 from tessera.scheduler.api import WorkerStatus
-from tessera.workers.api import SamplingParams
+from tessera.workers.api import LoraRef, SamplingParams
 
 #: The default ``max_tokens`` of the completions API (OpenAI's).
 COMPLETIONS_MAX_TOKENS = 16
@@ -143,26 +144,54 @@ class OpenAIServer(GenerationService):
         if front is not None:
             front.close()
 
-    def _model_card(self) -> dict[str, Any]:
-        return {
+    def _model_card(self, lora: LoraRef | None = None) -> dict[str, Any]:
+        """The base model's card, or an adapter's (vLLM's: ``parent`` the base model,
+        ``root`` its folder)."""
+        card = {
             "id": self.front.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "tessera",
+            "root": self.front.model_name,
+            "parent": None,
             "max_model_len": self.front.max_model_len,
         }
+        if lora is not None:
+            card.update(id=lora.name, root=lora.path, parent=self.front.model_name)
+        return card
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
+        """The base model, then the LoRA adapters (by name)."""
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        loras = sorted(await self.front.client.loras(), key=lambda lora: lora.name)
+        cards = [self._model_card(), *(self._model_card(lora) for lora in loras)]
+        return JSONResponse({"object": "list", "data": cards})
 
     @api.get("/v1/models/{model:path}")
     async def model(self, request: Request, model: str) -> JSONResponse:
-        """OpenAI's retrieve: the served model's card; 404 naming it for any other."""
+        """OpenAI's retrieve: the served model's or an adapter's card; 404 naming it for
+        any other."""
         self._authorize(request)
-        self.front.check_model(model)
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(await self.front.model_lora(model)))
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> JSONResponse:
+        """vLLM's route: serve the PEFT adapter in ``lora_path`` as ``lora_name``."""
+        self._authorize(request)
+        body = self._parse(await self.bodies.read(request), LoadLoraRequest)
+        lora = await openai_loras.load(self.front, body)
+        return JSONResponse(
+            {"object": "lora_adapter", "lora_name": lora.name, "lora_path": lora.path}
+        )
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> JSONResponse:
+        """vLLM's route: stop serving ``lora_name``; 404 if it is not served."""
+        self._authorize(request)
+        body = self._parse(await self.bodies.read(request), UnloadLoraRequest)
+        await openai_loras.unload(self.front, body)
+        return JSONResponse({"object": "lora_adapter", "lora_name": body.lora_name})
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -170,7 +199,7 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = self._parse(await self.bodies.read(request), CompletionRequest)
-            self.front.check_model(body.model)
+            lora = await self.front.model_lora(body.model)
             self.front.check_request(body.priority, body.cache_salt)
             prompts = [await self.front.token_ids(p, "prompt") for p in body.prompts()]
             max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_MAX_TOKENS
@@ -179,7 +208,7 @@ class OpenAIServer(GenerationService):
             sampling = body.sampling_for(max_tokens)
             await self.front.check_structured(sampling.structured, body.wire_name("structured"))
             self.front.check_token_ids(sampling)
-            job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
+            job = self._job("completion", "cmpl", prompts, sampling, body, arrival, lora)
             echo = [
                 (text if isinstance(text, str) else self.front.tokenizer.decode(ids))
                 if body.echo
@@ -242,7 +271,7 @@ class OpenAIServer(GenerationService):
     async def _start_chat(self, body: ChatCompletionRequest, arrival: float, prefix: str) -> Job:
         """Check a chat request, render its conversation and start its job (the chat
         route's, and the Responses API's with the chat request it becomes)."""
-        self.front.check_model(body.model)
+        lora = await self.front.model_lora(body.model)
         self.front.check_request(body.priority, body.cache_salt)
         await self.front.check_tools(body)
         prompt = await self.front.chat_prompt(body)
@@ -264,7 +293,7 @@ class OpenAIServer(GenerationService):
         await self.front.check_structured(sampling.structured, body.wire_name("structured"))
         sampling = await self.front.answer_only(sampling)
         self.front.check_token_ids(sampling)
-        job = self._job("chat", prefix, [prompt], sampling, body, arrival)
+        job = self._job("chat", prefix, [prompt], sampling, body, arrival, lora)
         job.tool_names = frozenset(f["name"] for f in body.offered_tools())
         await self.front.start(job, body.priority, body.cache_salt)
         return job
@@ -332,10 +361,11 @@ class OpenAIServer(GenerationService):
         sampling: SamplingParams,
         body: Any,
         arrival: float,
+        lora: LoraRef | None = None,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         return self.front.job(
-            kind, request_id, prompts, sampling, arrival, body.timeout, body.include_usage
+            kind, request_id, prompts, sampling, arrival, body.timeout, body.include_usage, lora
         )
 
 

@@ -19,8 +19,9 @@ the health check), restarts or replaces dead workers, and runs the autoscaler.
 
 The actor is one class written in parts: this module holds its lifecycle, its workers'
 registration and its operators' calls; ``placer`` places requests (``Placer``),
-``monitor`` checks the workers and sizes their pools (``WorkerMonitor``), and
-``worker_actors`` names and starts the worker actors.
+``monitor`` checks the workers and sizes their pools (``WorkerMonitor``), ``loras``
+keeps the cluster's LoRA adapters (``LoraRegistry``), and ``worker_actors`` names and
+starts the worker actors.
 
 **Restarts.** Workers are detached named actors (``worker_actor_name``), so they do
 not share the scheduler's fate, and the cluster layer creates the scheduler with
@@ -49,6 +50,7 @@ from tessera.scheduler.admission import AdmissionQueue
 from tessera.scheduler.api import ClusterStats, NoWorkerError, Refusal, WorkerStatus
 from tessera.scheduler.autoscaler import Autoscaler
 from tessera.scheduler.config import SchedulerConfig
+from tessera.scheduler.loras import LoraRegistry
 from tessera.scheduler.monitor import WorkerMonitor
 from tessera.scheduler.placement import make_policy
 from tessera.scheduler.placer import Placer
@@ -64,7 +66,7 @@ from tessera.workers.process.protocol import WorkerInfo
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(WorkerMonitor, Placer):
+class Scheduler(WorkerMonitor, Placer, LoraRegistry):
     """Use ``scheduler_actor_class()`` for the Ray actor. The cluster layer starts it,
     with a ``SchedulerConfig`` it builds from the cluster's configuration."""
 
@@ -83,6 +85,8 @@ class Scheduler(WorkerMonitor, Placer):
         self._placed = self._refused = self._failovers = 0
         # request id -> its prefill source's worker id, while the request is placed
         self._paired: dict[str, str] = {}
+        self._lora_of: dict[str, str] = {}
+        self._init_loras()
         # True once every pool has had its starting workers healthy (or, restarted, the
         # cluster it takes back was up): until then no idle worker is drained, since a
         # pool that waits for its last workers to load is not idle, and ``wait_ready``

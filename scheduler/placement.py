@@ -7,9 +7,12 @@ chosen by name (``POLICIES``); they keep no state beyond the worker round robin 
 ``PrefixAffinity`` (the default) scores each candidate by
 
     score = PREFIX * matched / prompt_blocks + HEADROOM * (1 - kv_usage) - QUEUE * load
+            + LORA * holds_adapter
 
 where ``matched`` is the number of leading prompt blocks the worker's prefix cache
-already holds and ``load`` its share of used capacity (ongoing requests / capacity).
+already holds, ``load`` its share of used capacity (ongoing requests / capacity) and
+``holds_adapter`` whether the request's LoRA adapter is in one of its slots (another
+worker loads it when it must: a slot's write costs a little, a busier worker more).
 A prompt hit outweighs any load difference, so requests sharing a prefix follow it,
 unless the best match is overloaded (KV nearly full, or far busier than the
 least-loaded worker): then the request goes to the least-loaded worker instead, which
@@ -26,6 +29,7 @@ from typing import Protocol
 PREFIX = 1.0
 HEADROOM = 0.25
 QUEUE = 0.5
+LORA = 0.2
 #: KV usage at or above which a worker counts as overloaded for affinity.
 OVERLOAD_KV_USAGE = 0.95
 #: How much more loaded (share of capacity) than the least-loaded worker the best
@@ -40,6 +44,7 @@ class Candidate:
     capacity: int  # ongoing requests it takes before new ones queue (> ongoing here)
     kv_usage: float  # share of its KV pool in use (last report)
     matched_blocks: int  # leading prompt blocks it holds
+    holds_adapter: bool = False  # the request's LoRA adapter is in one of its slots
 
     @property
     def load(self) -> float:
@@ -88,7 +93,12 @@ class PrefixAffinity:
 
     def score(self, candidate: Candidate, prompt_blocks: int) -> float:
         matched = candidate.matched_blocks / prompt_blocks if prompt_blocks else 0.0
-        return PREFIX * matched + HEADROOM * (1 - candidate.kv_usage) - QUEUE * candidate.load
+        return (
+            PREFIX * matched
+            + HEADROOM * (1 - candidate.kv_usage)
+            - QUEUE * candidate.load
+            + LORA * candidate.holds_adapter
+        )
 
     def overloaded(self, candidate: Candidate, least: Candidate) -> bool:
         return (

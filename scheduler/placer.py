@@ -23,7 +23,7 @@ from tessera.scheduler.api import (
 )
 from tessera.scheduler.config import SchedulerConfig
 from tessera.scheduler.placement import Candidate, PlacementPolicy
-from tessera.scheduler.registry import Registry
+from tessera.scheduler.registry import Registry, WorkerRecord
 from tessera.workers.api import PrefillSource
 from tessera.workers.process.protocol import DECODE, MIXED, PREFILL
 
@@ -38,6 +38,7 @@ class Placer:
     queue: AdmissionQueue
     hash_keys: tuple[str, ...] | None
     _paired: dict[str, str]
+    _lora_of: dict[str, str]  # request id -> its adapter's digest, while placed or queued
     _placed: int
     _refused: int
     _failovers: int
@@ -50,6 +51,7 @@ class Placer:
         timeout_s: float | None = None,
         failover: bool = False,
         worker_request_ids: tuple[str, ...] = (),
+        lora: str | None = None,
     ) -> Placement | Refusal:
         """A worker for the request, now or once one frees up; a ``Refusal`` when the
         queue is full, the deadline passes or no worker of ``role`` is left.
@@ -59,13 +61,16 @@ class Placer:
         (for ``abort``). Placing a request that is already placed (``failover``) moves it;
         a new request under the id of one placed or waiting is refused
         (``RequestIdInUseError``), so that one front end's request cannot move
-        another's place."""
+        another's place. ``lora``: its adapter's digest (workers holding it score
+        higher)."""
         if not failover and (
             request_id in self.registry.placements or self.queue.holds(request_id)
         ):
             self._refused += 1
             return Refusal(RequestIdInUseError, "another running request has this id")
         self.release(request_id)
+        if lora is not None:
+            self._lora_of[request_id] = lora
         if failover:
             self._failovers += 1
         hashes = list(block_hashes)
@@ -102,6 +107,7 @@ class Placer:
         free its place on its worker, or in the queue."""
         self.queue.cancel(request_id, Refusal(OverloadedError, "withdrawn from the queue"))
         self._paired.pop(request_id, None)
+        self._lora_of.pop(request_id, None)
         if self.registry.release(request_id) is not None:
             self._dispatch()
 
@@ -131,6 +137,11 @@ class Placer:
         self, request_id: str, role: str, hashes: list[bytes], worker_request_ids: tuple[str, ...]
     ) -> Placement | None:
         capacity = self.config.max_ongoing_requests
+        lora = self._lora_of.get(request_id)
+
+        def holds(w: WorkerRecord) -> bool:  # the request's adapter is in its slots
+            return lora is not None and w.load is not None and lora in w.load.engine.loras
+
         candidates = [
             Candidate(
                 worker_id=w.worker_id,
@@ -138,6 +149,7 @@ class Placer:
                 capacity=capacity,
                 kv_usage=w.load.engine.kv_usage if w.load else 0.0,
                 matched_blocks=self.registry.index.matched(w.worker_id, hashes),
+                holds_adapter=holds(w),
             )
             for w in self.registry
             if w.role == role and w.status is WorkerStatus.HEALTHY and w.in_flight < capacity

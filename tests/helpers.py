@@ -281,3 +281,21 @@ def save_random_lora(path: Path, hf_model, seed: int, rank: int = 4, alpha: int 
                 param.mul_(20.0)
     model.save_pretrained(path)
     return model.eval()
+
+
+def random_adapters(hf_model, root: Path) -> dict[str, tuple[str, object]]:
+    """Two PEFT adapters of ``hf_model`` under ``root``: "first" (rank 4, every
+    projection) and "second" (rank 8, rsLoRA, q/v/o only): name -> (folder, the PEFT
+    model that is its reference)."""
+    made = {}
+    for name, seed, extra in (
+        ("first", 1, dict(rank=4, alpha=8)),
+        (
+            "second",
+            2,
+            dict(rank=8, alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj"]),
+        ),
+    ):
+        path = root / f"lora-{name}"
+        made[name] = (str(path), save_random_lora(path, hf_model, seed, **extra))
+    return made

@@ -10,7 +10,13 @@ import pytest
 
 from tessera.workers.api import InvalidRequestError, LoraRef, SamplingParams
 from tessera.workers.model.lora import adapter_digest
-from tests.helpers import TransformersReference, assert_greedy_matches, run_engine, save_random_lora
+from tests.helpers import (
+    TransformersReference,
+    assert_greedy_matches,
+    random_adapters,
+    run_engine,
+    save_random_lora,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -20,22 +26,12 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory):
-    """Two adapters of the tiny Llama (ranks 4 and 8, one with rsLoRA, one of attention
-    only): name -> (LoraRef, its PEFT model)."""
-    _, hf_model = tiny_llama
-    made = {}
-    for name, seed, extra in (
-        ("first", 1, dict(rank=4, alpha=8)),
-        (
-            "second",
-            2,
-            dict(rank=8, alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj"]),
-        ),
-    ):
-        path = tmp_path_factory.mktemp(f"lora-{name}")
-        model = save_random_lora(path, hf_model, seed, **extra)
-        made[name] = (LoraRef(name, str(path), adapter_digest(str(path))), model)
-    return made
+    """name -> (LoraRef, its PEFT model): ``random_adapters`` of the tiny Llama."""
+    made = random_adapters(tiny_llama[1], tmp_path_factory.mktemp("loras"))
+    return {
+        name: (LoraRef(name, path, adapter_digest(path)), model)
+        for name, (path, model) in made.items()
+    }
 
 
 def make_engine(tiny_llama, **config):

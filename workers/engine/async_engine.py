@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tessera.workers.api import Request, RequestOutput, Resume, SamplingParams
+from tessera.workers.api import LoraRef, Request, RequestOutput, Resume, SamplingParams
 from tessera.workers.engine.engine import Engine, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -212,15 +212,17 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: Resume | None = None,
+        lora: LoraRef | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Validate and start a request (errors raise here, before any output), then
         return an async iterator over its output deltas (of all ``n`` outputs)."""
         self._check_open(request_id)
         sampling = sampling or SamplingParams()
         grammar = await self._grammar(sampling, resume)
+        await self.prepare_lora(lora)
         self._check_open(request_id)
         request = self.engine.add_request(
-            request_id, prompt, sampling, priority, cache_salt, resume, grammar
+            request_id, prompt, sampling, priority, cache_salt, resume, grammar, lora
         )
         return self._open_stream(request)
 
@@ -228,8 +230,14 @@ class AsyncEngine:
         """``add_request`` for a request built whole (``Engine.submit``)."""
         self._check_open(request.request_id)
         grammar = await self._grammar(request.sampling, request.resume)
+        await self.prepare_lora(request.lora)
         self._check_open(request.request_id)
         return self._open_stream(self.engine.submit(request, grammar))
+
+    async def prepare_lora(self, lora: LoraRef | None) -> None:
+        """Read a request's adapter off the loop (its files: megabytes), once."""
+        if lora is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.prepare_lora, lora)
 
     async def _grammar(self, sampling: SamplingParams, resume: Resume | None) -> object | None:
         """A structured request's matcher, built on the loop's default executor: beside

@@ -469,6 +469,7 @@ class Engine:
             kv_usage=self.kv.usage,
             prefix_cache=self.kv.prefix_cache_stats(),
             shared_blocks=sum(block.ref_count > 1 for block in self.kv.pool.blocks),
+            loras=() if self.loras is None else tuple(self.loras.resident),
             **self.counters.snapshot,
         )
 

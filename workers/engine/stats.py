@@ -38,6 +38,7 @@ class EngineStats:
     #: seconds of those steps spent outside the model's forward (scheduling, building
     #: the batch, sampling, detokenizing, outputs): the host overhead, moving average
     recent_host_time: float = 0.0
+    loras: tuple[str, ...] = ()  # the digests of the LoRA adapters in its slots
     #: seconds in every ``step`` call that ran a batch so far, and of them outside the
     #: forward (``step_seconds`` less the forwards): over an interval,
     #: ``step_seconds`` / ``steps`` is the mean step time exactly

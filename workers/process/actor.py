@@ -28,11 +28,18 @@ import numpy as np
 import ray
 import torch
 
-from tessera.workers.api import Request, RequestOutput, SpeculativeStats
+from tessera.workers.api import (
+    InvalidRequestError,
+    LoraRef,
+    Request,
+    RequestOutput,
+    SpeculativeStats,
+)
 from tessera.workers.config import EngineConfig
 from tessera.workers.decoding.outputs import aborted_outputs
 from tessera.workers.engine.async_engine import AsyncEngine
 from tessera.workers.engine.engine import Engine, EngineStats
+from tessera.workers.model.lora import LoraError, adapter_digest
 from tessera.workers.process.channel import (
     ChannelClosedError,
     ChannelSocket,
@@ -218,11 +225,18 @@ class WorkerActor(DeltaChannels):
             if disaggregated:
                 token_ids = request.prompt_token_ids
                 self.engine.engine.validate(token_ids, sampling, request.resume)
+                await self.engine.prepare_lora(request.lora)
                 self.phases.enter(request_id, "waiting")
                 resumed = request.resume is not None
                 pull = asyncio.ensure_future(
                     self.decode.pull(
-                        request_id, token_ids, sampling, request.cache_salt, prefill, resumed
+                        request_id,
+                        token_ids,
+                        sampling,
+                        request.cache_salt,
+                        prefill,
+                        resumed,
+                        request.lora,
                     )
                 )
                 self._pulls[request_id] = pull
@@ -304,6 +318,21 @@ class WorkerActor(DeltaChannels):
     async def has_request(self, request_id: str) -> bool:
         return request_id in self.engine.engine.groups
 
+    async def read_lora(self, name: str, path: str) -> LoraRef:
+        """Read and check the adapter in folder ``path`` (kept for the requests that
+        will use it); its ``LoraRef``, or ``InvalidRequestError`` saying what is wrong."""
+
+        def read() -> LoraRef:
+            try:
+                digest = adapter_digest(path)
+            except LoraError as error:
+                raise InvalidRequestError("lora_path", str(error)) from None
+            ref = LoraRef(name, os.path.abspath(path), digest)
+            self.engine.engine.prepare_lora(ref)
+            return ref
+
+        return await asyncio.get_running_loop().run_in_executor(None, read)
+
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Each input's embedding (``Engine.embed``), float32 numpy ``[len(inputs),
         hidden]``, run on the engine thread between two steps; ``InvalidRequestError``
@@ -358,6 +387,7 @@ def engine_load(stats: EngineStats, queued_prompt_tokens: int = 0) -> EngineLoad
             stats.spec_proposed, stats.spec_accepted, stats.spec_steps, stats.spec_tokens
         ),
         queued_prompt_tokens=queued_prompt_tokens,
+        loras=stats.loras,
         steps=stats.steps,
         step_seconds=stats.step_seconds,
         host_seconds=stats.host_seconds,

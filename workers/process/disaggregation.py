@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from tessera.protos.tessera.v1 import generation_pb2, kv_transfer_pb2
-from tessera.workers.api import PrefillSource, SamplingParams
+from tessera.workers.api import LoraRef, PrefillSource, SamplingParams, cache_key
 from tessera.workers.decoding.sampling_fields import (
     message_values,
     options_message,
@@ -152,15 +152,19 @@ class PrefillOrchestrator:
             )
         token_ids = list(request.prompt_token_ids)
         sampling = sampling_from_options(request.sampling, request.seed)
+        lora = None
+        if request.lora_name:
+            lora = LoraRef(request.lora_name, request.lora_path, request.lora_digest)
         self._ids += 1
         prefill_id = f"{request.request_id}:prefill:{self._ids}"
+        salt = request.cache_salt or None
         stream = await self.engine.add_request(
-            prefill_id, token_ids, sampling, cache_salt=request.cache_salt or None
+            prefill_id, token_ids, sampling, cache_salt=salt, lora=lora
         )
         first = None
         async for delta in stream:  # one delta: the prompt's first token
             first = delta
-        hashes = engine.handoff.prompt_hashes(token_ids, request.cache_salt or None)
+        hashes = engine.handoff.prompt_hashes(token_ids, cache_key(salt, lora))
         wanted = hashes[request.skip_blocks : usable_blocks(len(token_ids), request.block_size)]
         blocks = await self.engine.run(engine.handoff.export, wanted)
         if blocks is None:
@@ -215,6 +219,7 @@ class DecodeOrchestrator:
         cache_salt: str | None,
         source: PrefillSource,
         resumed: bool = False,
+        lora: LoraRef | None = None,
     ) -> None:
         """Bring the prompt's blocks here; on any failure, leave nothing behind (the
         request then prefills here). Never raises for a transfer problem. ``resumed``:
@@ -223,7 +228,8 @@ class DecodeOrchestrator:
         engine = self.engine.engine
         handoff = engine.handoff
         bs = engine.config.block_size
-        hashes = handoff.prompt_hashes(token_ids, cache_salt)[: usable_blocks(len(token_ids), bs)]
+        key = cache_key(cache_salt, lora)
+        hashes = handoff.prompt_hashes(token_ids, key)[: usable_blocks(len(token_ids), bs)]
         if not hashes:  # a prompt shorter than a block and a token: nothing to move
             return
         layout = BlockLayout.of_cache(engine.runner.kv_cache)  # what a block must be here
@@ -249,6 +255,9 @@ class DecodeOrchestrator:
             sampling=sampling_options(first_token_sampling(sampling)),
             seed=seed,
             cache_salt=cache_salt or "",
+            lora_name="" if lora is None else lora.name,
+            lora_path="" if lora is None else lora.path,
+            lora_digest="" if lora is None else lora.digest,
             skip_blocks=have,
             block_size=bs,
             model_fingerprint=fingerprint(engine.hash_keys),

@@ -65,6 +65,7 @@ class EngineLoad:
     # prompt tokens of its sequences not computed yet (waiting or partly prefilled): a
     # prefill worker's queue, which its pool scales by
     queued_prompt_tokens: int = 0
+    loras: tuple[str, ...] = ()  # the digests of the LoRA adapters in its slots
     # counters (``EngineStats``): steps that ran a batch, ever; seconds in them; of
     # those, outside the forward; the steps of decodes only and their seconds. Over an
     # interval, seconds / steps is a mean step time

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tessera.protos.tessera.v1 import generation_pb2 as tessera_dot_protos_dot_tessera_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+tessera/protos/tessera/v1/kv_transfer.proto\x12\ntessera.v1\x1a*tessera/protos/tessera/v1/generation.proto\"\x80\x02\n\x11PullBlocksRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\r\"\x95\x01\n\x07KVChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x12\x12\n\nnum_layers\x18\x08 \x01(\r\"I\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.tessera.v1.TokenLogprob\"\x85\x01\n\x12PullBlocksResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.tessera.v1.KVChunkH\x00\x12-\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x16.tessera.v1.FirstTokenH\x00\x42\t\n\x07payload2[\n\nKVTransfer\x12M\n\nPullBlocks\x12\x1d.tessera.v1.PullBlocksRequest\x1a\x1e.tessera.v1.PullBlocksResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+tessera/protos/tessera/v1/kv_transfer.proto\x12\ntessera.v1\x1a*tessera/protos/tessera/v1/generation.proto\"\xbb\x02\n\x11PullBlocksRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.tessera.v1.SamplingOptions\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\r\x12\x11\n\tlora_name\x18\x0b \x01(\t\x12\x11\n\tlora_path\x18\x0c \x01(\t\x12\x13\n\x0blora_digest\x18\r \x01(\t\"\x95\x01\n\x07KVChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x12\x12\n\nnum_layers\x18\x08 \x01(\r\"I\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.tessera.v1.TokenLogprob\"\x85\x01\n\x12PullBlocksResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.tessera.v1.KVChunkH\x00\x12-\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x16.tessera.v1.FirstTokenH\x00\x42\t\n\x07payload2[\n\nKVTransfer\x12M\n\nPullBlocks\x12\x1d.tessera.v1.PullBlocksRequest\x1a\x1e.tessera.v1.PullBlocksResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tessera.protos.tessera.v1.k
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLBLOCKSREQUEST']._serialized_start=104
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=360
-  _globals['_KVCHUNK']._serialized_start=363
-  _globals['_KVCHUNK']._serialized_end=512
-  _globals['_FIRSTTOKEN']._serialized_start=514
-  _globals['_FIRSTTOKEN']._serialized_end=587
-  _globals['_PULLBLOCKSRESPONSE']._serialized_start=590
-  _globals['_PULLBLOCKSRESPONSE']._serialized_end=723
-  _globals['_KVTRANSFER']._serialized_start=725
-  _globals['_KVTRANSFER']._serialized_end=816
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=419
+  _globals['_KVCHUNK']._serialized_start=422
+  _globals['_KVCHUNK']._serialized_end=571
+  _globals['_FIRSTTOKEN']._serialized_start=573
+  _globals['_FIRSTTOKEN']._serialized_end=646
+  _globals['_PULLBLOCKSRESPONSE']._serialized_start=649
+  _globals['_PULLBLOCKSRESPONSE']._serialized_end=782
+  _globals['_KVTRANSFER']._serialized_start=784
+  _globals['_KVTRANSFER']._serialized_end=875
 # @@protoc_insertion_point(module_scope)

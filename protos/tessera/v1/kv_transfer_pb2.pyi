@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PullBlocksRequest(_message.Message):
-    __slots__ = ("version", "request_id", "prompt_token_ids", "sampling", "seed", "cache_salt", "skip_blocks", "block_size", "model_fingerprint", "max_chunk_bytes")
+    __slots__ = ("version", "request_id", "prompt_token_ids", "sampling", "seed", "cache_salt", "skip_blocks", "block_size", "model_fingerprint", "max_chunk_bytes", "lora_name", "lora_path", "lora_digest")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class PullBlocksRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     version: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -29,7 +32,10 @@ class PullBlocksRequest(_message.Message):
     block_size: int
     model_fingerprint: str
     max_chunk_bytes: int
-    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingOptions, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    lora_path: str
+    lora_digest: str
+    def __init__(self, version: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingOptions, _Mapping]] = ..., seed: _Optional[int] = ..., cache_salt: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., lora_digest: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("block_index", "layer_start", "layer_end", "dtype", "shape", "data", "crc32", "num_layers")
