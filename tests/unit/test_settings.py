@@ -52,6 +52,9 @@ OTHER_VALUES = {
     "draft_model": "target:2",
     "embedding_pooling": "mean",
     "embedding_normalize": False,
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_lora_rank": 8,
 }
 
 
