@@ -50,6 +50,7 @@ class Forks:
                 num_computed_tokens=parent.num_computed_tokens,
                 phase=parent.phase,
                 block_hashes=list(parent.block_hashes),
+                clock=parent.clock,
             )
             if not self.kv.fork(parent.seq_id, child.seq_id, share=self.share):
                 child.num_computed_tokens = 0  # no room for a private copy: recompute
@@ -115,6 +116,7 @@ class Forks:
                     phase=Phase.DECODE,
                     num_preemptions=parent.num_preemptions,
                     block_hashes=list(parent.block_hashes),
+                    clock=parent.clock,
                 )
             )
         missing = self.kv.reassign(

@@ -32,6 +32,7 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
         tuple(seq.pending_sets) if params.parallel_tokens is not None else None,  # sets
         seq.spec.stats() if seq.spec is not None else None,  # speculative
         None if seq.prompt_logprobs is None else _take_prompt_logprobs(seq),  # prompt_logprobs
+        None if seq.clock is None else seq.clock.times(seq),  # times (traced requests)
     )
     seq.pending_text = ""
     seq.pending_token_ids = []
