@@ -90,6 +90,11 @@ class RequestStream:
         """When it was submitted, placed, accepted and its first token came."""
         return self._run.timings
 
+    @property
+    def placement(self) -> Placement | None:
+        """Where it runs, or last ran (None before it was placed)."""
+        return self._run.placement
+
     async def __anext__(self) -> RequestOutput:
         return await self._deltas.__anext__()
 
@@ -140,6 +145,7 @@ class ClusterClient:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout_s: float | None = None,
+        traced: bool = False,
     ) -> RequestStream:
         """Start a request; return its stream of deltas (all ``n`` outputs).
 
@@ -147,7 +153,8 @@ class ClusterClient:
         or a whole ``tessera.workers.api.Request``. ``timeout_s`` is how long it may wait in the
         global queue for a worker (default: the cluster's ``queue_timeout_s``). Raises
         ``InvalidRequestError``, ``OverloadedError`` or ``NoWorkerError`` before any
-        output.
+        output. ``traced``: its finished deltas carry the engine's phase times
+        (``RequestOutput.times``).
         """
         if timeout_s is not None and (
             isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
@@ -155,7 +162,13 @@ class ClusterClient:
             raise InvalidRequestError("timeout_s", f"must be a number > 0, got {timeout_s!r}")
         if not isinstance(request, Request):
             request = Request(
-                request, self._token_ids(prompt), _sampling(sampling), priority, 0.0, cache_salt
+                request,
+                self._token_ids(prompt),
+                _sampling(sampling),
+                priority,
+                0.0,
+                cache_salt,
+                traced=traced,
             )
         request_id = request.request_id
         if request_id in self._runs:

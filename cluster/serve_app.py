@@ -179,7 +179,8 @@ class OpenAIServer(GenerationService):
             sampling = body.sampling_for(max_tokens)
             await self.front.check_structured(sampling.structured, body.wire_name("structured"))
             self.front.check_token_ids(sampling)
-            job = self._job("completion", "cmpl", prompts, sampling, body, arrival)
+            trace = self.front.trace_context(request.headers)
+            job = self._job("completion", "cmpl", prompts, sampling, body, arrival, trace)
             echo = [
                 (text if isinstance(text, str) else self.front.tokenizer.decode(ids))
                 if body.echo
@@ -202,7 +203,8 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = self._parse(await self.bodies.read(request), ChatCompletionRequest)
-            job = await self._start_chat(body, arrival, "chatcmpl")
+            trace = self.front.trace_context(request.headers)
+            job = await self._start_chat(body, arrival, "chatcmpl", trace)
         except APIError as error:
             self.front.refused("chat", error.status)
             raise
@@ -219,7 +221,8 @@ class OpenAIServer(GenerationService):
             self._authorize(request)
             body = self._parse(await self.bodies.read(request), ResponsesRequest)
             chat, conversation = await self.responses.chat_request(body)
-            job = await self._start_chat(chat, arrival, "resp")
+            trace = self.front.trace_context(request.headers)
+            job = await self._start_chat(chat, arrival, "resp", trace)
         except APIError as error:
             self.front.refused("responses", error.status)
             raise
@@ -239,9 +242,16 @@ class OpenAIServer(GenerationService):
         self._authorize(request)
         return JSONResponse(await self.responses.delete(response_id))
 
-    async def _start_chat(self, body: ChatCompletionRequest, arrival: float, prefix: str) -> Job:
+    async def _start_chat(
+        self,
+        body: ChatCompletionRequest,
+        arrival: float,
+        prefix: str,
+        trace: dict[str, str] | None,
+    ) -> Job:
         """Check a chat request, render its conversation and start its job (the chat
-        route's, and the Responses API's with the chat request it becomes)."""
+        route's, and the Responses API's with the chat request it becomes); ``trace``:
+        its trace context when this replica traces (``FrontEnd.trace_context``)."""
         self.front.check_model(body.model)
         self.front.check_request(body.priority, body.cache_salt)
         await self.front.check_tools(body)
@@ -264,7 +274,7 @@ class OpenAIServer(GenerationService):
         await self.front.check_structured(sampling.structured, body.wire_name("structured"))
         sampling = await self.front.answer_only(sampling)
         self.front.check_token_ids(sampling)
-        job = self._job("chat", prefix, [prompt], sampling, body, arrival)
+        job = self._job("chat", prefix, [prompt], sampling, body, arrival, trace)
         job.tool_names = frozenset(f["name"] for f in body.offered_tools())
         await self.front.start(job, body.priority, body.cache_salt)
         return job
@@ -332,11 +342,14 @@ class OpenAIServer(GenerationService):
         sampling: SamplingParams,
         body: Any,
         arrival: float,
+        trace: dict[str, str] | None,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return self.front.job(
+        job = self.front.job(
             kind, request_id, prompts, sampling, arrival, body.timeout, body.include_usage
         )
+        job.trace = trace
+        return job
 
 
 def build_app(config: ServeConfig) -> serve.Application:
