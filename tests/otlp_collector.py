@@ -8,7 +8,7 @@ import contextlib
 import http.server
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -31,16 +31,22 @@ class Received:
                 for scope_spans in resource_spans.scope_spans:
                     self.spans += [(resource, span) for span in scope_spans.spans]
 
-    def trace(self, trace_id: bytes, count: int, timeout_s: float = 30.0) -> list[trace_pb2.Span]:
-        """The spans of trace ``trace_id`` once ``count`` have come (within ``timeout_s``:
-        the exporter sends batches on its own schedule)."""
+    def find(
+        self, match: Callable[[trace_pb2.Span], bool], count: int = 1, timeout_s: float = 30.0
+    ) -> list[trace_pb2.Span]:
+        """The spans ``match`` takes once ``count`` have come, or all there are after
+        ``timeout_s`` (the exporter sends batches on its own schedule)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self.lock:
-                spans = [span for _, span in self.spans if span.trace_id == trace_id]
+                spans = [span for _, span in self.spans if match(span)]
             if len(spans) >= count or time.monotonic() > deadline:
                 return spans
             time.sleep(0.1)
+
+    def trace(self, trace_id: bytes, count: int, timeout_s: float = 30.0) -> list[trace_pb2.Span]:
+        """The spans of trace ``trace_id`` once ``count`` have come (``find``)."""
+        return self.find(lambda span: span.trace_id == trace_id, count, timeout_s)
 
 
 def attributes(pairs) -> dict:
