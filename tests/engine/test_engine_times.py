@@ -69,3 +69,22 @@ def test_an_abort_before_scheduling_has_no_phase_times(make_engine):
     times = last.times  # queued, never scheduled
     assert times.scheduled_ns is None and times.first_token_ns is None
     assert times.arrived_ns <= times.finished_ns
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_tokens=5, temperature=0, beam_width=2, n=2),
+        SamplingParams(max_tokens=5, temperature=1.0, best_of=3, n=2, seed=5, ignore_eos=True),
+    ],
+    ids=["beam_search", "best_of"],
+)
+def test_whole_outputs_carry_the_phases_too(make_engine, sampling):
+    engine = make_engine()
+    engine.submit(_request(engine, "w", sampling))
+    outputs = run_engine(engine)["w"]
+    assert len(outputs) == 2 and all(delta.finished for delta in outputs)
+    for delta in outputs:
+        times = delta.times
+        assert times.arrived_ns <= times.scheduled_ns <= times.first_token_ns
+        assert times.first_token_ns < times.finished_ns  # decoding took the steps after it

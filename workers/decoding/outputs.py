@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from tessera.workers.api import FinishReason, Request, RequestOutput
+from tessera.workers.api import EngineTimes, FinishReason, Request, RequestOutput
 from tessera.workers.decoding.beam import BeamHypothesis
 from tessera.workers.engine.sequence import Sequence
 
@@ -53,9 +53,13 @@ def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
 
 
 def beam_outputs(
-    request: Request, beams: Seq[BeamHypothesis], end_token_ids: tuple[int, ...], tokenizer
+    request: Request,
+    beams: Seq[BeamHypothesis],
+    end_token_ids: tuple[int, ...],
+    tokenizer,
+    times: EngineTimes | None = None,
 ) -> list[RequestOutput]:
-    """The best beams, whole, best first."""
+    """The best beams, whole, best first (``times``: a traced request's phases)."""
     params = request.sampling
     outputs = []
     for index, beam in enumerate(beams):
@@ -76,6 +80,7 @@ def beam_outputs(
                 index=index,
                 cumulative_logprob=beam.cumulative_logprob,
                 score=beam.score,
+                times=times,
             )
         )
     return outputs

@@ -115,9 +115,10 @@ class Postprocessor:
             logger.error("grammar refused token %d: %s", token_id, grammar.get_error())  # a bug
         if len(token_ids) % self.kv.block_size == 0:  # a block filled: hash it next step
             self.hasher.filled(seq)
-        if seq.clock is not None and seq.clock.first_token_ns is None:  # traced: its first
-            seq.clock.first_token_ns = time.time_ns()
-        seq.phase = Phase.DECODE
+        if seq.phase is not Phase.DECODE:  # its first token (the batcher marks decodes)
+            seq.phase = Phase.DECODE
+            if seq.clock is not None and seq.clock.first_token_ns is None:  # traced
+                seq.clock.first_token_ns = time.time_ns()
         self.counters.generated_tokens += 1
         seq.pending_token_ids.append(token_id)
         if logprob is not None:

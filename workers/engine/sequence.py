@@ -73,8 +73,10 @@ class PhaseClock:
 
     def times(self, seq: Sequence) -> EngineTimes | None:
         """What ``seq``'s finished delta carries (None for the others)."""
-        if seq.finish_reason is None:
-            return None
+        return None if seq.finish_reason is None else self.ended()
+
+    def ended(self) -> EngineTimes:
+        """The phases of an output that ends now."""
         return EngineTimes(self.arrived_ns, self.scheduled_ns, self.first_token_ns, time.time_ns())
 
 
