@@ -31,6 +31,10 @@ overloaded, 503 when no worker is left or too many bodies are slow
 (``max_pending_bodies``). ``/docs``, ``/openapi.json`` and ``/metrics`` need the key
 too (``/metrics`` not with ``metrics_open``).
 
+**Tracing.** With ``otlp_traces_endpoint`` every completion, chat and Responses request
+is one OpenTelemetry trace, joined to the caller's by its ``traceparent`` header
+(``tracing``; the replica exports it).
+
 **The event loop stays free.** Tokenizing and chat templates run on a thread pool of
 the machine's size; a text longer than any context could hold (``max_prompt_chars``)
 is refused by its length before it is tokenized. A stream that fails after it began
