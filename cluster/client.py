@@ -91,6 +91,11 @@ class RequestStream:
         """When it was submitted, placed, accepted and its first token came."""
         return self._run.timings
 
+    @property
+    def placement(self) -> Placement | None:
+        """Where it runs, or last ran (None before it was placed)."""
+        return self._run.placement
+
     async def __anext__(self) -> RequestOutput:
         return await self._deltas.__anext__()
 
@@ -142,6 +147,7 @@ class ClusterClient:
         cache_salt: str | None = None,
         timeout_s: float | None = None,
         lora: LoraRef | None = None,
+        traced: bool = False,
     ) -> RequestStream:
         """Start a request; return its stream of deltas (all ``n`` outputs).
 
@@ -150,7 +156,8 @@ class ClusterClient:
         global queue for a worker (default: the cluster's ``queue_timeout_s``). ``lora``:
         the adapter it runs with (``lora``/``load_lora`` give one). Raises
         ``InvalidRequestError``, ``OverloadedError`` or ``NoWorkerError`` before any
-        output.
+        output. ``traced``: its finished deltas carry the engine's phase times
+        (``RequestOutput.times``).
         """
         if timeout_s is not None and (
             isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
@@ -165,6 +172,7 @@ class ClusterClient:
                 0.0,
                 cache_salt,
                 lora=lora,
+                traced=traced,
             )
         request_id = request.request_id
         if request_id in self._runs:

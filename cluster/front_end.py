@@ -29,11 +29,12 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tessera.cluster import tools as tool_calls
+from tessera.cluster import tracing
 from tessera.cluster.config import ServeConfig
 from tessera.cluster.jobs import Choice, Job, close_streams, deadline_error, invalid_as
 from tessera.cluster.launch import Cluster
@@ -107,6 +108,10 @@ class FrontEnd:
         tags = (self.reasoning.start, self.reasoning.end) if self.reasoning else ()
         added = self.tokenizer.get_added_vocab() if tags else {}
         self.special_tags = frozenset(tag for tag in tags if tag in added)
+        #: Request tracing (``otlp_traces_endpoint``); None: off.
+        self.tracer = None
+        if config.otlp_traces_endpoint is not None:
+            self.tracer = tracing.Tracer(config.otlp_traces_endpoint)
         self._publisher = asyncio.get_running_loop().create_task(self._publish_metrics())
 
     @classmethod
@@ -149,6 +154,15 @@ class FrontEnd:
         self._publisher.cancel()
         with contextlib.suppress(Exception):  # Ray may be going down with it
             self.board.withdraw()
+        if self.tracer is not None:
+            self.tracer.close()  # the spans still batched go out first
+
+    def trace_context(
+        self, headers: Mapping[str, str] | Iterable[tuple[str, str]]
+    ) -> dict[str, str] | None:
+        """A job's ``trace`` from its request's headers (or gRPC metadata): the W3C
+        trace context it brought; None when this replica does not trace."""
+        return None if self.tracer is None else tracing.trace_headers(headers)
 
     # ------------------------------------------------------------------ checks
     async def off_loop(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -361,6 +375,7 @@ class FrontEnd:
                     cache_salt=salt,
                     timeout_s=min(remaining, self.config.queue_timeout_s),
                     lora=job.lora,
+                    traced=job.trace is not None,
                 )
                 job.streams.append(stream)
         except BaseException as error:
@@ -438,6 +453,8 @@ class FrontEnd:
         if delta.finished:
             choice.completion_tokens = delta.completion_tokens
             choice.finish_reason = finish_reason(delta)
+            if delta.times is not None and k == 0:  # traced: the engine's phases (the
+                job.engine_times = delta.times  # last output to finish ends the decode)
         return choice
 
     async def collect(self, job: Job, endpoint: str) -> None:
@@ -479,3 +496,16 @@ class FrontEnd:
             job.sampling.n,
             job.sampling.max_tokens,
         )
+        if job.trace is not None and self.tracer is not None:
+            stream = job.streams[0] if job.streams else None
+            placement = stream.placement if stream is not None else None
+            try:
+                self.tracer.record(
+                    job,
+                    endpoint,
+                    status,
+                    stream.timings if stream is not None else None,
+                    placement.worker_id if placement is not None else None,
+                )
+            except Exception:  # a trace lost must not fail the answer
+                logger.exception("could not record the trace of request %s", job.request_id)

@@ -234,6 +234,7 @@ class GenerationService:
             request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
             cluster_id = scoped_id(caller(grpc_context), request_id)
             job = front.job("generate", cluster_id, [prompt], sampling, arrival, timeout, lora=lora)
+            job.trace = front.trace_context(grpc_context.invocation_metadata())
             await front.start(job, request.priority, request.cache_salt or None)
             finished = 0
             async with contextlib.aclosing(front.events(job)) as events:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from tessera.cluster.openai_protocol import APIError, invalid
 from tessera.workers.api import (
+    EngineTimes,
     InvalidRequestError,
     LoraRef,
     RequestOutput,
@@ -53,6 +54,10 @@ class Job:
     tool_names: frozenset[str] = frozenset()  # chat with tools offered: parse calls
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # by prompt
     created: int = field(default_factory=lambda: int(time.time()))
+    # Traced (``otlp_traces_endpoint``): the W3C trace context the request brought (empty
+    # when none), and the engine's phase times from its first prompt's finished deltas.
+    trace: dict[str, str] | None = None
+    engine_times: EngineTimes | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -31,6 +31,10 @@ overloaded, 503 when no worker is left or too many bodies are slow
 (``max_pending_bodies``). ``/docs``, ``/openapi.json`` and ``/metrics`` need the key
 too (``/metrics`` not with ``metrics_open``).
 
+**Tracing.** With ``otlp_traces_endpoint`` every completion, chat and Responses request
+is one OpenTelemetry trace, joined to the caller's by its ``traceparent`` header
+(``tracing``; the replica exports it).
+
 **The event loop stays free.** Tokenizing and chat templates run on a thread pool of
 the machine's size; a text longer than any context could hold (``max_prompt_chars``)
 is refused by its length before it is tokenized. A stream that fails after it began
@@ -208,7 +212,8 @@ class OpenAIServer(GenerationService):
             sampling = body.sampling_for(max_tokens)
             await self.front.check_structured(sampling.structured, body.wire_name("structured"))
             self.front.check_token_ids(sampling)
-            job = self._job("completion", "cmpl", prompts, sampling, body, arrival, lora)
+            trace = self.front.trace_context(request.headers)
+            job = self._job("completion", "cmpl", prompts, sampling, body, arrival, trace, lora)
             echo = [
                 (text if isinstance(text, str) else self.front.tokenizer.decode(ids))
                 if body.echo
@@ -231,7 +236,8 @@ class OpenAIServer(GenerationService):
         try:
             self._authorize(request)
             body = self._parse(await self.bodies.read(request), ChatCompletionRequest)
-            job = await self._start_chat(body, arrival, "chatcmpl")
+            trace = self.front.trace_context(request.headers)
+            job = await self._start_chat(body, arrival, "chatcmpl", trace)
         except APIError as error:
             self.front.refused("chat", error.status)
             raise
@@ -248,7 +254,8 @@ class OpenAIServer(GenerationService):
             self._authorize(request)
             body = self._parse(await self.bodies.read(request), ResponsesRequest)
             chat, conversation = await self.responses.chat_request(body)
-            job = await self._start_chat(chat, arrival, "resp")
+            trace = self.front.trace_context(request.headers)
+            job = await self._start_chat(chat, arrival, "resp", trace)
         except APIError as error:
             self.front.refused("responses", error.status)
             raise
@@ -268,9 +275,16 @@ class OpenAIServer(GenerationService):
         self._authorize(request)
         return JSONResponse(await self.responses.delete(response_id))
 
-    async def _start_chat(self, body: ChatCompletionRequest, arrival: float, prefix: str) -> Job:
+    async def _start_chat(
+        self,
+        body: ChatCompletionRequest,
+        arrival: float,
+        prefix: str,
+        trace: dict[str, str] | None,
+    ) -> Job:
         """Check a chat request, render its conversation and start its job (the chat
-        route's, and the Responses API's with the chat request it becomes)."""
+        route's, and the Responses API's with the chat request it becomes); ``trace``:
+        its trace context when this replica traces (``FrontEnd.trace_context``)."""
         lora = await self.front.model_lora(body.model)
         self.front.check_request(body.priority, body.cache_salt)
         await self.front.check_tools(body)
@@ -293,7 +307,7 @@ class OpenAIServer(GenerationService):
         await self.front.check_structured(sampling.structured, body.wire_name("structured"))
         sampling = await self.front.answer_only(sampling)
         self.front.check_token_ids(sampling)
-        job = self._job("chat", prefix, [prompt], sampling, body, arrival, lora)
+        job = self._job("chat", prefix, [prompt], sampling, body, arrival, trace, lora)
         job.tool_names = frozenset(f["name"] for f in body.offered_tools())
         await self.front.start(job, body.priority, body.cache_salt)
         return job
@@ -361,12 +375,15 @@ class OpenAIServer(GenerationService):
         sampling: SamplingParams,
         body: Any,
         arrival: float,
+        trace: dict[str, str] | None,
         lora: LoraRef | None = None,
     ) -> Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return self.front.job(
+        job = self.front.job(
             kind, request_id, prompts, sampling, arrival, body.timeout, body.include_usage, lora
         )
+        job.trace = trace
+        return job
 
 
 def build_app(config: ServeConfig) -> serve.Application:

@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from tessera.cluster.cluster_config import ClusterConfig, ConfigError
 from tessera.cluster.memory_size import memory_value
 from tessera.cluster.reasoning import ReasoningParser
+from tessera.cluster.tracing import check_endpoint, exporter_protocol
 
 #: The longest API key ``api_key_file`` may hold.
 MAX_KEY_FILE_CHARS = 4096
@@ -71,6 +72,16 @@ class ServeConfig(ClusterConfig):
         "request goes on without them and logs one warning naming them (vLLM's way); off: "
         "400 'Unrecognized request argument supplied' naming the first (OpenAI's way)",
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        min_length=1,
+        description="trace every request with OpenTelemetry: its spans (the front end, the "
+        "scheduler's placement, the worker's queue, prefill and decode) go to this OTLP "
+        "collector, e.g. http://localhost:4317; a request's W3C traceparent header joins "
+        "its trace to the caller's; OTLP/gRPC, or OTLP/HTTP with "
+        "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; $OTEL_SERVICE_NAME names the "
+        "service (default: off)",
+    )
     min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
     max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")
     replica_target_ongoing_requests: float = Field(
@@ -127,6 +138,11 @@ class ServeConfig(ClusterConfig):
     def _sizes(cls, value):
         return memory_value(value)
 
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _collector_url(cls, value: str | None) -> str | None:
+        return value if value is None else check_endpoint(value)
+
     @model_validator(mode="before")
     @classmethod
     def _api_key_from_file_or_environment(cls, data):
@@ -144,6 +160,20 @@ class ServeConfig(ClusterConfig):
             if key:
                 data = {**data, "api_key": key}
         return data
+
+    @model_validator(mode="after")
+    def _check_tracing(self) -> ServeConfig:
+        """The exporter's protocol (an environment variable) is one the replicas speak;
+        OTLP/HTTP takes no ``grpc://`` URL."""
+        url = self.otlp_traces_endpoint
+        if url is not None:
+            protocol = exporter_protocol()
+            if protocol != "grpc" and url.startswith("grpc:"):
+                raise ValueError(
+                    f"otlp_traces_endpoint: {url!r} is a gRPC URL, and the protocol is "
+                    f"{protocol}; give an http:// or https:// URL"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ServeConfig:

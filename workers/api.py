@@ -37,6 +37,7 @@ INTER_TOKEN_LATENCY_BUCKETS = (
 
 __all__ = [
     "EmbeddingCapacityError",
+    "EngineTimes",
     "INTER_TOKEN_LATENCY_BUCKETS",
     "MAX_SPECULATIVE_TOKENS",
     "MAX_TOP_LOGPROBS",
@@ -135,6 +136,21 @@ class SpeculativeStats:
         return self.tokens / self.steps if self.steps else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineTimes:
+    """When the engine took a traced request (``Request.traced``) through its phases,
+    in wall-clock nanoseconds (``time.time_ns``), so that a front end on another
+    process or host can place them in its trace: queued from ``arrived_ns``, first
+    scheduled (its prefill begins) at ``scheduled_ns``, its first output token sampled
+    (the prefill ends, decoding begins) at ``first_token_ns``, its output's last delta
+    built at ``finished_ns``. None: the request ended before that point (an abort)."""
+
+    arrived_ns: int
+    scheduled_ns: int | None
+    first_token_ns: int | None
+    finished_ns: int
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One delta of a request's output stream.
@@ -165,6 +181,7 @@ class RequestOutput:
     speculative: SpeculativeStats | None = None  # speculation so far (when it speculates)
     # prompt_logprobs (in the first delta only): one per prompt token, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    times: EngineTimes | None = None  # a traced request's finished deltas: its phases
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +206,7 @@ class Request:
     resume: Resume | None = None  # what a worker that died had generated (failover)
     prefill: PrefillSource | None = None  # a decode worker pulls the prompt's blocks here
     lora: LoraRef | None = None  # the LoRA adapter it runs with (None: the base model)
+    traced: bool = False  # its finished deltas carry the engine's ``EngineTimes``
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

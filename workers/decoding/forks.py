@@ -13,6 +13,8 @@ pool is short, no blocks at all and recomputes its tokens.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tessera.workers.api import Phase, RequestOutput, SamplingParams, fork_seed
@@ -50,6 +52,7 @@ class Forks:
                 num_computed_tokens=parent.num_computed_tokens,
                 phase=parent.phase,
                 block_hashes=list(parent.block_hashes),
+                clock=parent.clock,
             )
             if not self.kv.fork(parent.seq_id, child.seq_id, share=self.share):
                 child.num_computed_tokens = 0  # no room for a private copy: recompute
@@ -79,12 +82,17 @@ class Forks:
         params = group.request.sampling
         end_ids = post.rows.end_token_ids(params)
         post.counters.generated_tokens += len(group.seqs)
+        clock = group.seqs[0].clock  # a traced request's: this step's tokens may be its first
+        if clock is not None and clock.first_token_ns is None:
+            clock.first_token_ns = time.time_ns()
         if not self.beam_step(group, logits, end_ids):
             for seq in group.seqs:
                 post.hasher.update(seq)
             return []
         post.end_search(group)
-        return beam_outputs(group.request, group.beam.best(params.n), end_ids, self.tokenizer)
+        best = group.beam.best(params.n)
+        times = clock.ended() if clock is not None else None
+        return beam_outputs(group.request, best, end_ids, self.tokenizer, times)
 
     def beam_step(
         self, group: SequenceGroup, logits: torch.Tensor, end_token_ids: tuple[int, ...]
@@ -115,6 +123,7 @@ class Forks:
                     phase=Phase.DECODE,
                     num_preemptions=parent.num_preemptions,
                     block_hashes=list(parent.block_hashes),
+                    clock=parent.clock,
                 )
             )
         missing = self.kv.reassign(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from tessera.workers.api import FinishReason, Request, RequestOutput
+from tessera.workers.api import EngineTimes, FinishReason, Request, RequestOutput
 from tessera.workers.decoding.beam import BeamHypothesis
 from tessera.workers.engine.sequence import Sequence
 
@@ -32,6 +32,7 @@ def sequence_output(seq: Sequence, index: int | None = None) -> RequestOutput:
         tuple(seq.pending_sets) if params.parallel_tokens is not None else None,  # sets
         seq.spec.stats() if seq.spec is not None else None,  # speculative
         None if seq.prompt_logprobs is None else _take_prompt_logprobs(seq),  # prompt_logprobs
+        None if seq.clock is None else seq.clock.times(seq),  # times (traced requests)
     )
     seq.pending_text = ""
     seq.pending_token_ids = []
@@ -52,9 +53,13 @@ def _take_prompt_logprobs(seq: Sequence) -> tuple | None:
 
 
 def beam_outputs(
-    request: Request, beams: Seq[BeamHypothesis], end_token_ids: tuple[int, ...], tokenizer
+    request: Request,
+    beams: Seq[BeamHypothesis],
+    end_token_ids: tuple[int, ...],
+    tokenizer,
+    times: EngineTimes | None = None,
 ) -> list[RequestOutput]:
-    """The best beams, whole, best first."""
+    """The best beams, whole, best first (``times``: a traced request's phases)."""
     params = request.sampling
     outputs = []
     for index, beam in enumerate(beams):
@@ -75,6 +80,7 @@ def beam_outputs(
                 index=index,
                 cumulative_logprob=beam.cumulative_logprob,
                 score=beam.score,
+                times=times,
             )
         )
     return outputs

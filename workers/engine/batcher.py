@@ -17,6 +17,7 @@ tokens kept, to be recomputed later (its output does not change).
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from tessera.workers.api import Phase
@@ -118,6 +119,9 @@ class Batcher:
             if writes is None or self.kv.blocks_for(writes) > self.kv.num_free_blocks:
                 break
             self.waiting.pop(0)
+            clock = group.seqs[0].clock
+            if clock is not None and clock.scheduled_ns is None:  # traced: its queue ends
+                clock.scheduled_ns = time.time_ns()
             bisect.insort(self.running, group, key=_key)
             width += group.width
             budget -= self._apply(group, writes, batch)

@@ -59,7 +59,7 @@ from tessera.workers.engine.model_runner import ModelRunner
 from tessera.workers.engine.postprocess import Postprocessor
 from tessera.workers.engine.requests import LiveRequests
 from tessera.workers.engine.run import BatchRunner
-from tessera.workers.engine.sequence import Sequence, SequenceGroup
+from tessera.workers.engine.sequence import PhaseClock, Sequence, SequenceGroup
 from tessera.workers.engine.stats import EngineStats, StepCounters
 from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
@@ -417,6 +417,9 @@ class Engine:
         if sampling.prompt_logprobs is not None and resume is None:
             seq.prompt_logprobs = [None]  # the first token has none
         seq.grammar = grammar if grammar is not None else self.grammar_matcher(sampling, resume)
+        if request.traced:  # its arrival on this engine's clock, as wall-clock time
+            waited = time.monotonic() - request.arrival_time
+            seq.clock = PhaseClock(time.time_ns() - round(waited * 1e9))
         seq.argmax_only = argmax_only(sampling) and sampling.parallel_tokens is None
         seq.plain = sampling.num_samples == 1 and sampling.parallel_tokens is None
         self.hasher.update(seq)

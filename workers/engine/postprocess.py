@@ -9,6 +9,7 @@ against the grammar, the end tokens, the stop strings and the length once, in on
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -114,7 +115,10 @@ class Postprocessor:
             logger.error("grammar refused token %d: %s", token_id, grammar.get_error())  # a bug
         if len(token_ids) % self.kv.block_size == 0:  # a block filled: hash it next step
             self.hasher.filled(seq)
-        seq.phase = Phase.DECODE
+        if seq.phase is not Phase.DECODE:  # its first token (the batcher marks decodes)
+            seq.phase = Phase.DECODE
+            if seq.clock is not None and seq.clock.first_token_ns is None:  # traced
+                seq.clock.first_token_ns = time.time_ns()
         self.counters.generated_tokens += 1
         seq.pending_token_ids.append(token_id)
         if logprob is not None:

@@ -13,12 +13,14 @@ together, so a beam step always sees every beam's logits.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.workers.api import (
+    EngineTimes,
     FinishReason,
     ParallelSet,
     Phase,
@@ -57,6 +59,25 @@ class SpecState:
 
     def stats(self) -> SpeculativeStats:
         return SpeculativeStats(self.proposed, self.accepted, self.steps, self.tokens)
+
+
+@dataclass(slots=True)
+class PhaseClock:
+    """A traced request's way through this engine (``time.time_ns``), shared by its
+    sequences (forks and beams too): queued, first scheduled, first token. Only traced
+    requests have one, so an untraced token pays one None check for it."""
+
+    arrived_ns: int
+    scheduled_ns: int | None = None  # admitted to a step for the first time
+    first_token_ns: int | None = None  # its first output token was appended
+
+    def times(self, seq: Sequence) -> EngineTimes | None:
+        """What ``seq``'s finished delta carries (None for the others)."""
+        return None if seq.finish_reason is None else self.ended()
+
+    def ended(self) -> EngineTimes:
+        """The phases of an output that ends now."""
+        return EngineTimes(self.arrived_ns, self.scheduled_ns, self.first_token_ns, time.time_ns())
 
 
 @dataclass(slots=True, eq=False)  # identity: a sequence is itself, not its contents
@@ -104,6 +125,8 @@ class Sequence:
     # (``num_samples == 1``, no ``parallel_tokens``): its decodes take the engine's lean
     # path (``BatchRunner.run_decodes``) when it has no drafts or prompt logprobs pending.
     plain: bool = False
+    # A traced request's phase times (``Request.traced``); None for the others.
+    clock: PhaseClock | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.request.prompt_token_ids)
