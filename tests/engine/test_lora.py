@@ -70,8 +70,11 @@ def test_the_adapters_change_the_greedy_tokens(tiny_llama, adapters):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "op-by-op"])
-def test_adapters_and_the_base_model_batched_match_peft(tiny_llama, adapters, native):
-    engine = make_engine(tiny_llama, native_decode=native)
+@pytest.mark.parametrize("max_loras", [2, 8], ids=["masked", "by-slot"])
+def test_adapters_and_the_base_model_batched_match_peft(tiny_llama, adapters, native, max_loras):
+    """Two adapters in two slots: every row through both, masked; in two of eight slots:
+    each adapter's rows (a run, or rows apart) through its own slot (``ROWS_BY_SLOT``)."""
+    engine = make_engine(tiny_llama, native_decode=native, max_loras=max_loras)
     check_against_peft(tiny_llama, adapters, engine, ["first", None, "second", "first", "second"])
     assert not engine.loras.request_slots  # every slot unpinned at the end
     assert not engine.kv.tables  # no sequence holds a block
@@ -170,3 +173,32 @@ def tiny_llama_tokenizer(tiny_llama):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_llama[0])
+
+
+def prompt_logprobs(engine, lora: LoraRef | None) -> list[float]:
+    """Each prompt token's logprob (after the first) under ``lora``."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    engine.add_request("p", list(PROMPTS[2]), params, lora=lora)
+    (first, *_) = run_engine(engine)["p"]
+    return [entry.logprob for entry in first.prompt_logprobs[1:]]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "op-by-op"])
+def test_bf16_slots_stay_within_bf16_rounding_of_float32_ones(tiny_llama, adapters, native):
+    """The fast mode keeps the slots in bf16 (``Engine``: ``LoraSlots(dtype=bfloat16)``):
+    the prompt's logprobs stay within bf16's rounding of the float32 slots', while the
+    adapter moves them far more than that."""
+    import torch
+
+    from tessera.workers.model.lora import LoraSlots
+
+    exact = make_engine(tiny_llama, native_decode=native)
+    fast = make_engine(tiny_llama, native_decode=native)
+    fast.loras.slots = LoraSlots(fast.loaded.model, 2, 16, torch.bfloat16)
+    lora = adapters["first"][0]
+    reference = torch.tensor(prompt_logprobs(exact, lora))
+    rounded = torch.tensor(prompt_logprobs(fast, lora))
+    base = torch.tensor(prompt_logprobs(exact, None))
+    assert fast.loaded.model.layers[0].qkv_proj.lora_a.dtype == torch.bfloat16
+    assert (rounded - reference).abs().max() < 0.02
+    assert (base - reference).abs().max() > 0.2

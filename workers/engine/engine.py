@@ -42,7 +42,7 @@ from tessera.workers.api import (
     Resume,
     SamplingParams,
 )
-from tessera.workers.config import EngineConfig
+from tessera.workers.config import FAST, EngineConfig
 from tessera.workers.decoding import structured
 from tessera.workers.decoding.detokenizer import IncrementalDetokenizer, token_bytes
 from tessera.workers.decoding.forks import Forks
@@ -110,7 +110,11 @@ class Engine:
         graphs = config.cuda_graphs and device.type == "cuda"
         self.loras = None
         if config.enable_lora:
-            self.loras = LoraManager(self.loaded.model, config.max_loras, config.max_lora_rank)
+            # the fast mode's slots are bf16, as it rounds the GGUF matmuls' inputs
+            dtype = torch.bfloat16 if self.loaded.precision == FAST else None
+            self.loras = LoraManager(
+                self.loaded.model, config.max_loras, config.max_lora_rank, dtype
+            )
         self.runner = ModelRunner(
             self.loaded.model,
             self.kv,

@@ -25,10 +25,17 @@ MAX_READ_ADAPTERS = 32
 
 
 class LoraManager:
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """``dtype``: the slots' (``LoraSlots``)."""
         self.config: ModelConfig = model.config
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.slots = LoraSlots(model, max_loras, max_rank)
+        self.slots = LoraSlots(model, max_loras, max_rank, dtype)
         self.device = model.norm.weight.device
         self._read: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _read (prepare runs on callers' threads)

@@ -298,7 +298,7 @@ class ModelRunner:
             pieces[-1] = pieces[-1].view(num_seqs, width)
         ids_t, positions_t, slot_mapping, query_start_t, seq_lens_t, rows_t, block_tables = pieces
         masks_given = any(m is not None for m in masks)
-        native = self.native_decode and not masks_given and lora is None
+        native = self.native_decode and not masks_given
         decode_plan = None
         if num_decodes and not native:
             decode_plan = plan_decode(

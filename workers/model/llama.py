@@ -378,6 +378,10 @@ class LlamaModel(nn.Module):
         experts, whose steps read each expert's row count on the host (``moe.py``)."""
         return self.config.moe is None
 
+    def forget_native_layers(self) -> None:
+        """Build the native stack again on next use (its layers gained LoRA slots)."""
+        self._native_layers = _UNBUILT
+
     def native_layers(self) -> Any | None:
         """Every layer as one native call for steps without masked chunks
         (``csrc/decode_layers.cpp``: decode rows, then whole causal chunks), sharing the
@@ -414,8 +418,8 @@ class LlamaModel(nn.Module):
 
         ``native``: a batch without masks (decodes, then causal chunks) runs its layers
         through ``native_layers()`` where that exists, not op by op; the chunks' attention
-        there is the same torch kernel as op by op. ``lora``: each row's LoRA adapter (a
-        batch with one runs op by op)."""
+        there is the same torch kernel as op by op. ``lora``: each row's LoRA adapter
+        (``lora.py``; the native stack adds it as op by op does)."""
         # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
         # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
         if self.packed_embedding is not None:
@@ -425,9 +429,7 @@ class LlamaModel(nn.Module):
         if self.config.embedding_scale is not None:  # (a float32 scalar, as transformers')
             hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=torch.float32)
         cos, sin = self.rope.lookup(positions, rope_contexts)
-        stack = None
-        if native and meta.attn_masks is None and lora is None:
-            stack = self.native_layers()
+        stack = self.native_layers() if native and meta.attn_masks is None else None
         if stack is not None:
             decodes, starts = meta.num_decodes, meta.query_start_loc_list
             prompts = prompt_tables = None
@@ -451,6 +453,7 @@ class LlamaModel(nn.Module):
                 logits_indices,
                 prompts,
                 prompt_tables,
+                None if lora is None else lora.coef.squeeze(-1),
             )
         else:
             # the last layer goes on past its attention with the rows whose logits are

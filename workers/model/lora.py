@@ -6,18 +6,23 @@ An adapter is a folder with ``adapter_config.json`` and ``adapter_model.safetens
 ``W x + scaling * B (A x)`` with ``scaling = lora_alpha / r`` (``/ sqrt(r)`` with
 ``use_rslora``).
 
-Each ``Linear`` of a decoder layer keeps ``max_loras`` slots side by side, the fused
-projections' parts (q, k, v; gate, up) each ``max_lora_rank`` wide within a slot::
+Each ``Linear`` of a decoder layer keeps ``max_loras`` slots one after the other, the
+fused projections' parts (q, k, v; gate, up) each ``max_lora_rank`` rows within a slot::
 
-    lora_a  [in, slots * parts * max_rank]     x @ lora_a -> every slot's A x
+    lora_a  [slots * parts * max_rank, in]     each part's lora_A, as PEFT stores it
     lora_b  [slots * parts * max_rank, out]    block-diagonal by part: part j's B
                                                writes its own columns of the output
 
-A step multiplies every row by every slot's A, keeps each row's own slot's columns
-(``LoraBatch.coef``: one-hot by slot, zero for a row without an adapter), and adds
-``(x A) B`` scaled by the row's adapter: two GEMMs and a product per projection, however
-many adapters the batch mixes, and no loop over rows or adapters. Unused columns are
-zeros: a rank below ``max_rank`` and an untargeted part add exactly nothing.
+Unused rows are zeros: a rank below ``max_rank`` and an untargeted part add exactly
+nothing. How a step adds ``scaling * B (A x)`` to each row (``LoraBatch``, by row: its
+slot and its adapter's scaling):
+
+- the native stack (``csrc/decode_stack.h``, ``LoraSlots``): decode-sized steps row by
+  row through the row's own slot in one native loop (each present adapter's weights read
+  once, no other slot's); prompt-sized ones each adapter's rows as two GEMMs;
+- op by op (``LoraBatch.add``): every row through every slot, masked by ``coef`` (two
+  GEMMs however many adapters), or, for a prompt-sized step or few adapters, each
+  adapter's rows through its own slot.
 """
 
 from __future__ import annotations
@@ -202,16 +207,30 @@ def _parse_key(key: str) -> tuple[int, str, str]:
     return layer, module, which
 
 
+#: Op by op, a step of at least this many rows (a prompt's) runs each adapter's rows
+#: through its own slot only; so does one whose adapters are at most a quarter of the
+#: slots. Else every row goes through every slot, masked.
+ROWS_BY_SLOT = 64
+
+
 @dataclass
 class LoraBatch:
     """One step's adapters, by row: ``coef[t, s]`` is row ``t``'s adapter's scaling in its
-    slot ``s``'s column and 0 elsewhere (a row without an adapter is all zeros)."""
+    slot ``s``'s column and 0 elsewhere (a row without an adapter is all zeros);
+    ``slots[t]`` that slot (-1: none)."""
 
     coef: torch.Tensor  # [T, slots, 1]
+    slots: list[int]
 
     def select(self, rows: torch.Tensor) -> LoraBatch:
         """The batch of ``rows`` only (the last layer's rows past its attention)."""
-        return LoraBatch(self.coef.index_select(0, rows))
+        kept = rows.tolist()
+        return LoraBatch(self.coef.index_select(0, rows), [self.slots[r] for r in kept])
+
+    @property
+    def by_slot(self) -> bool:
+        present = {slot for slot in self.slots if slot >= 0}
+        return len(self.slots) >= ROWS_BY_SLOT or len(present) * 4 <= self.coef.shape[1]
 
     def add(self, linear: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (``linear(x)``) plus each row's adapter's ``scaling * B A x``."""
@@ -219,8 +238,24 @@ class LoraBatch:
         if lora_a is None:
             return y
         rows, slots = self.coef.shape[0], self.coef.shape[1]
-        xa = torch.mm(x.to(lora_a.dtype), lora_a).view(rows, slots, -1).mul_(self.coef)
-        return y.add_(torch.mm(xa.view(rows, -1), linear.lora_b).to(y.dtype))
+        x = x.to(lora_a.dtype)
+        if not self.by_slot:
+            xa = torch.mm(x, lora_a.t()).view(rows, slots, -1).mul_(self.coef.to(x.dtype))
+            return y.add_(torch.mm(xa.view(rows, -1), linear.lora_b).to(y.dtype))
+        width = lora_a.shape[0] // slots
+        for slot in dict.fromkeys(s for s in self.slots if s >= 0):  # in order of rows
+            index = [r for r, s in enumerate(self.slots) if s == slot]
+            a = lora_a[slot * width : (slot + 1) * width].t()
+            b = linear.lora_b[slot * width : (slot + 1) * width]
+            scale = self.coef[index[0], slot].to(x.dtype)
+            if index[-1] - index[0] + 1 == len(index):  # one run of rows (a prompt's)
+                part = slice(index[0], index[-1] + 1)
+                y[part] += torch.mm(torch.mm(x[part], a).mul_(scale), b).to(y.dtype)
+            else:
+                at = torch.tensor(index, device=x.device)
+                delta = torch.mm(torch.mm(x.index_select(0, at), a).mul_(scale), b)
+                y.index_add_(0, at, delta.to(y.dtype))
+        return y
 
 
 class LoraSlots:
@@ -228,13 +263,22 @@ class LoraSlots:
 
     Writes happen between steps (the engine's step lock): a step reads every slot."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """``dtype``: the slots' (default: the model's; the fast mode keeps them in bf16,
+        as it rounds the GGUF matmuls' inputs)."""
         self.model_config: ModelConfig = model.config
         self.max_loras, self.max_rank = max_loras, max_rank
         self.scaling = [0.0] * max_loras
         self.linears: list[dict[str, torch.nn.Module]] = []
-        device, dtype = model.norm.weight.device, model.norm.weight.dtype  # the model's
-        self.dtype = dtype
+        device = model.norm.weight.device
+        self.dtype = model.norm.weight.dtype  # the coefficients': the model's
+        dtype = dtype or self.dtype
         for layer in model.layers:
             found = {}
             for name, parts in PARTS.items():
@@ -242,10 +286,13 @@ class LoraSlots:
                 if linear is None:  # a sparse layer's MLP: its experts take no LoRA
                     continue
                 width = max_loras * parts * max_rank
-                linear.lora_a = torch.zeros(linear.in_features, width, dtype=dtype, device=device)
+                linear.lora_a = torch.zeros(width, linear.in_features, dtype=dtype, device=device)
                 linear.lora_b = torch.zeros(width, linear.out_features, dtype=dtype, device=device)
+                # each slot's parts' ranks (0: untouched), which the native stack skips by
+                linear.lora_ranks = torch.zeros(max_loras, parts, dtype=torch.int64)
                 found[name] = linear
             self.linears.append(found)
+        model.forget_native_layers()  # its stack takes the slots when it is built
 
     def write(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (whatever was there is gone)."""
@@ -260,16 +307,18 @@ class LoraSlots:
             else:
                 start = sum(sizes[:part])
                 end = start + sizes[part]
-            linear.lora_a[:, col : col + rank].copy_(a.t())
+            linear.lora_a[col : col + rank].copy_(a)
             linear.lora_b[col : col + rank, start:end].copy_(b.t())
+            linear.lora_ranks[slot, part] = rank
         self.scaling[slot] = adapter.scaling
 
     def clear(self, slot: int) -> None:
         for found in self.linears:
             for name, linear in found.items():
                 width = PARTS[name] * self.max_rank
-                linear.lora_a[:, slot * width : (slot + 1) * width].zero_()
+                linear.lora_a[slot * width : (slot + 1) * width].zero_()
                 linear.lora_b[slot * width : (slot + 1) * width].zero_()
+                linear.lora_ranks[slot].zero_()
         self.scaling[slot] = 0.0
 
     def batch(self, row_slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -281,4 +330,4 @@ class LoraSlots:
         coef = torch.zeros(len(row_slots), self.max_loras + 1)
         coef[torch.arange(len(row_slots)), slots] = scaling[slots]
         coef = coef[:, : self.max_loras].unsqueeze(-1)
-        return LoraBatch(coef.to(device=device, dtype=self.dtype))
+        return LoraBatch(coef.to(device=device, dtype=self.dtype), list(row_slots))

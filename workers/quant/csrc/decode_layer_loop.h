@@ -55,7 +55,7 @@ inline torch::Tensor DecodeLayers::run(
     const int64_t* slots, int64_t decodes, const int64_t* seq_lens, const int64_t* tables,
     int64_t width, const std::vector<Prompt>& prompts, const torch::Tensor& kv_cache,
     const torch::Tensor* rows, bool share, int64_t first_layer,
-    const std::function<int64_t(int64_t, int64_t)>* keep) const {
+    const std::function<int64_t(int64_t, int64_t)>* keep, const LoraRows* lora) const {
   int64_t B = hidden.size(0);
   const int64_t H = hidden.size(1), D = head_dim_;
   const int64_t q_size = num_heads_ * D, kv_size = num_kv_heads_ * D;
@@ -96,7 +96,8 @@ inline torch::Tensor DecodeLayers::run(
     C* k_cache = cache + l * layer_stride;
     C* v_cache = k_cache + kv_stride;
     rms_norm<T>(h, layer.input_norm.data_ptr<T>(), normed.data_ptr<T>(), B, H, eps_);
-    const torch::Tensor qkv = layer.qkv(normed).contiguous();  // [B, q + 2 kv]
+    const torch::Tensor qkv =
+        layer.qkv_lora.add<T>(normed, layer.qkv(normed), lora).contiguous();  // [B, q + 2 kv]
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "DecodeLayers: layer ", l,
                 "'s qkv projection gives ", qkv.size(1), " features, not ", q_size + 2 * kv_size);
     T* qkv_p = qkv.data_ptr<T>();
@@ -122,6 +123,7 @@ inline torch::Tensor DecodeLayers::run(
     for (size_t i = 0; i < prompts.size(); ++i)
       attend_prompt(qkv, kv_cache[l], prompts[i], masks[i], attn);
     int64_t R = B;  // rows past the attention
+    c10::optional<LoraRows> lora_rows;  // their adapters, with `rows`
     if (rows != nullptr && l + 1 == num_layers()) {
       R = rows->numel();
       stream = gather_rows(hidden, *rows);
@@ -129,10 +131,15 @@ inline torch::Tensor DecodeLayers::run(
       attn = gather_rows(attn, *rows);
       normed = normed.narrow(0, 0, R);
       swiglu = swiglu.narrow(0, 0, R);
+      if (lora != nullptr) {
+        lora_rows = lora->gathered(*rows);
+        lora = &*lora_rows;
+      }
     }
-    add_residual<T>(h, layer.o(attn), R * H);
+    add_residual<T>(h, layer.o_lora.add<T>(attn, layer.o(attn), lora), R * H);
     rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), R, H, eps_);
-    const torch::Tensor gate_up = layer.gate_up(normed).contiguous();  // [B, 2 I]
+    const torch::Tensor gate_up =
+        layer.gate_up_lora.add<T>(normed, layer.gate_up(normed), lora).contiguous();  // [B, 2 I]
     TORCH_CHECK(gate_up.size(1) == 2 * intermediate_, "DecodeLayers: layer ", l,
                 "'s gate/up projection gives ", gate_up.size(1), " features, not ",
                 2 * intermediate_);
@@ -144,7 +151,7 @@ inline torch::Tensor DecodeLayers::run(
         swiglu_row<T>(gate, gate + intermediate_, s + b * intermediate_, intermediate_);
       }
     });
-    add_residual<T>(h, layer.down(swiglu), R * H);
+    add_residual<T>(h, layer.down_lora.add<T>(swiglu, layer.down(swiglu), lora), R * H);
   }
   return stream;
 }

@@ -103,7 +103,8 @@ inline torch::Tensor DecodeLayers::forward(
     const torch::Tensor& slots, const torch::Tensor& seq_lens, const torch::Tensor& block_tables,
     const torch::Tensor& kv_cache, const c10::optional<torch::Tensor>& norm,
     const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& prompts,
-    const c10::optional<torch::Tensor>& prompt_tables) const {
+    const c10::optional<torch::Tensor>& prompt_tables,
+    const c10::optional<torch::Tensor>& lora_coef) const {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 &&
                   hidden.is_contiguous(),
               "DecodeLayers: hidden must be a contiguous float32 [B, hidden] tensor");
@@ -191,12 +192,20 @@ inline torch::Tensor DecodeLayers::forward(
   // the MLP) are only those rows, gathered in their order: no other row's output is read
   torch::Tensor last;
   bool linked = false;  // some decode row reads K/V another decode row writes
-  const int64_t shares = row_shares(decodes, B, slot_p, len_p, table_p, width, block_size,
-                                    rows ? &picked : nullptr, &linked);
+  // LoRA coefficients [B, S] (workers/model/lora.py's LoraBatch): such a step runs as one
+  TORCH_CHECK(!lora_coef || (lora_coef->dim() == 2 && lora_coef->size(0) == B &&
+                              lora_coef->scalar_type() == dtype),
+              "DecodeLayers: lora_coef must be [B, slots] in the model's dtype");
+  const c10::optional<LoraRows> lora =
+      lora_coef ? c10::optional<LoraRows>(LoraRows(lora_coef->contiguous())) : c10::nullopt;
+  const int64_t shares = lora_coef ? kOneRun
+                                   : row_shares(decodes, B, slot_p, len_p, table_p, width,
+                                                block_size, rows ? &picked : nullptr, &linked);
 #define TESSERA_RUN(T, C)                                                                      \
   last = shares == kOneRun                                                                     \
              ? run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width, chunks,     \
-                         kv_cache, rows ? &picked : nullptr)                                   \
+                         kv_cache, rows ? &picked : nullptr, false, 0, nullptr,                \
+                         lora ? &*lora : nullptr)                                              \
          : chunks.empty() ? run_in_shares<T, C>(shares, hidden, cos, sin, slot_p, len_p,       \
                                                 table_p, width, kv_cache,                      \
                                                 rows ? &picked : nullptr, !linked)             \
@@ -349,7 +358,8 @@ void register_decode_layers(pybind11::module& m) {
            py::arg("slots"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("kv_cache"),
            py::arg("norm") = py::none(), py::arg("rows") = py::none(),
            py::arg("prompts") = py::none(), py::arg("prompt_tables") = py::none(),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("lora_coef") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def("set_lora", &DecodeLayers::set_lora, py::arg("layer"), py::arg("slots"));
 }
 
 }  // namespace tessera

@@ -65,10 +65,140 @@ struct Linear {
   }
 };
 
+// A step's LoRA adapters by row (workers/model/lora.py's LoraBatch): coef [R, S] holds a
+// row's adapter's scaling in its slot's column, 0 elsewhere; `slots` and `scale` each
+// row's slot (-1: none) and scaling, and `present` the slots some row has, read once.
+struct LoraRows {
+  torch::Tensor coef;
+  std::vector<int64_t> slots, present;
+  std::vector<float> scale;
+
+  explicit LoraRows(torch::Tensor c) : coef(std::move(c)) {
+    const auto f = coef.to(torch::kFloat).contiguous();
+    const float* p = f.data_ptr<float>();
+    const int64_t R = coef.size(0), S = coef.size(1);
+    std::vector<bool> seen(S, false);
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t slot = -1;
+      for (int64_t s = 0; s < S && slot < 0; ++s)
+        if (p[r * S + s] != 0.0f) slot = s;
+      slots.push_back(slot);
+      scale.push_back(slot < 0 ? 0.0f : p[r * S + slot]);
+      if (slot >= 0 && !seen[slot]) seen[slot] = true, present.push_back(slot);
+    }
+  }
+
+  // The same adapters for rows `rows` [S'] of these.
+  LoraRows gathered(const torch::Tensor& rows) const {
+    return LoraRows(coef.index_select(0, rows));
+  }
+};
+
+// A step of at least this many rows (a prompt's) multiplies each adapter's rows by its
+// slot's A and B as GEMMs; fewer rows (decodes) go one by one through their own slot's
+// (LoraSlots::add_rows): each present adapter's weights are read once, no other slot's.
+constexpr int64_t kLoraGemmRows = 64;
+
+// A projection's LoRA slots (workers/model/lora.py): a [S * W, in] (each slot's W rows:
+// its P parts' lora_A, as PEFT stores them, W / P rows each), b [S * W, out] in T (or
+// bfloat16: the fast mode's), or
+// undefined (no adapter takes it); ranks [S, P] int64: the rows of each part in use (its
+// adapter's rank, 0 where it leaves the part alone). Unused rows are zeros.
+struct LoraSlots {
+  torch::Tensor a, b, ranks;
+
+  // whether slot's adapter leaves this projection alone
+  bool idle(int64_t slot) const {
+    const int64_t P = ranks.size(1);
+    const int64_t* rank = ranks.data_ptr<int64_t>() + slot * P;
+    for (int64_t p = 0; p < P; ++p)
+      if (rank[p]) return false;
+    return true;
+  }
+
+  // y (the projection of x [R, in]) plus each row's adapter's share, scaling * B (A x)
+  template <typename T>
+  torch::Tensor add(const torch::Tensor& x, torch::Tensor y, const LoraRows* lora) const {
+    if (lora == nullptr || !a.defined() || lora->present.empty()) return y;
+    const int64_t R = x.size(0), W = a.size(0) / lora->coef.size(1);
+    if (R < kLoraGemmRows) {
+      if (a.scalar_type() == at::kBFloat16 && !std::is_same<T, c10::BFloat16>::value)
+        return add_rows<T, c10::BFloat16>(x.contiguous(), y.contiguous(), *lora, W);
+      return add_rows<T, T>(x.contiguous(), y.contiguous(), *lora, W);
+    }
+    for (const int64_t slot : lora->present) {
+      if (idle(slot)) continue;
+      std::vector<int64_t> rows;
+      for (int64_t r = 0; r < R; ++r)
+        if (lora->slots[r] == slot) rows.push_back(r);
+      const auto scale = lora->coef.select(1, slot).narrow(0, rows[0], 1).to(a.scalar_type());
+      const auto a_s = a.narrow(0, slot * W, W).t(), b_s = b.narrow(0, slot * W, W);
+      const int64_t n = static_cast<int64_t>(rows.size());
+      const auto delta = [&](const torch::Tensor& xs) {  // in y's dtype
+        return at::mm(at::mm(xs.to(a.scalar_type()), a_s).mul_(scale), b_s).to(y.scalar_type());
+      };
+      if (n == rows.back() - rows[0] + 1) {  // one run of rows (a prompt's)
+        y.narrow(0, rows[0], n).add_(delta(x.narrow(0, rows[0], n)));
+      } else {
+        const auto index = torch::tensor(rows, torch::kInt64);
+        y.index_add_(0, index, delta(x.index_select(0, index)));
+      }
+    }
+    return y;
+  }
+
+  // add's rows one by one: xa = scale * A_slot x over the rows in use (dot products over
+  // `in`, 16 lanes of partial sums), then y += B_slot^T xa over the same rows; T: x's and
+  // y's dtype, U: the slots' (T, or bf16 in the fast mode), summed in float32
+  template <typename T, typename U>
+  torch::Tensor add_rows(const torch::Tensor& x, torch::Tensor y, const LoraRows& lora,
+                         int64_t W) const {
+    const int64_t R = x.size(0), K = x.size(1), N = y.size(1), P = ranks.size(1);
+    const T* xp = x.data_ptr<T>();
+    const U* ap = a.data_ptr<U>();
+    const U* bp = b.data_ptr<U>();
+    const int64_t* rank_p = ranks.data_ptr<int64_t>();
+    T* yp = y.data_ptr<T>();
+    at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xa(W), sum(N);
+      std::vector<int64_t> used;  // the slot's rows in use
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t slot = lora.slots[r];
+        if (slot < 0 || idle(slot)) continue;
+        used.clear();
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t i = 0; i < rank_p[slot * P + p]; ++i) used.push_back(p * (W / P) + i);
+        const T* xr = xp + r * K;
+        for (const int64_t w : used) {
+          const U* ar = ap + (slot * W + w) * K;
+          float lanes[16] = {};
+          int64_t k = 0;
+          for (; k + 16 <= K; k += 16)
+            for (int j = 0; j < 16; ++j) lanes[j] += f32(xr[k + j]) * f32(ar[k + j]);
+          float dot = 0.0f;
+          for (int j = 0; j < 16; ++j) dot += lanes[j];
+          for (; k < K; ++k) dot += f32(xr[k]) * f32(ar[k]);
+          xa[w] = dot * lora.scale[r];
+        }
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (const int64_t w : used) {
+          const float c = xa[w];
+          const U* br = bp + (slot * W + w) * N;
+          for (int64_t n = 0; n < N; ++n) sum[n] += c * f32(br[n]);
+        }
+        T* out = yp + r * N;
+        for (int64_t n = 0; n < N; ++n) out[n] = round_to<T>(f32(out[n]) + sum[n]);
+      }
+    });
+    return y;
+  }
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm;  // [hidden] in T
   Linear qkv, o, gate_up, down;
   torch::Tensor q_norm, k_norm;  // [head_dim] in T (Qwen3's per-head norms), or undefined
+  LoraSlots qkv_lora, o_lora, gate_up_lora, down_lora;
 };
 
 // A causal chunk of a sequence's tokens (a prompt, or a piece of one): rows first ..
@@ -125,6 +255,30 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // layer l's LoRA slots (workers/model/lora.py's LoraSlots: each projection's a, b and
+  // ranks, sharing their storage), in the order qkv, o, gate_up, down
+  void set_lora(int64_t l, const std::vector<torch::Tensor>& slots) {
+    TORCH_CHECK(l >= 0 && l < num_layers() && slots.size() == 12,
+                "DecodeLayers: set_lora takes a layer and 4 (a, b, ranks) triples");
+    Layer& layer = layers_[l];
+    LoraSlots* all[] = {&layer.qkv_lora, &layer.o_lora, &layer.gate_up_lora, &layer.down_lora};
+    for (int i = 0; i < 4; ++i) {
+      const auto& a = slots[3 * i];
+      const auto& b = slots[3 * i + 1];
+      const auto& ranks = slots[3 * i + 2];
+      TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.is_contiguous() &&
+                      b.is_contiguous() && b.scalar_type() == a.scalar_type() &&
+                      (a.scalar_type() == layer.input_norm.scalar_type() ||
+                       a.scalar_type() == at::kBFloat16),
+                  "DecodeLayers: LoRA slots must be contiguous [n, in] and [n, out] in the "
+                  "model's dtype or bfloat16");
+      TORCH_CHECK(ranks.dim() == 2 && ranks.is_contiguous() &&
+                      ranks.scalar_type() == torch::kInt64 && a.size(0) % ranks.numel() == 0,
+                  "DecodeLayers: LoRA ranks must be contiguous int64 [slots, parts]");
+      *all[i] = LoraSlots{a, b, ranks};
+    }
+  }
+
   // hidden: float32 [B, hidden] (the embedded tokens; updated in place and returned, or
   // with `rows`, rows [S] of it through the final norm `norm` [hidden] (in T): [S, hidden]
   // in T, what the LM head takes; then the last layer goes on past its attention with
@@ -134,14 +288,17 @@ class DecodeLayers {
   // model: the fast mode). The first Dn rows are decodes: seq_lens [Dn] (tokens each
   // attends to, its new one included), block_tables [Dn, W]. `prompts` [P, 3] (first
   // row, rows, seq_len: a causal chunk, its rows consecutive, the last at cache index
-  // seq_len - 1) with `prompt_tables` [P, W'] cover the rest, in order.
+  // seq_len - 1) with `prompt_tables` [P, W'] cover the rest, in order. `lora_coef`
+  // [B, S] in T: each row's LoRA adapter's scaling in its slot's column (set_lora's
+  // slots), 0 elsewhere; such a step runs as one, not in shares.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& seq_lens,
                         const torch::Tensor& block_tables, const torch::Tensor& kv_cache,
                         const c10::optional<torch::Tensor>& norm,
                         const c10::optional<torch::Tensor>& rows,
                         const c10::optional<torch::Tensor>& prompts,
-                        const c10::optional<torch::Tensor>& prompt_tables) const;
+                        const c10::optional<torch::Tensor>& prompt_tables,
+                        const c10::optional<torch::Tensor>& lora_coef) const;
 
  private:
   // ---- the layer loop (decode_layer_loop.h)
@@ -153,7 +310,8 @@ class DecodeLayers {
                     const int64_t* tables, int64_t width, const std::vector<Prompt>& prompts,
                     const torch::Tensor& kv_cache, const torch::Tensor* rows,
                     bool share = false, int64_t first_layer = 0,
-                    const std::function<int64_t(int64_t, int64_t)>* keep = nullptr) const;
+                    const std::function<int64_t(int64_t, int64_t)>* keep = nullptr,
+                    const LoraRows* lora = nullptr) const;
   static torch::Tensor gather_rows(const torch::Tensor& x, const torch::Tensor& rows);
   template <typename T>
   static void add_residual(float* h, const torch::Tensor& y, int64_t n);
