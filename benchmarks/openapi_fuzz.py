@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from tessera.cluster.openai_chat import ChatCompletionRequest, TokenizeChatRequest
 from tessera.cluster.openai_embeddings import EmbeddingRequest
+from tessera.cluster.openai_loras import LoadLoraRequest, UnloadLoraRequest
 from tessera.cluster.openai_requests import (
     CompletionRequest,
     DetokenizeRequest,
@@ -49,6 +50,8 @@ BODIES = {
     "/detokenize": (DetokenizeRequest,),
     "/v1/responses": (ResponsesRequest,),
     "/v1/embeddings": (EmbeddingRequest,),
+    "/v1/load_lora_adapter": (LoadLoraRequest,),
+    "/v1/unload_lora_adapter": (UnloadLoraRequest,),
 }
 #: The routes that generate, whose cases are bounded.
 GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")

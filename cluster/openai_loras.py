@@ -23,7 +23,9 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 class LoadLoraRequest(Body):
     lora_name: str = Field(description="the name requests choose it by, as their model")
     lora_path: str = Field(
-        min_length=1, description="its folder (adapter_config.json, adapter_model.safetensors)"
+        min_length=1,
+        max_length=4096,
+        description="its folder (adapter_config.json, adapter_model.safetensors)",
     )
 
 
@@ -43,8 +45,22 @@ def check_name(front: FrontEnd, name: str) -> None:
         raise invalid("lora_name", f"{name!r} is the base model's name")
 
 
+def check_allowed(front: FrontEnd) -> None:
+    """Loading and unloading at runtime is on (``allow_runtime_lora_updating``): it lets
+    a caller with the API key make the workers read any folder they can."""
+    if not front.config.allow_runtime_lora_updating:
+        raise APIError(
+            403,
+            "loading and unloading LoRA adapters at runtime is off on this server (start "
+            "it with --allow-runtime-lora-updating; --lora-modules loads them at start)",
+            type="permission_error",
+            code="runtime_lora_updating_off",
+        )
+
+
 async def load(front: FrontEnd, body: LoadLoraRequest) -> LoraRef:
     """Serve ``body.lora_path`` as ``body.lora_name``; ``APIError`` if it cannot be."""
+    check_allowed(front)
     check_name(front, body.lora_name)
     try:
         return await front.client.load_lora(body.lora_name, body.lora_path)
@@ -57,6 +73,7 @@ async def load(front: FrontEnd, body: LoadLoraRequest) -> LoraRef:
 
 async def unload(front: FrontEnd, body: UnloadLoraRequest) -> None:
     """Stop serving ``body.lora_name``; a 404 if it is not served."""
+    check_allowed(front)
     if not await front.client.unload_lora(body.lora_name):
         raise APIError(
             404,

@@ -11,9 +11,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events ending in ``data: [DONE]``, or whole), ``POST /v1/responses``
 (OpenAI's Responses API on the chat path, ``responses_answers``) with ``GET`` and
 ``DELETE /v1/responses/{id}``, ``POST /v1/embeddings`` (``openai_embeddings``),
-``GET /v1/models`` and ``GET /v1/models/{model}``, ``POST /tokenize`` and
-``POST /detokenize`` (vLLM's shapes), ``GET /health`` (503 while no worker is healthy)
-and ``GET /metrics`` (Prometheus).
+``GET /v1/models`` and ``GET /v1/models/{model}`` (the base model and its LoRA
+adapters), ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+(``openai_loras``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
+``GET /health`` (503 while no worker is healthy) and ``GET /metrics`` (Prometheus).
 
 **Self-bootstrapping.** A replica's constructor gets the cluster's scheduler by name,
 or creates it (detached, so that it outlives the replica) when this app is the first

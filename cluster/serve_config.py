@@ -82,6 +82,12 @@ class ServeConfig(ClusterConfig):
         "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; $OTEL_SERVICE_NAME names the "
         "service (default: off)",
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): a caller with the API key may then make the "
+        "workers read any folder they can; off: 403, and --lora-modules loads adapters",
+    )
     min_replicas: int = Field(1, ge=1, description="fewest HTTP front-end replicas")
     max_replicas: int = Field(1, ge=1, description="most HTTP front-end replicas (autoscaling)")
     replica_target_ongoing_requests: float = Field(

@@ -53,6 +53,8 @@ def server(ray_session, tmp_path_factory) -> Server:
         "workers: 1\n"
         "num_kv_blocks: 64\n"
         "max_model_len: 512\n"
+        "enable_lora: true\n"
+        "allow_runtime_lora_updating: true\n"  # paths the fuzzer makes up: 400s
         "device: cpu\n"
         "report_interval_s: 0.1\n"
     )

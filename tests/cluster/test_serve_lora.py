@@ -47,6 +47,7 @@ def server(ray_session, tiny_llama, adapters, tmp_path_factory) -> Server:
         "device: cpu\n"
         "report_interval_s: 0.1\n"
         "max_loras: 2\n"
+        "allow_runtime_lora_updating: true\n"
         f"lora_modules: ['first={adapters['first'][0]}']\n"
     )
     with serve_process(tmp_path_factory.mktemp("serve"), settings, API_KEY, NAMESPACE) as server:

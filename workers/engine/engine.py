@@ -65,6 +65,7 @@ from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.loader import LoadedModel, load_model, load_tokenizer
+from tessera.workers.model.lora import LoraSlots
 from tessera.workers.validation import check_embedding_inputs, validate_request
 
 __all__ = ["Engine", "EngineStats"]
@@ -112,9 +113,8 @@ class Engine:
         if config.enable_lora:
             # the fast mode's slots are bf16, as it rounds the GGUF matmuls' inputs
             dtype = torch.bfloat16 if self.loaded.precision == FAST else None
-            self.loras = LoraManager(
-                self.loaded.model, config.max_loras, config.max_lora_rank, dtype
-            )
+            slots = LoraSlots(self.loaded.model, config.max_loras, config.max_lora_rank, dtype)
+            self.loras = LoraManager(slots)
         self.runner = ModelRunner(
             self.loaded.model,
             self.kv,

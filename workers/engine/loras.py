@@ -13,8 +13,6 @@ from __future__ import annotations
 import collections
 import threading
 
-import torch
-
 from tessera.workers.api import InvalidRequestError, LoraRef
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.lora import LoraAdapter, LoraBatch, LoraError, LoraSlots, read_adapter
@@ -25,25 +23,18 @@ MAX_READ_ADAPTERS = 32
 
 
 class LoraManager:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_loras: int,
-        max_rank: int,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """``dtype``: the slots' (``LoraSlots``)."""
-        self.config: ModelConfig = model.config
-        self.max_loras, self.max_rank = max_loras, max_rank
-        self.slots = LoraSlots(model, max_loras, max_rank, dtype)
-        self.device = model.norm.weight.device
+    def __init__(self, slots: LoraSlots) -> None:
+        self.slots = slots  # the model's
+        self.config: ModelConfig = slots.model_config
+        self.max_loras, self.max_rank = slots.max_loras, slots.max_rank
+        self.device = slots.device
         self._read: collections.OrderedDict[str, LoraAdapter] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _read (prepare runs on callers' threads)
         # step thread only:
         self.resident: dict[str, int] = {}  # digest -> slot
-        self._digest_of: list[str | None] = [None] * max_loras
-        self._pins = [0] * max_loras
-        self._used = [0] * max_loras  # when each slot was last acquired
+        self._digest_of: list[str | None] = [None] * self.max_loras
+        self._pins = [0] * self.max_loras
+        self._used = [0] * self.max_loras  # when each slot was last acquired
         self._clock = 0
         #: Live requests' slots, by request id (what a step's rows read).
         self.request_slots: dict[str, int] = {}

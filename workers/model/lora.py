@@ -85,9 +85,12 @@ def adapter_digest(path: str) -> str:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise LoraError(f"no {name} in {path!r}")
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        try:
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        except OSError as error:
+            raise LoraError(f"{name} in {path!r} cannot be read: {error.strerror}") from None
     return digest.hexdigest()
 
 
@@ -276,7 +279,7 @@ class LoraSlots:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.scaling = [0.0] * max_loras
         self.linears: list[dict[str, torch.nn.Module]] = []
-        device = model.norm.weight.device
+        self.device = device = model.norm.weight.device
         self.dtype = model.norm.weight.dtype  # the coefficients': the model's
         dtype = dtype or self.dtype
         for layer in model.layers:
