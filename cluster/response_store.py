@@ -4,9 +4,10 @@ for ``GET`` / ``DELETE /v1/responses/{id}`` and for ``previous_response_id``.
 They live in Ray's GCS key-value store (as ``ReplicaBoard``'s metrics do), one key per
 response, so that every front-end replica finds every replica's responses, and a
 replica that stops loses none. Each value is the time it was written and the response
-with the conversation a follow-up continues. Bounds: a replica keeps at most
-``RESPONSE_STORE_SIZE`` of the responses it wrote (it deletes its oldest past that), and
-a response expires ``RESPONSE_TTL_S`` after it was written: a reader deletes an expired
+with the conversation a follow-up continues. Bounds (the settings
+``response_store_size`` and ``response_store_ttl_s``): a replica keeps at most ``size`` of
+the responses it wrote (it deletes its oldest past that), and a response expires
+``ttl_s`` after it was written: a reader deletes an expired
 one it meets, a writer its own expired ones, and a new replica those of replicas gone
 (``sweep``). The calls block on the GCS: run them off the event loop.
 """
@@ -20,9 +21,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-#: The most responses one replica keeps of those it wrote; past it the oldest go.
+#: The most responses one replica keeps of those it wrote; past it the oldest go (the
+#: default of the setting ``response_store_size``).
 RESPONSE_STORE_SIZE = 4096
-#: Seconds a stored response stays.
+#: Seconds a stored response stays (the default of ``response_store_ttl_s``).
 RESPONSE_TTL_S = 3600.0
 #: A longer id is no id this server gave.
 MAX_ID_CHARS = 128

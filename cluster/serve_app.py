@@ -100,7 +100,10 @@ class OpenAIServer(GenerationService):
         self.front = await FrontEnd.connect(config, replica_name())
         self.answers = AnswerWriter(self.front)
         store = ResponseStore(
-            GcsKeyValue(), f"tessera/{config.namespace}/{config.scheduler_name}/responses/"
+            GcsKeyValue(),
+            f"tessera/{config.namespace}/{config.scheduler_name}/responses/",
+            config.response_store_size,
+            config.response_store_ttl_s,
         )
         await self.front.off_loop(store.sweep)  # those of replicas gone
         self.responses = ResponsesWriter(self.front, self.answers, store)

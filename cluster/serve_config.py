@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from tessera.cluster.cluster_config import ClusterConfig, ConfigError
 from tessera.cluster.memory_size import memory_value
 from tessera.cluster.reasoning import ReasoningParser
+from tessera.cluster.response_store import RESPONSE_STORE_SIZE, RESPONSE_TTL_S
 from tessera.cluster.tracing import check_endpoint, exporter_protocol
 
 #: The longest API key ``api_key_file`` may hold.
@@ -81,6 +82,18 @@ class ServeConfig(ClusterConfig):
         "its trace to the caller's; OTLP/gRPC, or OTLP/HTTP with "
         "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; $OTEL_SERVICE_NAME names the "
         "service (default: off)",
+    )
+    response_store_size: int = Field(
+        RESPONSE_STORE_SIZE,
+        ge=1,
+        description="the most stored Responses API responses each front-end replica keeps of "
+        "those it wrote (in Ray's GCS key-value store); past it its oldest go",
+    )
+    response_store_ttl_s: float = Field(
+        RESPONSE_TTL_S,
+        gt=0,
+        description="seconds a stored Responses API response stays (GET, DELETE and "
+        "previous_response_id find it until then)",
     )
     allow_runtime_lora_updating: bool = Field(
         False,
