@@ -13,7 +13,10 @@ Adapters are random PEFT LoRA folders of SmolLM2's shapes, rank ``--rank``, of t
 and ``qv`` (q and v: PEFT's default for Llama). Each request generates ``--max-tokens``
 greedy tokens (EOS ignored) from the same prompt; tokens/s is all requests' tokens over
 the wall time of the whole batch, best of ``--repeats``, after one warm-up run that puts
-every adapter in a slot.
+every adapter in a slot. The warm-up also leaves the prompt's blocks in both engines'
+prefix caches, one copy per adapter (an adapter keys its own blocks), so the figures are
+decode's: a prompt run with adapters costs more than these show (a step of 16 prompts of
+20 tokens with one adapter took ~170 ms here, against ~30 ms for the base model).
 
     python benchmarks/lora.py --vllm-python /work/peers/vllm/bin/python \\
         --vllm-model /work/peers/smollm2
