@@ -15,8 +15,9 @@ greedy tokens (EOS ignored) from the same prompt; tokens/s is all requests' toke
 the wall time of the whole batch, best of ``--repeats``, after one warm-up run that puts
 every adapter in a slot. The warm-up also leaves the prompt's blocks in both engines'
 prefix caches, one copy per adapter (an adapter keys its own blocks), so the figures are
-decode's: a prompt run with adapters costs more than these show (a step of 16 prompts of
-20 tokens with one adapter took ~170 ms here, against ~30 ms for the base model).
+decode's: a prompt run with adapters costs more than these show (a step of 16 new
+prompts of ~20 tokens took 149-174 ms here with one adapter, 289-315 ms with 16, against
+82-103 ms for the base model, fast mode).
 
     python benchmarks/lora.py --vllm-python /work/peers/vllm/bin/python \\
         --vllm-model /work/peers/smollm2
