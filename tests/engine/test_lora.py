@@ -202,3 +202,25 @@ def test_bf16_slots_stay_within_bf16_rounding_of_float32_ones(tiny_llama, adapte
     assert fast.loaded.model.layers[0].qkv_proj.lora_a.dtype == torch.bfloat16
     assert (rounded - reference).abs().max() < 0.02
     assert (base - reference).abs().max() > 0.2
+
+
+def test_an_adapter_gone_before_its_request_starts_aborts_only_that_request(
+    tiny_llama, adapters, tmp_path
+):
+    """Read at submit, dropped from memory, its folder deleted before a slot took it: the
+    step aborts that request (finish_reason abort, no tokens) and the others run on."""
+    import shutil
+
+    path = tmp_path / "copy"
+    shutil.copytree(adapters["first"][0].path, path)
+    lora = LoraRef("copy", str(path), adapter_digest(str(path)))
+    engine = make_engine(tiny_llama)
+    engine.add_request("gone", list(PROMPTS[0]), greedy(), lora=lora)
+    engine.add_request("base", list(PROMPTS[1]), greedy())
+    engine.loras._read.clear()  # as past MAX_READ_ADAPTERS others
+    shutil.rmtree(path)
+    outputs = run_engine(engine)
+    assert [(o.finish_reason.value, o.token_ids) for o in outputs["gone"]] == [("abort", ())]
+    ref = TransformersReference(tiny_llama[1]).greedy(PROMPTS[1], MAX_TOKENS)
+    assert_greedy_matches(tokens(outputs["base"]), ref)
+    assert not engine.loras.request_slots and not engine.kv.tables

@@ -378,11 +378,11 @@ class Engine:
         if self._lora_waiting:  # slots unpinned by the last step
             waiting, self._lora_waiting = self._lora_waiting, collections.deque()
             for request, grammar in waiting:
-                self._admit(request, grammar)
+                outputs += self._admit(request, grammar)
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                self._admit(*payload)
+                outputs += self._admit(*payload)
             elif (group := self.groups.get(payload)) is not None:
                 outputs += self.post.abort_group(group)
             else:
@@ -398,10 +398,18 @@ class Engine:
                 return aborted_outputs(entry[0])
         return []
 
-    def _admit(self, request: Request, grammar: object | None) -> None:
-        if request.lora is not None and not self.loras.acquire(request.request_id, request.lora):
-            self._lora_waiting.append((request, grammar))  # every slot is pinned
-            return
+    def _admit(self, request: Request, grammar: object | None) -> list[RequestOutput]:
+        """Start a queued request; the deltas of one that cannot start (none usually)."""
+        if request.lora is not None:
+            try:
+                acquired = self.loras.acquire(request.request_id, request.lora)
+            except InvalidRequestError as error:  # its files went or changed since submit
+                logger.warning("request %s aborted: %s", request.request_id, error)
+                self.requests.release(request.request_id)
+                return aborted_outputs(request)
+            if not acquired:
+                self._lora_waiting.append((request, grammar))  # every slot is pinned
+                return []
         sampling, resume = request.sampling, request.resume
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         seq = Sequence(
@@ -435,6 +443,7 @@ class Engine:
             group.beam = self.forks.new_beam_search(sampling, self.rows.end_token_ids(sampling))
         self._order += 1
         self.requests.add(group)
+        return []
 
     # ------------------------------------------------------------ inspection
     def check_integrity(self) -> None:
