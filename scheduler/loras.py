@@ -50,6 +50,12 @@ class LoraRegistry:
         """Register adapter ``name`` from folder ``path`` (a name already registered is
         replaced); ``InvalidRequestError`` on ``lora_path`` saying what is wrong with it,
         ``NoWorkerError`` if no worker is up to read it."""
+        if not self.config.engine.enable_lora:
+            raise InvalidRequestError(
+                "lora_name",
+                "this server serves no LoRA adapters (start it with --enable-lora or "
+                "--lora-modules)",
+            )
         if name not in self.loras and len(self.loras) >= MAX_REGISTERED_LORAS:
             raise InvalidRequestError(
                 "lora_name", f"{MAX_REGISTERED_LORAS} adapters are loaded, the most there may be"

@@ -61,3 +61,21 @@ def test_bad_names_are_refused_in_words(name, message):
     with pytest.raises(APIError) as refused:
         asyncio.run(openai_loras.load(allowed, LoadLoraRequest(lora_name=name, lora_path="/a")))
     assert (refused.value.status, str(refused.value)) == (400, message)
+
+
+def test_a_server_without_lora_refuses_to_load_one():
+    """The scheduler's registry, on a cluster whose workers serve no adapter: no worker is
+    asked; the answer names the setting."""
+    from tessera.scheduler.loras import LoraRegistry
+    from tessera.workers.api import InvalidRequestError
+    from tessera.workers.config import EngineConfig
+
+    registry = LoraRegistry()
+    registry.config = SimpleNamespace(engine=EngineConfig())
+    registry.loras = {}
+    with pytest.raises(InvalidRequestError) as refused:
+        asyncio.run(registry.load_lora("a", "/adapters/a"))
+    assert str(refused.value) == (
+        "lora_name: this server serves no LoRA adapters (start it with --enable-lora or "
+        "--lora-modules)"
+    )
