@@ -167,7 +167,7 @@ def prefill_logits(loaded, prompt: list[int], block_size: int = 16) -> torch.Ten
     num_blocks = -(-len(prompt) // block_size)
     kv = KVCacheManager(num_blocks, block_size)
     cache = allocate_kv_cache(
-        loaded.config, num_blocks, block_size, torch.float32, torch.device("cpu")
+        loaded.model.config, num_blocks, block_size, torch.float32, torch.device("cpu")
     )
     runner = ModelRunner(loaded.model, kv, cache)
     seq = Sequence(

@@ -225,6 +225,13 @@ class EngineConfig:
     max_lora_rank: int = _setting(
         16, "the highest LoRA rank served (each slot is this wide); higher is refused", ge=1
     )
+    tensor_parallel_size: int = _setting(
+        1,
+        "ranks each worker's model is split over (Megatron-style: attention heads, MLP "
+        "widths, vocab), each a process with its own CPUs or GPU in one Ray placement "
+        "group; must divide the model's attention heads and MLP widths",
+        ge=1,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -236,6 +243,7 @@ class EngineConfig:
             "stream_interval",
             "max_loras",
             "max_lora_rank",
+            "tensor_parallel_size",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -267,6 +275,22 @@ class EngineConfig:
             )
         self._check_speculative()
         self._check_sources()
+
+    def check_tensor_parallel(self) -> None:
+        """Raise ``ValueError`` naming a setting a tensor-parallel group cannot serve
+        (asked by the engine and the launcher before anything starts; each setting alone
+        is valid)."""
+        if self.tensor_parallel_size > 1:
+            if self.enable_lora:
+                raise ValueError(
+                    f"enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 "
+                    f"(got {self.tensor_parallel_size})"
+                )
+            if self.draft_model is not None and self.draft_model.startswith("target"):
+                raise ValueError(
+                    f"draft_model: {self.draft_model!r} drafts with the split model itself; "
+                    f"with tensor_parallel_size > 1 give a separate draft model"
+                )
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -55,6 +55,7 @@ OTHER_VALUES = {
     "enable_lora": True,
     "max_loras": 2,
     "max_lora_rank": 8,
+    "tensor_parallel_size": 2,
 }
 
 

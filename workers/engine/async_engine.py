@@ -306,6 +306,7 @@ class AsyncEngine:
         finally:
             self._streams.clear()
             self._open.clear()
+            self.engine.close()
             self._thread.shutdown(wait=False)
 
 

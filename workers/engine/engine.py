@@ -61,6 +61,7 @@ from tessera.workers.engine.requests import LiveRequests
 from tessera.workers.engine.run import BatchRunner
 from tessera.workers.engine.sequence import PhaseClock, Sequence, SequenceGroup
 from tessera.workers.engine.stats import EngineStats, StepCounters
+from tessera.workers.engine.tensor_parallel import TensorParallelGroup
 from tessera.workers.kv.handoff import BlockHandoff
 from tessera.workers.kv.kv_cache import allocate_kv_cache, num_blocks_for_budget
 from tessera.workers.kv.manager import KVCacheManager
@@ -74,8 +75,21 @@ logger = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        rank_resources: dict[str, float] | None = None,
+    ) -> None:
+        """``rank_resources``: with ``tensor_parallel_size > 1`` outside a worker's
+        placement group, the Ray resources of each other rank (default one CPU)."""
         self.config = config
+        shard = None
+        if config.tensor_parallel_size > 1:
+            config.check_tensor_parallel()
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size: each rank loads its own part of the model")
+            shard = TensorParallelGroup.spec(config)
         self.loaded = loaded or load_model(
             config.model,
             config.dtype,
@@ -83,6 +97,7 @@ class Engine:
             config.packed_weights,
             revision=config.revision,
             tokenizer=_tokenizer_override(config),
+            shard=shard,
         )
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -96,8 +111,9 @@ class Engine:
         self.released_blocks = 0
         device = torch.device(config.device)
         dtype = self.loaded.kv_dtype
+        # (a rank's own heads: its model's config)
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-            self.model_config,
+            self.loaded.model.config,
             config.block_size,
             dtype,
             device,
@@ -106,8 +122,13 @@ class Engine:
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         kv_cache = allocate_kv_cache(
-            self.model_config, num_blocks, config.block_size, dtype, device
+            self.loaded.model.config, num_blocks, config.block_size, dtype, device
         )
+        self.group = None
+        if shard is not None:
+            self.group = TensorParallelGroup.start(
+                config, shard, num_blocks, self.loaded.precision, rank_resources
+            )
         graphs = config.cuda_graphs and device.type == "cuda"
         self.loras = None
         if config.enable_lora:
@@ -122,6 +143,7 @@ class Engine:
             static_decode="graphs" if graphs else "off",
             native_decode=config.native_decode,
             loras=self.loras,
+            group=self.group,
         )
         self.batcher = Batcher(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
@@ -444,6 +466,11 @@ class Engine:
         self._order += 1
         self.requests.add(group)
         return []
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing to do otherwise)."""
+        if self.group is not None:
+            self.group.close()
 
     # ------------------------------------------------------------ inspection
     def check_integrity(self) -> None:

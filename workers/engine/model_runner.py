@@ -18,6 +18,21 @@ from tessera.workers.attention.paged import plan_decode
 from tessera.workers.engine.cuda_graphs import DecodeGraphs
 from tessera.workers.engine.flat_batch import Chunk, HostInts, int64_tensors
 from tessera.workers.engine.loras import LoraManager
+from tessera.workers.engine.tensor_parallel import (
+    ARGMAX_ONLY,
+    CONTEXTS,
+    DECODES,
+    FLAGS,
+    HEADER,
+    HIDDEN_ONLY,
+    LOGITS,
+    LOGITS_FOR,
+    MASKS,
+    ROWS,
+    SEQS,
+    WIDTH,
+    TensorParallelGroup,
+)
 from tessera.workers.kv.manager import KVCacheManager
 from tessera.workers.model.llama import LlamaModel
 from tessera.workers.model.lora import LoraBatch
@@ -65,6 +80,7 @@ class ModelRunner:
         static_decode: str = "off",
         native_decode: bool = False,
         loras: LoraManager | None = None,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         if static_decode not in ("off", "eager", "graphs"):
             raise ValueError(f"static_decode: 'off', 'eager' or 'graphs', got {static_decode!r}")
@@ -83,6 +99,8 @@ class ModelRunner:
                 capture=static_decode == "graphs" and model.capturable,  # else eager
             )
         )
+        # rank 0 of a tensor-parallel group: every forward and block copy runs on each rank
+        self.group = group
         self.native_decode = native_decode and model.native_layers() is not None
         self.native_prompts = self.native_decode and kv_cache.dtype != torch.float32
         self.loras = loras  # each live request's LoRA adapter slot (``engine.loras``)
@@ -256,6 +274,11 @@ class ModelRunner:
 
     def _apply_copies(self) -> None:
         """Pending copy-on-write block copies, in the order recorded."""
+        if self.group is not None:
+            pairs = [block for pair in self.kv.take_copies() for block in pair]
+            if pairs:
+                self.group.copy(self.kv_cache, pairs)
+            return
         for src, dst in self.kv.take_copies():
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
 
@@ -289,6 +312,22 @@ class ModelRunner:
             flat += t
             flat += [PAD_BLOCK_ID] * (width - len(t))
         num_rows, num_seqs = len(input_ids), len(seq_lens)
+        if self.group is not None:
+            return self._timed(
+                lambda: self._group_forward(
+                    flat,
+                    num_rows,
+                    num_seqs,
+                    len(logits_rows),
+                    width,
+                    num_decodes,
+                    masks,
+                    argmax_only,
+                    contexts,
+                    logits_for,
+                    hidden_only,
+                )
+            )
         dev = self.device
         sizes = (num_rows, num_rows, num_rows, num_seqs + 1, num_seqs, len(logits_rows))
         if dev.type == "cpu":
@@ -335,6 +374,43 @@ class ModelRunner:
                 lora=lora,
             )
         )
+
+    def _group_forward(
+        self,
+        flat: list[int],
+        num_rows: int,
+        num_seqs: int,
+        num_logits: int,
+        width: int,
+        num_decodes: int,
+        masks: list[torch.Tensor | None],
+        argmax_only: bool,
+        contexts: list[int] | None,
+        logits_for: Seq[int],
+        hidden_only: bool,
+    ) -> Out:
+        """``_forward`` on every rank of the group (``tensor_parallel.run_step``'s layout)."""
+        assert self.group is not None
+        header = [0] * HEADER
+        header[ROWS], header[SEQS], header[LOGITS], header[WIDTH] = (
+            num_rows,
+            num_seqs,
+            num_logits,
+            width,
+        )
+        header[DECODES] = num_decodes
+        header[FLAGS] = (ARGMAX_ONLY if argmax_only else 0) | (HIDDEN_ONLY if hidden_only else 0)
+        if contexts is not None:
+            header[CONTEXTS] = len(contexts)
+            flat = flat + contexts
+        if argmax_only and logits_for:
+            header[LOGITS_FOR] = len(logits_for)
+            flat = flat + list(logits_for)
+        if any(m is not None for m in masks):
+            header[MASKS] = len(masks)
+            for m in masks:
+                flat = flat + ([-1, -1] if m is None else list(m.shape))
+        return self.group.forward(self.model, self.kv_cache, self.block_size, header, flat, masks)
 
     def _static_decode(
         self, chunks: Seq[Chunk], entries: list[tuple[int, int, int]]

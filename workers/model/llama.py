@@ -29,6 +29,7 @@ from tessera.workers.model.lora import LoraBatch
 from tessera.workers.model.moe import SparseMoE
 from tessera.workers.model.native_stack import build_native_layers
 from tessera.workers.model.rope import RotaryEmbedding, apply_rotary
+from tessera.workers.model.tensor_parallel import Shard
 from tessera.workers.quant import PackedWeight, quant_matmul
 from tessera.workers.quant.int4 import (
     ALL_ROWS,
@@ -250,6 +251,9 @@ class DecoderLayer(nn.Module):
                 config.intermediate_size, config.hidden_size, bias=config.mlp_bias
             )
         self.intermediate_size = config.intermediate_size
+        # one rank of a tensor-parallel group (``tensor_parallel.py``): o_proj's and the
+        # MLP's partial outputs are summed over the ranks
+        self.tp: Shard | None = None
 
     def norms(self) -> tuple[str, ...]:
         """The names of its hidden-size norms, as in the family's checkpoints."""
@@ -294,6 +298,8 @@ class DecoderLayer(nn.Module):
         attn_out = self.o_proj(attn)
         if lora is not None:
             attn_out = lora.add(self.o_proj, attn, attn_out)
+        if self.tp is not None:
+            self.tp.all_reduce(attn_out)
         if self.sandwich_norms:
             hidden = hidden + self.post_attention_layernorm(attn_out)
             x = self.pre_feedforward_layernorm(hidden)
@@ -312,6 +318,8 @@ class DecoderLayer(nn.Module):
             out = self.down_proj(act)
             if lora is not None:
                 out = lora.add(self.down_proj, act, out)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
         if self.sandwich_norms:
             out = self.post_feedforward_layernorm(out)
         return hidden + out
@@ -351,12 +359,26 @@ class LlamaModel(nn.Module):
         # a tied K-quant head in the fast mode: multiplied with int8-quantised inputs
         self.head_int8 = False
         self._native_layers: Any = _UNBUILT
+        # one rank of a tensor-parallel group: its config is the shard's
+        # (``tensor_parallel.shard_config``), its weights the shard's
+        self.tp: Shard | None = None
+
+    def set_shard(self, shard: Shard) -> None:
+        """Make this model (built from ``shard_config``) one rank of a group: every
+        layer's partial outputs and the embedding are summed over the ranks, the head's
+        logits gathered. The native stack is not used."""
+        self.tp = shard
+        for layer in self.layers:
+            layer.tp = shard
+        self._native_layers = None
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """A model of this one's first ``num_layers`` layers, sharing its weights (a
         self-speculative draft: the same embedding, final norm and head)."""
         if not 1 <= num_layers <= self.config.num_layers:
             raise ValueError(f"num_layers: must be in [1, {self.config.num_layers}]")
+        if self.tp is not None:  # its forward would run collectives the other ranks never join
+            raise ValueError("draft_model: a tensor-parallel model's own layers cannot draft")
         model = LlamaModel.__new__(LlamaModel)
         nn.Module.__init__(model)
         model.config = dataclasses.replace(self.config, num_layers=num_layers)
@@ -370,6 +392,7 @@ class LlamaModel(nn.Module):
         model.head_q8 = self.head_q8
         model.head_int8 = self.head_int8
         model._native_layers = _UNBUILT
+        model.tp = None
         return model
 
     @property
@@ -422,10 +445,10 @@ class LlamaModel(nn.Module):
         (``lora.py``; the native stack adds it as op by op does)."""
         # The residual stream stays float32 whatever the model's dtype: bf16 matmuls and
         # KV, float32 sums between them (a bf16 residual loses what 30 layers add to it).
-        if self.packed_embedding is not None:
-            hidden = embedding(self.packed_embedding, input_ids)
+        if self.tp is not None:
+            hidden = self.tp.embed(input_ids, self._embed)
         else:
-            hidden = self.embed_tokens(input_ids).float()
+            hidden = self._embed(input_ids)
         if self.config.embedding_scale is not None:  # (a float32 scalar, as transformers')
             hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=torch.float32)
         cos, sin = self.rope.lookup(positions, rope_contexts)
@@ -476,10 +499,16 @@ class LlamaModel(nn.Module):
             return self._argmax(hidden)
         return self._logits(hidden)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, hidden]`` rows of the embedding table (this rank's, in a group)."""
+        if self.packed_embedding is not None:
+            return embedding(self.packed_embedding, input_ids)
+        return self.embed_tokens(input_ids).float()
+
     def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each final-normed row's argmax of its logits (int64 [S])."""
         capped = self.config.final_softcap is not None  # ties as the capped logits have them
-        if self.lm_head is None and self.head_q8 is not None and not capped:
+        if self.lm_head is None and self.head_q8 is not None and not capped and self.tp is None:
             return self.head_q8.argmax(hidden.float())
         return argmax_rows(self._logits(hidden))
 
@@ -487,6 +516,8 @@ class LlamaModel(nn.Module):
         """float32 logits [S, vocab] of the final-normed rows ``hidden`` [S, hidden]
         (soft-capped where the family caps them)."""
         logits = self._head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
         if (cap := self.config.final_softcap) is not None:
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits

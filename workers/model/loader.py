@@ -39,6 +39,7 @@ from tessera.workers.model.sources import (
     resolve_source,
     resolve_tokenizer_path,
 )
+from tessera.workers.model.tensor_parallel import Shard, shard_config, shard_state
 from tessera.workers.quant import PackedWeight
 from tessera.workers.quant.kernels import bf16_kernel_path, kquant_int8_available, native_kernels
 
@@ -186,6 +187,7 @@ def load_model(
     packed_weights: bool = True,
     revision: str = DEFAULT_REVISION,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. ``packed_weights``: a float32 or bfloat16 model on the
     CPU keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices packed (float32: multiplied
@@ -203,7 +205,11 @@ def load_model(
     ``dtype="int8"``: where ``int8_mode_available``, a float32 model whose K-quant
     matrices (and a tied K-quant head) multiply inputs quantised to int8 per 256
     (``quant_matmul(..., int8=True)``), with an fp16 KV cache; its other matrices are as
-    in the exact mode. Its quality contract is its own (``tests/engine/test_int8_mode.py``)."""
+    in the exact mode. Its quality contract is its own (``tests/engine/test_int8_mode.py``).
+
+    ``shard``: load one rank's part of the weights (``tensor_parallel.shard_state``) into
+    a model of ``shard_config``'s shape; ``LoadedModel.config`` stays the whole model's
+    and ``LoadedModel.model.config`` is the shard's."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"dtype: must be one of {sorted(DTYPE_CHOICES)}, got {dtype!r}")
     resolved = resolve_model_path(path, revision)
@@ -228,9 +234,16 @@ def load_model(
         tokenizer = load_tokenizer(resolved)
     if not config.eos_token_ids and tokenizer.eos_token_id is not None:
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
-    model = LlamaModel(config, DTYPES[dtype], device)
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
+    if shard is not None:
+        shard.vocab_size = config.vocab_size
+        state = shard_state(state, config, shard.rank, shard.size)
+        model = LlamaModel(shard_config(config, shard.rank, shard.size), DTYPES[dtype], device)
+    else:
+        model = LlamaModel(config, DTYPES[dtype], device)
     model.load_hf_state_dict(state, FAST if fast else INT8 if int8 else None)
+    if shard is not None:
+        model.set_shard(shard)
     rounded = model.rounded_inputs()
     precision = FAST if "bf16" in rounded and fast else INT8 if "int8" in rounded else dtype
     kernels = bf16_kernel_path() if model.uses_bf16_kernels() else ""
@@ -242,10 +255,11 @@ def load_model(
     # process at 600-780 MiB of RSS, 425-440 after this)
     trim_heap()
     logger.info(
-        "loaded %s (%s, %d layers) as %s on %s%s%s%s",
+        "loaded %s (%s, %d layers%s) as %s on %s%s%s%s",
         resolved,
         config.architecture,
         config.num_layers,
+        "" if shard is None else f", rank {shard.rank} of {shard.size}",
         PRECISION_TEXT[precision],
         device,
         f", {num_packed} matrices packed as in the file" if num_packed else "",

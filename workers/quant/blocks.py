@@ -215,6 +215,29 @@ class PackedWeight:
             *(None if t is None else t[index].contiguous() for t in self._row_tensors()),
         )
 
+    def select_columns(self, start: int, stop: int) -> PackedWeight:
+        """Input columns ``start:stop`` as a new weight: whole blocks, never unpacked
+        (a row-parallel shard). Both ends must fall on a block boundary."""
+        size = self.qtype.block_size
+        if start % size or stop % size or not 0 <= start < stop <= self.in_features:
+            raise ValueError(
+                f"PackedWeight: columns {start}:{stop} of {self.in_features} do not fall on "
+                f"{self.qtype.name} blocks of {size}"
+            )
+        first, last = start // size, stop // size
+        if self.scales is None:  # K-quant super-blocks, verbatim
+            width = self.qtype.block_bytes
+            return PackedWeight(
+                self.qtype, self.qs[:, first * width : last * width].contiguous(), None, None
+            )
+        width = self.qtype.quant_bytes
+        return PackedWeight(
+            self.qtype,
+            self.qs[:, first * width : last * width].contiguous(),
+            self.scales[:, first:last].contiguous(),
+            None if self.mins is None else self.mins[:, first:last].contiguous(),
+        )
+
     @staticmethod
     def cat(weights: Sequence[PackedWeight]) -> PackedWeight:
         """Stack row groups (fused q/k/v, gate/up): same type and ``in_features``."""
