@@ -112,6 +112,12 @@ class ClusterConfig(EngineSettings):
         description="each worker asks Ray for one unit of the custom resource "
         "'tessera-<role>' too (on KubeRay, the role's worker group offers it)",
     )
+    tensor_parallel_spread: bool = Field(
+        False,
+        description="with --tensor-parallel-size > 1, let a worker group's ranks span "
+        "nodes (Ray's PACK placement, for CPU groups); off: every rank on one node "
+        "(STRICT_PACK)",
+    )
     kv_transfer_host: str | None = Field(
         None,
         description="address the prefill workers' KV-transfer gRPC servers listen on; decode "
@@ -296,6 +302,8 @@ class ClusterConfig(EngineSettings):
         """The worker pools in words, for logs."""
         if self.disaggregated:
             return f"{self.prefill_workers} prefill + {self.decode_workers} decode worker(s)"
+        if self.tensor_parallel_size > 1:
+            return f"{self.workers} worker group(s) of {self.tensor_parallel_size} ranks"
         return f"{self.workers} worker(s)"
 
     def precision_text(
@@ -317,7 +325,8 @@ class ClusterConfig(EngineSettings):
         if self.dtype == AUTO_DTYPE and precision:
             text = f"auto -> {text}"
         weights = f", packed GGUF weights on the {'GPU' if on_gpu else 'CPU'}" if packed else ""
-        return f"{text}{weights}; {worker_num_cpus:g} CPU(s) and torch threads per worker"
+        each = "rank" if self.tensor_parallel_size > 1 else "worker"
+        return f"{text}{weights}; {worker_num_cpus:g} CPU(s) and torch threads per {each}"
 
     def _check_common(self) -> ClusterConfig:
         names = set()

@@ -30,7 +30,7 @@ from tessera.scheduler.actor import scheduler_actor_class
 from tessera.scheduler.api import ClusterStats
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.config import SchedulerConfig, WorkerPool
-from tessera.scheduler.worker_actors import STARTUP_TIMEOUT_S, worker_actors
+from tessera.scheduler.worker_actors import STARTUP_TIMEOUT_S, stop_group, worker_actors
 from tessera.workers.api import InvalidRequestError, Request, SamplingParams
 from tessera.workers.process.kv_auth import ClusterSecret
 
@@ -59,8 +59,41 @@ def resolve_worker_cpus(config: ClusterConfig, device: str) -> float:
         return config.worker_num_cpus
     if device == "cuda":
         return GPU_WORKER_CPUS
-    most = sum(high for _, _, high in config.pools.values())
+    most = sum(high for _, _, high in config.pools.values()) * config.tensor_parallel_size
     return float(max(1, int(ray.cluster_resources().get("CPU", 1) // max(most, 1))))
+
+
+def check_groups(config: ClusterConfig, num_gpus: float, worker_num_cpus: float) -> None:
+    """Raise ``ConfigError`` before anything starts where a worker group
+    (``tensor_parallel_size`` ranks, each a worker's CPUs and GPUs) cannot be served or
+    can never fit the Ray cluster (its whole CPUs or GPUs, one node's with
+    ``STRICT_PACK``)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    if config.disaggregated:
+        raise ConfigError(
+            f"tensor_parallel_size: prefill and decode workers run unsplit models; got "
+            f"{size} with prefill_workers {config.prefill_workers}"
+        )
+    try:
+        config.engine_config("cpu").check_tensor_parallel()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    where = "one node" if not config.tensor_parallel_spread else "the Ray cluster"
+    for name, each in (("CPU", worker_num_cpus), ("GPU", num_gpus)):
+        if not each:
+            continue
+        if config.tensor_parallel_spread:
+            have = sum(node.get(name, 0.0) for node in nodes)
+        else:
+            have = max((node.get(name, 0.0) for node in nodes), default=0.0)
+        if size * each > have:
+            raise ConfigError(
+                f"tensor_parallel_size: {size} ranks of {each:g} {name} each need "
+                f"{size * each:g} {name}s on {where}; it has {have:g}"
+            )
 
 
 def scheduler_config(
@@ -102,6 +135,7 @@ def scheduler_config(
         health_timeout_s=config.health_timeout_s,
         scheduler_name=config.scheduler_name,
         namespace=config.namespace,
+        tensor_parallel_spread=config.tensor_parallel_spread,
     )
 
 
@@ -147,15 +181,15 @@ class Cluster:
             owns_scheduler = False
         except ValueError:  # not running yet: create it
             device, num_gpus = resolve_device(config)
+            worker_cpus = resolve_worker_cpus(config, device)
+            check_groups(config, num_gpus, worker_cpus)
             options = {"name": config.scheduler_name, "namespace": config.namespace}
             if detached:
                 options["lifetime"] = "detached"
             scheduler = (
                 scheduler_actor_class()
                 .options(**options, get_if_exists=True)
-                .remote(
-                    scheduler_config(config, device, num_gpus, resolve_worker_cpus(config, device))
-                )
+                .remote(scheduler_config(config, device, num_gpus, worker_cpus))
             )
             owns_scheduler = True
         try:
@@ -228,5 +262,6 @@ async def _stop(scheduler, config: ClusterConfig) -> None:
         await scheduler.shutdown.remote()
     finally:
         ray.kill(scheduler, no_restart=True)
-        for _, worker in worker_actors(config.scheduler_name, config.namespace):
+        for worker_id, worker in worker_actors(config.scheduler_name, config.namespace):
             ray.kill(worker, no_restart=True)
+            stop_group(config.scheduler_name, worker_id)

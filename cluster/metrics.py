@@ -198,7 +198,16 @@ class _ClusterCollector(Collector):
                     fallbacks.add_metric([worker.worker_id, reason], float(count))
                 for phase, count in worker.load.phases:
                     phases.add_metric([worker.worker_id, phase], float(count))
+        ranks = GaugeMetricFamily(
+            "tessera_worker_rank",
+            "1 for each rank of a tensor-parallel worker group, with its device and node",
+            labels=["worker", "rank", "place"],
+        )
+        for worker in stats.workers:
+            for rank, place in enumerate(worker.ranks):
+                ranks.add_metric([worker.worker_id, str(rank), place], 1.0)
         yield up
+        yield ranks
         yield from families.values()
         yield from counter_families.values()
         yield fallbacks

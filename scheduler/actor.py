@@ -59,6 +59,7 @@ from tessera.scheduler.worker_actors import (
     MAX_START_FAILURES,
     STARTUP_TIMEOUT_S,
     start_worker,
+    stop_group,
     worker_actors,
 )
 from tessera.workers.process.protocol import WorkerInfo
@@ -215,6 +216,7 @@ class Scheduler(WorkerMonitor, Placer, LoraRegistry):
         self.registry.remove(worker)
         if kill:
             ray.kill(worker.handle, no_restart=True)
+            stop_group(self.config.scheduler_name, worker.worker_id)
 
     def set_placement(self, name: str) -> None:
         """Switch the placement policy of a running cluster (to compare policies)."""

@@ -88,6 +88,7 @@ class WorkerState:
     cached_hashes: int  # block hashes in the scheduler's index for it
     load: WorkerLoad | None
     node_id: str | None = None  # the Ray node it runs on (None until it registers)
+    ranks: tuple[str, ...] = ()  # a tensor-parallel group's: each rank's device and node
 
 
 @dataclass(frozen=True, slots=True)

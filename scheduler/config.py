@@ -53,6 +53,8 @@ class SchedulerConfig:
     # -- Ray names: the workers find the scheduler by them, to register
     scheduler_name: str
     namespace: str
+    # -- tensor-parallel groups: a group's ranks may span nodes (CPU groups)
+    tensor_parallel_spread: bool = False
 
     def __post_init__(self) -> None:
         roles = [pool.role for pool in self.pools]
@@ -63,6 +65,7 @@ class SchedulerConfig:
                 f"placement: must be one of {sorted(POLICIES)}, got {self.placement!r}"
             )
         _check_int("max_ongoing_requests", self.max_ongoing_requests, 1)
+
         _check_int("max_queued_requests", self.max_queued_requests, 0)
 
     @property

@@ -170,6 +170,7 @@ class Registry:
                 cached_hashes=self.index.size(r.worker_id),
                 load=r.load,
                 node_id=r.info.node_id if r.info else None,
+                ranks=r.info.ranks if r.info else (),
             )
             for r in sorted(self.workers.values(), key=lambda r: r.worker_id)
         )

@@ -24,23 +24,57 @@ def worker_actor_name(scheduler_name: str, worker_id: str) -> str:
     return f"{scheduler_name}/{worker_id}"
 
 
+def group_name(scheduler_name: str, worker_id: str) -> str:
+    """The Ray name of a worker group's placement group (``tensor_parallel_size > 1``)."""
+    return f"{worker_actor_name(scheduler_name, worker_id)}/ranks"
+
+
 def start_worker(config: SchedulerConfig, role: str, worker_id: str):
     """Start the worker actor ``worker_id`` of ``role``; its handle. Detached and named,
-    so that a restarted scheduler finds it (``worker_actors``)."""
+    so that a restarted scheduler finds it (``worker_actors``).
+
+    With ``tensor_parallel_size`` N > 1 the worker is a group: a named, detached
+    placement group of N bundles of the worker's CPUs and GPUs (``STRICT_PACK``: one
+    node; ``PACK`` where ``tensor_parallel_spread`` lets CPU groups span nodes), the
+    worker actor (rank 0) in bundle 0 and its engine's ranks in the others
+    (``workers/engine/tensor_parallel.py``). It stays while the worker does: Ray
+    restarts a worker into the same bundle, and ``stop_group`` removes it."""
     from tessera.workers.process.actor import worker_actor_class  # the engine: see above
 
+    resources = {f"tessera-{role}": 1} if config.role_resources else None
+    placement: dict = {"scheduling_strategy": "SPREAD"}  # a lost node costs least
+    size = config.engine.tensor_parallel_size
+    if size > 1:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"CPU": config.worker_num_cpus}
+        if config.worker_num_gpus:
+            bundle["GPU"] = config.worker_num_gpus
+        first = {**bundle, **(resources or {})}
+        group = placement_group(
+            [first] + [bundle] * (size - 1),
+            strategy="PACK" if config.tensor_parallel_spread else "STRICT_PACK",
+            name=group_name(config.scheduler_name, worker_id),
+            lifetime="detached",
+        )
+        placement = {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0
+            )
+        }
     return (
         worker_actor_class()
         .options(
             name=worker_actor_name(config.scheduler_name, worker_id),
             namespace=config.namespace,
             lifetime="detached",
-            scheduling_strategy="SPREAD",  # over the Ray nodes: a lost node costs least
             num_cpus=config.worker_num_cpus,
             num_gpus=config.worker_num_gpus,
-            resources={f"tessera-{role}": 1} if config.role_resources else None,
+            resources=resources,
             max_restarts=config.worker_max_restarts,
             max_task_retries=0,  # a broken stream fails over from the front end
+            **placement,
         )
         .remote(
             worker_id,
@@ -66,3 +100,14 @@ def worker_actors(scheduler_name: str, namespace: str) -> list[tuple[str, object
                 continue
             found.append((actor["name"].removeprefix(prefix), handle))
     return found
+
+
+def stop_group(scheduler_name: str, worker_id: str) -> None:
+    """Remove a worker group's placement group, if it has one (after its worker)."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        group = get_placement_group(group_name(scheduler_name, worker_id))
+    except ValueError:  # not a group
+        return
+    remove_placement_group(group)

@@ -1,4 +1,4 @@
-"""Renders of the chart, made once per session: the default values and the GPU example."""
+"""Renders of the chart, made once per session: the default values and the GPU examples."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.helm import GPU_EXAMPLE, documents, template
+from tests.deploy.helm import GPU_EXAMPLE, GPU_TP_EXAMPLE, documents, template
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +19,13 @@ def gpu_render() -> list[dict[str, Any]]:
     return documents(template(GPU_EXAMPLE))
 
 
-@pytest.fixture(scope="session", params=["default", "gpu-disagg"])
-def render(request, default_render, gpu_render) -> list[dict[str, Any]]:
+@pytest.fixture(scope="session")
+def gpu_tp_render() -> list[dict[str, Any]]:
+    return documents(template(GPU_TP_EXAMPLE))
+
+
+@pytest.fixture(scope="session", params=["default", "gpu-disagg", "gpu-tensor-parallel"])
+def render(request, default_render, gpu_render, gpu_tp_render) -> list[dict[str, Any]]:
     """Each supported configuration's render, in turn."""
-    return default_render if request.param == "default" else gpu_render
+    renders = {"default": default_render, "gpu-disagg": gpu_render}
+    return renders.get(request.param, gpu_tp_render)

@@ -31,6 +31,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "tessera"
 GPU_EXAMPLE = REPO / "examples" / "values-gpu-disagg.yaml"
+#: Worker groups of 2 GPU ranks each (``tensor_parallel_size: 2``).
+GPU_TP_EXAMPLE = REPO / "examples" / "values-gpu-tensor-parallel.yaml"
 K8S_MANIFEST = REPO / "k8s" / "tessera.yaml"
 #: The release name of the plain manifests (and of the renders the tests check).
 RELEASE = "tessera"

@@ -14,6 +14,7 @@ from tests.deploy.chart_schema import SCHEMA, engine_properties, values_schema
 from tests.deploy.helm import (
     CHART,
     GPU_EXAMPLE,
+    GPU_TP_EXAMPLE,
     K8S_MANIFEST,
     RELEASE,
     HelmError,
@@ -44,7 +45,11 @@ SCHEMA_ERROR = (
 TEMPLATE_ERROR = "Error: execution error at (tessera/templates/rayservice.yaml:1:4): "
 
 
-@pytest.mark.parametrize("values", [[], [GPU_EXAMPLE]], ids=["default", "gpu-disagg"])
+@pytest.mark.parametrize(
+    "values",
+    [[], [GPU_EXAMPLE], [GPU_TP_EXAMPLE]],
+    ids=["default", "gpu-disagg", "gpu-tensor-parallel"],
+)
 def test_lint_strict_passes(values: list[Path]):
     """``helm lint --strict`` finds nothing to warn about (an INFO line is not a warning)."""
     args = [arg for path in values for arg in ("-f", path)]
@@ -141,6 +146,15 @@ def test_schema_refuses_bad_values(assignment: str, message: str):
                 "tessera.device=cuda",
             ),
             "workerGroups.mixed: workersPerPod (2) is above gpus (1); each worker takes one GPU",
+        ),
+        (
+            (
+                "workerGroups.mixed.gpus=1",
+                "tessera.tensor_parallel_size=2",
+                "tessera.device=cuda",
+            ),
+            "workerGroups.mixed: workersPerPod (1) x tensor_parallel_size (2) is above gpus "
+            "(1); each rank of a worker group takes one GPU on the same node",
         ),
         (("workerGroups.mixed.enabled=false",), "workerGroups: no worker group is enabled"),
         (

@@ -116,3 +116,13 @@ def test_gpu_groups_ask_kubernetes_for_their_gpus(gpu_render):
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
     assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == 300
+
+
+def test_tensor_parallel_groups_get_a_pod_with_a_gpu_per_rank(gpu_tp_render):
+    """The tensor-parallel example: its app runs worker groups of 2 ranks, and the pod
+    that hosts a group offers both ranks' GPUs on one node."""
+    rayservice = only(gpu_tp_render, "RayService")
+    app = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]
+    assert app["args"]["tensor_parallel_size"] == 2
+    (group,) = cluster_spec(gpu_tp_render)["workerGroupSpecs"]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2

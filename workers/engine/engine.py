@@ -178,6 +178,8 @@ class Engine:
         self.hash_keys: tuple[str, ...] = (self.loaded.model_id, self.loaded.precision)
         if self.loaded.kernels:
             self.hash_keys += (self.loaded.kernels,)
+        if config.tensor_parallel_size > 1:  # its row-parallel sums add in another order
+            self.hash_keys += (f"tensor_parallel_size={config.tensor_parallel_size}",)
         self.hasher = BlockHasher(
             self.kv,
             config.enable_prefix_caching,

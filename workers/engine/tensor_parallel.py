@@ -63,6 +63,18 @@ STOP, STEP, COPY = 0, 1, 2
 ARGMAX_ONLY, HIDDEN_ONLY = 1, 2
 
 
+def place_of(device: torch.device) -> str:
+    """This process's device and node IP, as a rank reports them ("cuda:0@10.0.0.5":
+    the GPU Ray gave it)."""
+    import ray
+
+    where = device.type
+    if device.type == "cuda":
+        ids = ray.get_gpu_ids()
+        where = f"cuda:{ids[0]}" if ids else str(device)
+    return f"{where}@{ray.util.get_node_ip_address()}"
+
+
 class GroupFailedError(RuntimeError):
     """A rank of the group died or hung: the group cannot step again."""
 
@@ -240,6 +252,7 @@ class TensorParallelGroup:
         self.failed: str | None = None
         self.closed = False
         self.store: Any = None
+        self.places: tuple[str, ...] = ()  # each rank's device and node, rank 0 first
 
     # ------------------------------------------------------------------ start
 
@@ -328,14 +341,15 @@ class TensorParallelGroup:
             if own:
                 ray.util.remove_placement_group(placement)
             raise
-        for rank, found in enumerate(answers, start=1):
+        for rank, (found, _) in enumerate(answers, start=1):
             if found != precision:
                 raise GroupFailedError(
                     f"{SETTING}: rank {rank} computes in {found}, rank 0 in {precision}"
                 )
-        logger.info("tensor-parallel group of %d ranks up (%s)", size, resources)
         made = cls(group, size, ranks, placement, own, device)
         made.store = store  # the group's meeting point lives as long as the group
+        made.places = (place_of(device), *(place for _, place in answers))
+        logger.info("tensor-parallel group of %d ranks up: %s", size, ", ".join(made.places))
         return made
 
     # ------------------------------------------------------------------ steps
@@ -463,9 +477,10 @@ class RankActor:
         self._thread = threading.Thread(target=self._loop, name=f"rank-{rank}", daemon=True)
         self._thread.start()
 
-    def ready(self) -> str:
-        """Its precision, once loaded (rank 0 checks that every rank computes alike)."""
-        return self.loaded.precision
+    def ready(self) -> tuple[str, str]:
+        """Its precision, once loaded (rank 0 checks that every rank computes alike),
+        and its place (``place_of``)."""
+        return self.loaded.precision, place_of(torch.device(self.kv_cache.device))
 
     def _loop(self) -> None:
         buffers = self.buffers

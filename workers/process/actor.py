@@ -94,6 +94,8 @@ class WorkerActor(DeltaChannels):
         self.incarnation = uuid.uuid4().hex[:12]
         # built on the engine's own thread, where its steps run (see async_engine)
         self.engine = AsyncEngine.build(lambda: Engine(engine_config))
+        if self.engine.engine.group is not None:  # a rank lost: restart, streams fail over
+            self.engine.engine.group.exit_on_failure = True
         self.engine.engine.kv.pool.record_events()
         self.engine.engine.grammars.prepare()
         self._live: set[str] = set()  # ids of the requests streaming from here
@@ -129,6 +131,11 @@ class WorkerActor(DeltaChannels):
                 return
             scheduler.register.remote(self.info())
 
+    def tensor_parallel_ranks(self) -> list:
+        """The Ray actors of its group's ranks 1..N-1 (none unless it is a group)."""
+        group = self.engine.engine.group
+        return [] if group is None else list(group.ranks)
+
     def info(self) -> WorkerInfo:
         engine = self.engine.engine
         return WorkerInfo(
@@ -146,6 +153,7 @@ class WorkerActor(DeltaChannels):
             kv_address=self._kv_address(),
             precision=engine.loaded.precision,
             hidden_size=engine.model_config.hidden_size,
+            ranks=() if engine.group is None else engine.group.places,
         )
 
     def _kv_address(self) -> str | None:

@@ -46,6 +46,8 @@ class WorkerInfo:
     kv_address: str | None = None  # host:port of its KVTransfer server (prefill workers)
     precision: str = "float32"  # LoadedModel.precision: "fast", or the dtype's name
     hidden_size: int | None = None  # the model's: the dimensions of its embeddings
+    #: a tensor-parallel group's ranks, rank 0 first: each one's device and node IP
+    ranks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,8 +72,12 @@ app.kubernetes.io/part-of: {{ .Chart.Name }}
 {{- if or (lt (int $group.replicas) (int $group.minReplicas)) (gt (int $group.replicas) (int $group.maxReplicas)) }}
 {{- fail (printf "%s: replicas (%d) must be between minReplicas (%d) and maxReplicas (%d)" $where (int $group.replicas) (int $group.minReplicas) (int $group.maxReplicas)) }}
 {{- end }}
-{{- if and (gt (int $group.gpus) 0) (gt (int $group.workersPerPod) (int $group.gpus)) }}
+{{- $ranks := int ($tessera.tensor_parallel_size | default 1) }}
+{{- if and (gt (int $group.gpus) 0) (eq $ranks 1) (gt (int $group.workersPerPod) (int $group.gpus)) }}
 {{- fail (printf "%s: workersPerPod (%d) is above gpus (%d); each worker takes one GPU" $where (int $group.workersPerPod) (int $group.gpus)) }}
+{{- end }}
+{{- if and (gt (int $group.gpus) 0) (gt $ranks 1) (gt (mul (int $group.workersPerPod) $ranks) (int $group.gpus)) }}
+{{- fail (printf "%s: workersPerPod (%d) x tensor_parallel_size (%d) is above gpus (%d); each rank of a worker group takes one GPU on the same node" $where (int $group.workersPerPod) $ranks (int $group.gpus)) }}
 {{- end }}
 {{- end }}
 {{- $want := index $needed $role }}

@@ -1,0 +1,145 @@
+"""Tensor-parallel worker groups in a cluster: `tessera serve --tensor-parallel-size 2`
+answering the `openai` client with transformers' tokens, its ready line and /metrics
+showing the group's ranks; and a rank killed mid-stream under 8 streams: every stream
+ends with the text an undisturbed run gave, the group comes back, and its placement
+group is removed with the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import ray
+import torch
+import transformers
+
+from tessera.scheduler.api import WorkerStatus
+from tessera.workers.api import SamplingParams
+from tests.cluster.conftest import running_cluster
+from tests.cluster.serve_process import serve_process
+from tests.cluster.test_serve_families import assert_same_tokens
+from tests.helpers import (
+    TransformersReference,
+    read_through_a_fault,
+    text_of,
+    tokens_of,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+API_KEY = "tp-key-41c9"
+MODEL = "tiny-qwen2"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, smollm2):
+    """A tiny random Qwen2 (q/k/v biases, 4 heads, 2 KV heads) saved with the built-in
+    tokenizer: (path, transformers' model)."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tp-qwen2")
+    config = transformers.Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = transformers.Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    return path, model.eval()
+
+
+def _placement_groups() -> int:
+    table = ray.util.placement_group_table().values()
+    return sum(1 for group in table if group["state"] != "REMOVED")
+
+
+def test_serve_with_two_ranks_answers_with_transformers_tokens(ray_session, tmp_path, qwen2):
+    path, model = qwen2
+    reference = TransformersReference(model)
+    settings = (
+        f"model: {path}\nserved_model_name: {MODEL}\nnum_kv_blocks: 64\n"
+        "worker_num_cpus: 0.5\nreport_interval_s: 0.1\n"
+    )
+    before = _placement_groups()
+    with serve_process(
+        tmp_path, settings, API_KEY, "tp-serve-test", "--tensor-parallel-size", "2"
+    ) as server:
+        log = server.log.read_text()
+        assert "1 worker group(s) of 2 ranks" in log
+        assert "0.5 CPU(s) and torch threads per rank" in log
+        client = server.client()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        generator = torch.Generator().manual_seed(3)
+        for n in (25, 7):
+            prompt = torch.randint(3, 512, (n,), generator=generator).tolist()
+            done = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=0
+            )
+            expected = reference.greedy(tuple(prompt), MAX_TOKENS)
+            assert_same_tokens(done.choices[0].logprobs.tokens, expected, tokenizer)
+        metrics = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
+        ranks = [line for line in metrics.splitlines() if line.startswith("tessera_worker_rank{")]
+        assert len(ranks) == 2, metrics[-3000:]
+        assert 'rank="0"' in ranks[0] and 'place="cpu@' in ranks[0]
+        assert _placement_groups() == before + 1  # the worker group's
+    assert _placement_groups() == before
+
+
+async def test_a_killed_rank_fails_its_group_over_without_changing_the_text(ray_session, qwen2):
+    path, _ = qwen2
+    before = _placement_groups()
+    async with running_cluster(
+        model=str(path), tensor_parallel_size=2, worker_num_cpus=0.5, workers=1
+    ) as cluster:
+        requests = []
+        for i in range(8):
+            params = (
+                SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+                if i < 4
+                else SamplingParams(max_tokens=40, temperature=0.8, seed=100 + i, ignore_eos=True)
+            )
+            requests.append((f"tp-{i}", list(range(3 + i, 30 + i)), params))
+        expected = {}
+        for request_id, prompt, params in requests:  # undisturbed, one by one
+            stream = await cluster.submit(request_id + "-calm", prompt, params)
+            expected[request_id] = [delta async for delta in stream]
+        stats = await cluster.stats()
+        (worker,) = stats.workers
+        assert len(worker.ranks) == 2
+        handle = await cluster.scheduler.worker_handle.remote(worker.worker_id)
+        (rank,) = await handle.tensor_parallel_ranks.remote()
+
+        streams = [await cluster.submit(*request) for request in requests]
+        received = await read_through_a_fault(streams, lambda: ray.kill(rank), 120, 240)
+        for (request_id, _, _), deltas in zip(requests, received, strict=True):
+            assert tokens_of(deltas) == tokens_of(expected[request_id]), request_id
+            assert text_of(deltas) == text_of(expected[request_id]), request_id
+            assert [d.finished for d in deltas].count(True) == 1
+        stats = await cluster.stats()
+        assert stats.failovers >= 8
+        # the group is back, and nothing of the streams is left on it
+        for _ in range(200):
+            stats = await cluster.stats()
+            (worker,) = stats.workers
+            engine = worker.load.engine if worker.load else None
+            if (
+                worker.status is WorkerStatus.HEALTHY
+                and worker.ongoing == 0
+                and engine is not None
+                and engine.free_blocks == engine.total_blocks
+            ):
+                break
+            await asyncio.sleep(0.1)
+        assert worker.status is WorkerStatus.HEALTHY and worker.restarts >= 1, stats.events
+        assert worker.ongoing == 0 and engine.free_blocks == engine.total_blocks
+        assert len(worker.ranks) == 2
+        assert _placement_groups() == before + 1
+    assert _placement_groups() == before
