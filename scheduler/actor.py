@@ -216,7 +216,8 @@ class Scheduler(WorkerMonitor, Placer, LoraRegistry):
         self.registry.remove(worker)
         if kill:
             ray.kill(worker.handle, no_restart=True)
-            stop_group(self.config.scheduler_name, worker.worker_id)
+        # a group's placement group goes with its worker (a replacement makes its own)
+        stop_group(self.config.scheduler_name, worker.worker_id)
 
     def set_placement(self, name: str) -> None:
         """Switch the placement policy of a running cluster (to compare policies)."""

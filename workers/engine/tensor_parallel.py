@@ -43,6 +43,7 @@ from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import plan_decode
 from tessera.workers.config import EngineConfig
 from tessera.workers.model.llama import LlamaModel
+from tessera.workers.model.shared_collectives import SharedCollectives
 from tessera.workers.model.tensor_parallel import SETTING, Shard
 
 logger = logging.getLogger(__name__)
@@ -253,6 +254,7 @@ class TensorParallelGroup:
         self.closed = False
         self.store: Any = None
         self.places: tuple[str, ...] = ()  # each rank's device and node, rank 0 first
+        self.sent_bytes = 0  # of the step broadcasts, so far (benchmarks read it)
 
     # ------------------------------------------------------------------ start
 
@@ -318,6 +320,13 @@ class TensorParallelGroup:
         )
         port = store.port
         threads = max(1, int(resources.get("CPU", 1.0)))
+        shared = None
+        if device.type == "cpu":  # ranks on this node share their collectives' memory
+            slot = 4 * max(
+                config.max_num_batched_tokens * shard.hidden_size,
+                config.max_num_seqs * shard.vocab_rows,
+            )
+            shared = SharedCollectives.create(size, slot)
         remote = ray.remote(RankActor)
         ranks = [
             remote.options(
@@ -328,28 +337,50 @@ class TensorParallelGroup:
                 ),
                 max_restarts=0,
                 max_task_retries=0,
-            ).remote(config, rank, size, host, port, num_blocks, threads)
+            ).remote(
+                config,
+                rank,
+                size,
+                host,
+                port,
+                num_blocks,
+                threads,
+                None if shared is None else (shared.path, shared.slot_bytes),
+            )
             for rank in range(1, size)
         ]
         try:
             group = join_group(host, port, 0, size, device, STARTUP_TIMEOUT_S, store)
             shard.group = group
             answers = ray.get([r.ready.remote() for r in ranks], timeout=STARTUP_TIMEOUT_S)
+            # shared memory only where every rank opened the file: all on this node
+            if shared is not None and not all(attached for _, _, attached in answers):
+                shared = None
+            shard.shared = shared
+            ray.get([r.begin.remote(shared is not None) for r in ranks], timeout=60)
         except Exception:
             for actor in ranks:
                 ray.kill(actor)
             if own:
                 ray.util.remove_placement_group(placement)
             raise
-        for rank, (found, _) in enumerate(answers, start=1):
+        finally:
+            if shared is not None:
+                shared.unlink()  # every rank has it mapped (or is gone)
+        for rank, (found, _, _) in enumerate(answers, start=1):
             if found != precision:
                 raise GroupFailedError(
                     f"{SETTING}: rank {rank} computes in {found}, rank 0 in {precision}"
                 )
         made = cls(group, size, ranks, placement, own, device)
         made.store = store  # the group's meeting point lives as long as the group
-        made.places = (place_of(device), *(place for _, place in answers))
-        logger.info("tensor-parallel group of %d ranks up: %s", size, ", ".join(made.places))
+        made.places = (place_of(device), *(place for _, place, _ in answers))
+        logger.info(
+            "tensor-parallel group of %d ranks up: %s; collectives over %s",
+            size,
+            ", ".join(made.places),
+            "shared memory" if shared is not None else "gloo" if device.type == "cpu" else "NCCL",
+        )
         return made
 
     # ------------------------------------------------------------------ steps
@@ -396,6 +427,7 @@ class TensorParallelGroup:
             raise GroupFailedError(self.failed)
         buffers = self.buffers
         buffers.header.copy_(torch.tensor(header, dtype=torch.int64))
+        self.sent_bytes += 8 * (HEADER + ints.numel()) + (0 if masks is None else masks.numel())
         try:
             _broadcast(self.group, buffers.header, self.timeout)
             if ints.numel():
@@ -451,12 +483,18 @@ class RankActor:
         port: int,
         num_blocks: int,
         threads: int,
+        shared: tuple[str, int] | None = None,
     ) -> None:
+        """``shared``: rank 0's shared-memory file and slot size, opened here if this
+        rank is on its node (``SharedCollectives``)."""
         from tessera.workers.kv.kv_cache import allocate_kv_cache
         from tessera.workers.model.loader import load_model, load_tokenizer
 
         torch.set_num_threads(threads)
         device = torch.device(config.device)
+        self.shared = None
+        if shared is not None:
+            self.shared = SharedCollectives.attach(shared[0], rank, size, shared[1])
         self.group = join_group(host, port, rank, size, device, STARTUP_TIMEOUT_S)
         tokenizer = load_tokenizer(config.model, config.revision, tokenizer=config.tokenizer)
         self.loaded = load_model(
@@ -468,6 +506,7 @@ class RankActor:
             tokenizer=tokenizer,
             shard=Shard(rank, size, self.group),
         )
+        self.shard = self.loaded.model.tp
         self.kv_cache = allocate_kv_cache(
             self.loaded.model.config, num_blocks, config.block_size, self.loaded.kv_dtype, device
         )
@@ -475,12 +514,18 @@ class RankActor:
         self.buffers = StepBuffers.on(device)
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name=f"rank-{rank}", daemon=True)
-        self._thread.start()
 
-    def ready(self) -> tuple[str, str]:
+    def ready(self) -> tuple[str, str, bool]:
         """Its precision, once loaded (rank 0 checks that every rank computes alike),
-        and its place (``place_of``)."""
-        return self.loaded.precision, place_of(torch.device(self.kv_cache.device))
+        its place (``place_of``) and whether it opened the shared-memory file."""
+        place = place_of(torch.device(self.kv_cache.device))
+        return self.loaded.precision, place, self.shared is not None
+
+    def begin(self, shared: bool) -> None:
+        """Start taking steps, with the collectives over shared memory or not (as every
+        rank: rank 0 decides)."""
+        self.shard.shared = self.shared if shared else None
+        self._thread.start()
 
     def _loop(self) -> None:
         buffers = self.buffers

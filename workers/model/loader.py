@@ -236,7 +236,7 @@ def load_model(
         config = replace(config, eos_token_ids=(tokenizer.eos_token_id,))
     num_packed = sum(isinstance(value, PackedWeight) for value in state.values())
     if shard is not None:
-        shard.vocab_size = config.vocab_size
+        shard.vocab_size, shard.hidden_size = config.vocab_size, config.hidden_size
         state = shard_state(state, config, shard.rank, shard.size)
         model = LlamaModel(shard_config(config, shard.rank, shard.size), DTYPES[dtype], device)
     else:

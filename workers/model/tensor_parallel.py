@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from tessera.workers.model.config import ModelConfig
+from tessera.workers.model.shared_collectives import SharedCollectives
 from tessera.workers.quant import PackedWeight
 
 #: A checkpoint tensor: dense, or a GGUF-quantised matrix kept packed.
@@ -114,7 +116,16 @@ class Shard:
     size: int
     group: Any = None
     vocab_size: int = 0  # the whole model's (the loader sets it)
+    hidden_size: int = 0  # the model's (the loader sets it)
     timeout_s: float = 120.0
+    #: what the collectives cost so far (benchmarks read them): seconds waited in them
+    #: (including for the slowest rank), bytes this rank sent into them, their count
+    collective_s: float = 0.0
+    collective_bytes: int = 0
+    collectives: int = 0
+    #: the ranks' shared-memory collectives where all are on one node (CPU groups);
+    #: calls whose tensors do not fit its slots go through ``group``
+    shared: SharedCollectives | None = None
 
     @property
     def vocab_rows(self) -> int:
@@ -125,10 +136,20 @@ class Shard:
         """``x`` summed over the ranks, in place (every rank gets the same values)."""
         import torch.distributed as dist
 
-        options = dist.AllreduceOptions()
-        options.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.group.allreduce([x], options).wait()
+        started = time.perf_counter()
+        if self.shared is not None and x.is_contiguous() and self.shared.fits(x):
+            self.shared.all_reduce(x, self.timeout_s)
+        else:
+            options = dist.AllreduceOptions()
+            options.timeout = datetime.timedelta(seconds=self.timeout_s)
+            self.group.allreduce([x], options).wait()
+        self._count(started, x)
         return x
+
+    def _count(self, started: float, x: torch.Tensor) -> None:
+        self.collective_s += time.perf_counter() - started
+        self.collective_bytes += x.numel() * x.element_size()
+        self.collectives += 1
 
     def embed(
         self, ids: torch.Tensor, lookup: Callable[[torch.Tensor], torch.Tensor]
@@ -145,13 +166,19 @@ class Shard:
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """This rank's ``[S, vocab_rows]`` logits and the others' as ``[S, vocab]``."""
         logits = logits.contiguous()
-        from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported)
+        started = time.perf_counter()
+        if self.shared is not None and self.shared.fits(logits):
+            whole = self.shared.all_gather(logits, self.timeout_s)
+        else:
+            from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported)
 
-        options = AllgatherOptions()
-        options.timeout = datetime.timedelta(seconds=self.timeout_s)
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
-        self.group.allgather([parts], [logits], options).wait()
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+            options = AllgatherOptions()
+            options.timeout = datetime.timedelta(seconds=self.timeout_s)
+            parts = [torch.empty_like(logits) for _ in range(self.size)]
+            self.group.allgather([parts], [logits], options).wait()
+            whole = torch.cat(parts, dim=-1)
+        self._count(started, logits)
+        return whole[:, : self.vocab_size]
 
 
 def shard_state(
