@@ -166,8 +166,9 @@ def trim_heap() -> None:
 
 def reachable_tensors(root: object) -> Iterator[torch.Tensor]:
     """Tensors reachable from ``root`` through modules, tessera objects' attributes
-    (``__dict__`` and ``__slots__``), lists, tuples and dicts of them, and views' bases;
-    each once."""
+    (``__dict__`` and ``__slots__``; not of a class whose ``holds_weights`` is false,
+    such as a tensor-parallel shard's shared memory), lists, tuples and dicts of them,
+    and views' bases; each once."""
     seen: set[int] = set()
     stack = [root]
     while stack:
@@ -188,7 +189,7 @@ def reachable_tensors(root: object) -> Iterator[torch.Tensor]:
             stack += obj
         elif isinstance(obj, dict):
             stack += obj.values()
-        elif type(obj).__module__.startswith("tessera."):
+        elif type(obj).__module__.startswith("tessera.") and getattr(obj, "holds_weights", True):
             stack += getattr(obj, "__dict__", {}).values()
             for cls in type(obj).__mro__:
                 slots = cls.__dict__.get("__slots__", ())

@@ -38,7 +38,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -111,6 +111,9 @@ class Shard:
     every rank calls each collective in the same order, which the forward pass
     guarantees (the same layers, the same step inputs). A collective waits at most
     ``timeout_s`` for the other ranks."""
+
+    #: its memory is the group's, never the model's (``hugepages`` leaves it alone)
+    holds_weights: ClassVar[bool] = False
 
     rank: int
     size: int
