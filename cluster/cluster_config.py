@@ -112,6 +112,13 @@ class ClusterConfig(EngineSettings):
         description="each worker asks Ray for one unit of the custom resource "
         "'tessera-<role>' too (on KubeRay, the role's worker group offers it)",
     )
+    prefill_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="with prefill workers, the ranks of each prefill worker group (default: "
+        "--tensor-parallel-size); groups of different sizes compute K/V in another order, "
+        "so their decode workers recompute prompts instead of pulling them",
+    )
     tensor_parallel_spread: bool = Field(
         False,
         description="with --tensor-parallel-size > 1, let a worker group's ranks span "
@@ -296,6 +303,12 @@ class ClusterConfig(EngineSettings):
     @property
     def disaggregated(self) -> bool:
         return bool(self.prefill_workers)
+
+    def ranks(self, role: str) -> int:
+        """The ranks of each worker (group) of ``role``."""
+        if role == PREFILL and self.prefill_tensor_parallel_size is not None:
+            return self.prefill_tensor_parallel_size
+        return self.tensor_parallel_size
 
     @property
     def workers_text(self) -> str:

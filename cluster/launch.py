@@ -17,6 +17,7 @@ or KubeRay, where replicas come and go); otherwise it dies with its creator's pr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -59,7 +60,7 @@ def resolve_worker_cpus(config: ClusterConfig, device: str) -> float:
         return config.worker_num_cpus
     if device == "cuda":
         return GPU_WORKER_CPUS
-    most = sum(high for _, _, high in config.pools.values()) * config.tensor_parallel_size
+    most = sum(high * config.ranks(role) for role, (_, _, high) in config.pools.items())
     return float(max(1, int(ray.cluster_resources().get("CPU", 1) // max(most, 1))))
 
 
@@ -68,32 +69,32 @@ def check_groups(config: ClusterConfig, num_gpus: float, worker_num_cpus: float)
     (``tensor_parallel_size`` ranks, each a worker's CPUs and GPUs) cannot be served or
     can never fit the Ray cluster (its whole CPUs or GPUs, one node's with
     ``STRICT_PACK``)."""
-    size = config.tensor_parallel_size
-    if size == 1:
+    sizes = {"tensor_parallel_size": config.tensor_parallel_size}
+    if config.disaggregated and config.prefill_tensor_parallel_size is not None:
+        sizes["prefill_tensor_parallel_size"] = config.prefill_tensor_parallel_size
+    if max(sizes.values()) == 1:
         return
-    if config.disaggregated:
-        raise ConfigError(
-            f"tensor_parallel_size: prefill and decode workers run unsplit models; got "
-            f"{size} with prefill_workers {config.prefill_workers}"
-        )
-    try:
-        config.engine_config("cpu").check_tensor_parallel()
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    for size in sizes.values():
+        engine = config.engine_config("cpu")
+        try:
+            dataclasses.replace(engine, tensor_parallel_size=size).check_tensor_parallel()
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     where = "one node" if not config.tensor_parallel_spread else "the Ray cluster"
-    for name, each in (("CPU", worker_num_cpus), ("GPU", num_gpus)):
-        if not each:
-            continue
-        if config.tensor_parallel_spread:
-            have = sum(node.get(name, 0.0) for node in nodes)
-        else:
-            have = max((node.get(name, 0.0) for node in nodes), default=0.0)
-        if size * each > have:
-            raise ConfigError(
-                f"tensor_parallel_size: {size} ranks of {each:g} {name} each need "
-                f"{size * each:g} {name}s on {where}; it has {have:g}"
-            )
+    for field, size in sizes.items():
+        for name, each in (("CPU", worker_num_cpus), ("GPU", num_gpus)):
+            if not each:
+                continue
+            if config.tensor_parallel_spread:
+                have = sum(node.get(name, 0.0) for node in nodes)
+            else:
+                have = max((node.get(name, 0.0) for node in nodes), default=0.0)
+            if size * each > have:
+                raise ConfigError(
+                    f"{field}: {size} ranks of {each:g} {name} each need "
+                    f"{size * each:g} {name}s on {where}; it has {have:g}"
+                )
 
 
 def scheduler_config(
@@ -136,6 +137,7 @@ def scheduler_config(
         scheduler_name=config.scheduler_name,
         namespace=config.namespace,
         tensor_parallel_spread=config.tensor_parallel_spread,
+        prefill_tensor_parallel_size=config.prefill_tensor_parallel_size,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tessera.scheduler.autoscaler import PoolPolicy
 from tessera.scheduler.placement import POLICIES
 from tessera.workers.config import EngineConfig
-from tessera.workers.process.protocol import DECODE, ROLES
+from tessera.workers.process.protocol import DECODE, PREFILL, ROLES
 
 if typing.TYPE_CHECKING:  # its module loads the engine (torch): the front ends never do
     from tessera.workers.process.disaggregation import KVTransferConfig
@@ -53,8 +53,10 @@ class SchedulerConfig:
     # -- Ray names: the workers find the scheduler by them, to register
     scheduler_name: str
     namespace: str
-    # -- tensor-parallel groups: a group's ranks may span nodes (CPU groups)
+    # -- tensor-parallel groups: a group's ranks may span nodes (CPU groups); the prefill
+    # workers' own group size (None: the engine's)
     tensor_parallel_spread: bool = False
+    prefill_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         roles = [pool.role for pool in self.pools]
@@ -72,6 +74,14 @@ class SchedulerConfig:
     def disaggregated(self) -> bool:
         """Prefill and decode workers: a request for "a worker" goes to a decode worker."""
         return any(pool.role == DECODE for pool in self.pools)
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine settings of a worker of ``role`` (prefill workers may be groups of
+        another size)."""
+        size = self.prefill_tensor_parallel_size
+        if role != PREFILL or size is None or size == self.engine.tensor_parallel_size:
+            return self.engine
+        return dataclasses.replace(self.engine, tensor_parallel_size=size)
 
     @property
     def model(self) -> str | None:

@@ -195,7 +195,7 @@ class Placer:
                 -(w.load.requests + w.load.engine.running if w.load else 0),
             ),
         )
-        return PrefillSource(best.worker_id, best.info.kv_address)
+        return PrefillSource(best.worker_id, best.info.kv_address, best.info.hash_keys)
 
     def _dispatch(self) -> None:
         """Place queued requests, oldest first, while workers have room."""

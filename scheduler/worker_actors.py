@@ -43,7 +43,8 @@ def start_worker(config: SchedulerConfig, role: str, worker_id: str):
 
     resources = {f"tessera-{role}": 1} if config.role_resources else None
     placement: dict = {"scheduling_strategy": "SPREAD"}  # a lost node costs least
-    size = config.engine.tensor_parallel_size
+    engine = config.engine_for(role)
+    size = engine.tensor_parallel_size
     if size > 1:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -79,7 +80,7 @@ def start_worker(config: SchedulerConfig, role: str, worker_id: str):
         .remote(
             worker_id,
             role,
-            config.engine,
+            engine,
             config.scheduler_name,
             config.namespace,
             max(1, int(config.worker_num_cpus)),

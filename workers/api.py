@@ -280,3 +280,7 @@ class PrefillSource:
 
     worker_id: str
     address: str  # host:port of its KVTransfer server
+    #: its engine's block hash keys (``Engine.hash_keys``; None: unknown): a decode
+    #: worker whose keys differ (another model, precision or tensor-parallel size)
+    #: computes the prompt itself rather than pull blocks it could not use
+    hash_keys: tuple[str, ...] | None = None

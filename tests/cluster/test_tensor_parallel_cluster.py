@@ -1,8 +1,8 @@
 """Tensor-parallel worker groups in a cluster: `tessera serve --tensor-parallel-size 2`
 answering the `openai` client with transformers' tokens, its ready line and /metrics
-showing the group's ranks; and a rank killed mid-stream under 8 streams: every stream
-ends with the text an undisturbed run gave, the group comes back, and its placement
-group is removed with the cluster."""
+showing the group's ranks; a rank killed mid-stream under 8 streams: every stream ends
+with the text an undisturbed run gave, the group comes back, and its placement group is
+removed with the cluster; prefill and decode groups shipping KV blocks between them."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.cluster.serve_process import serve_process
 from tests.cluster.test_serve_families import assert_same_tokens
 from tests.helpers import (
     TransformersReference,
+    assert_greedy_matches,
     read_through_a_fault,
     text_of,
     tokens_of,
@@ -142,4 +143,97 @@ async def test_a_killed_rank_fails_its_group_over_without_changing_the_text(ray_
         assert worker.ongoing == 0 and engine.free_blocks == engine.total_blocks
         assert len(worker.ranks) == 2
         assert _placement_groups() == before + 1
+    assert _placement_groups() == before
+
+
+async def test_prefill_and_decode_groups_ship_whole_blocks(ray_session, qwen2):
+    """One prefill and one decode group of 2 ranks each: the prefill group gathers its
+    ranks' heads into whole blocks, the decode group splits them over its ranks; the
+    text is what a colocated group of 2 ranks writes, and no transfer fell back."""
+    path, model = qwen2
+    reference = TransformersReference(model)
+    # 2-3 blocks of 16 each, no two alike
+    prompts = [list(range(start, start + n)) for start, n in ((3, 40), (100, 57), (300, 33))]
+    async with running_cluster(
+        model=str(path),
+        tensor_parallel_size=2,
+        worker_num_cpus=0.5,
+        prefill_workers=1,
+        decode_workers=1,
+        block_size=16,
+    ) as cluster:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            stream = await cluster.submit(f"pd-{i}", prompt, params)
+            tokens = tokens_of([delta async for delta in stream])
+            assert_greedy_matches(tokens, reference.greedy(tuple(prompt), MAX_TOKENS))
+        for _ in range(100):  # the decode worker's next report
+            stats = await cluster.stats()
+            (decode,) = [w for w in stats.workers if w.role == "decode"]
+            transfers = decode.load.transfers
+            if transfers.pulls == len(prompts):
+                break
+            await asyncio.sleep(0.1)
+        assert transfers.pulls == len(prompts) and transfers.fallbacks == {}
+        assert transfers.blocks_received == sum((n - 1) // 16 for n in map(len, prompts))
+        assert all(len(w.ranks) == 2 for w in stats.workers)
+
+
+async def test_groups_of_other_sizes_recompute_instead_of_pulling(ray_session, qwen2):
+    """Prefill groups of 2 ranks and unsplit decode workers: their K/V sum in other orders
+    (their block hash keys differ), so the decode worker pulls nothing, counts a fallback
+    by that reason and computes the prompt itself: transformers' tokens all the same."""
+    path, model = qwen2
+    reference = TransformersReference(model)
+    prompt = list(range(40, 90))
+    async with running_cluster(
+        model=str(path),
+        prefill_tensor_parallel_size=2,
+        worker_num_cpus=0.5,
+        prefill_workers=1,
+        decode_workers=1,
+        block_size=16,
+    ) as cluster:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        stream = await cluster.submit("mixed-sizes", prompt, params)
+        tokens = tokens_of([delta async for delta in stream])
+        assert_greedy_matches(tokens, reference.greedy(tuple(prompt), MAX_TOKENS))
+        for _ in range(100):  # the decode worker's next report
+            stats = await cluster.stats()
+            (decode,) = [w for w in stats.workers if w.role == "decode"]
+            if decode.load.transfers.fallbacks:
+                break
+            await asyncio.sleep(0.1)
+        (prefill,) = [w for w in stats.workers if w.role == "prefill"]
+        assert len(prefill.ranks) == 2 and decode.ranks == ()
+        assert decode.load.transfers.pulls == 0
+        assert decode.load.transfers.fallbacks == {"hash_keys": 1}
+
+
+async def test_groups_the_cluster_cannot_hold_are_refused_before_anything_starts(
+    ray_session, qwen2
+):
+    from tessera.cluster.cluster_config import ConfigError
+
+    path, _ = qwen2
+    before = _placement_groups()
+    cases = [
+        (
+            dict(tensor_parallel_size=4, worker_num_cpus=1),
+            "tensor_parallel_size: 4 ranks of 1 CPU each need 4 CPUs on one node; it has 2",
+        ),
+        (
+            dict(prefill_workers=1, decode_workers=1, prefill_tensor_parallel_size=3),
+            "prefill_tensor_parallel_size: 3 ranks of 1 CPU each need 3 CPUs on one node; it has 2",
+        ),
+        (
+            dict(tensor_parallel_size=2, enable_lora=True),
+            "enable_lora: LoRA adapters are not served with tensor_parallel_size > 1 (got 2)",
+        ),
+    ]
+    for fields, message in cases:
+        with pytest.raises(ConfigError) as error:
+            async with running_cluster(model=str(path), **fields):
+                pass
+        assert str(error.value) == message
     assert _placement_groups() == before

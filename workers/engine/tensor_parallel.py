@@ -42,9 +42,10 @@ import torch
 from tessera.workers.attention.metadata import AttentionMetadata
 from tessera.workers.attention.paged import plan_decode
 from tessera.workers.config import EngineConfig
+from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel
 from tessera.workers.model.shared_collectives import SharedCollectives
-from tessera.workers.model.tensor_parallel import SETTING, Shard
+from tessera.workers.model.tensor_parallel import SETTING, Shard, kv_head_range
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ HEADER = 16
 OP, ROWS, SEQS, LOGITS, WIDTH, DECODES, FLAGS, CONTEXTS, LOGITS_FOR, MASKS, MASK_BYTES, INTS = (
     range(12)
 )
-STOP, STEP, COPY = 0, 1, 2
+STOP, STEP, COPY, GATHER, WRITE = 0, 1, 2, 3, 4
 ARGMAX_ONLY, HIDDEN_ONLY = 1, 2
 
 
@@ -224,6 +225,43 @@ def run_step(
         logits_for=full if header[LOGITS_FOR] else None,
         hidden_only=bool(flags & HIDDEN_ONLY),
     )
+
+
+def _gather(group: Any, local: torch.Tensor, size: int, timeout: datetime.timedelta) -> list:
+    from torch._C._distributed_c10d import AllgatherOptions  # (not re-exported)
+
+    options = AllgatherOptions()
+    options.timeout = timeout
+    parts = [torch.empty_like(local) for _ in range(size)]
+    group.allgather([parts], [local], options).wait()
+    return parts
+
+
+def whole_blocks(config: ModelConfig, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Each rank's ``[layers, 2, n, block_size, its KV heads, head_dim]`` as the whole
+    model's (replicated heads taken once)."""
+    size = len(parts)
+    shape = list(parts[0].shape)
+    shape[4] = config.num_kv_heads
+    whole = torch.empty(shape, dtype=parts[0].dtype)
+    for rank, part in enumerate(parts):
+        first, count = kv_head_range(config, rank, size)
+        whole[:, :, :, :, first : first + count] = part.cpu()
+    return whole
+
+
+def write_heads(
+    kv_cache: torch.Tensor,
+    config: ModelConfig,
+    rank: int,
+    size: int,
+    ids: torch.Tensor,
+    blocks: torch.Tensor,
+) -> None:
+    """This rank's heads of the whole-model ``blocks`` into its pool's blocks ``ids``."""
+    first, count = kv_head_range(config, rank, size)
+    mine = blocks[:, :, :, :, first : first + count].to(kv_cache.device, kv_cache.dtype)
+    kv_cache.index_copy_(2, ids.to(kv_cache.device), mine)
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: Sequence[int]) -> None:
@@ -422,6 +460,42 @@ class TensorParallelGroup:
         self._send(header, ints, None)
         copy_blocks(kv_cache, pairs)
 
+    def gather_blocks(
+        self, kv_cache: torch.Tensor, config: ModelConfig, ids: list[int]
+    ) -> torch.Tensor:
+        """Blocks ``ids`` of every rank's pool, as the whole model's KV
+        (``[layers, 2, n, block_size, kv_heads, head_dim]`` on the CPU): what a
+        disaggregated prefill sends."""
+        header = [0] * HEADER
+        header[OP], header[INTS] = GATHER, len(ids)
+        ints = self.buffers.ints_of(len(ids))
+        ints.copy_(torch.tensor(ids, dtype=torch.int64))
+        self._send(header, ints, None)
+        local = kv_cache.index_select(2, ints.to(kv_cache.device)).contiguous()
+        try:
+            return whole_blocks(config, _gather(self.group, local, self.size, self.timeout))
+        except RuntimeError as error:
+            self._failed(error)
+            raise GroupFailedError(self.failed) from error
+
+    def write_blocks(
+        self, kv_cache: torch.Tensor, config: ModelConfig, ids: list[int], blocks: torch.Tensor
+    ) -> None:
+        """Whole-model KV ``blocks`` (``gather_blocks``' layout) into blocks ``ids`` of
+        every rank's pool, each rank its heads: what a disaggregated decode receives."""
+        header = [0] * HEADER
+        header[OP], header[INTS] = WRITE, len(ids)
+        ints = self.buffers.ints_of(len(ids))
+        ints.copy_(torch.tensor(ids, dtype=torch.int64))
+        self._send(header, ints, None)
+        blocks = blocks.to(kv_cache.device, kv_cache.dtype).contiguous()
+        try:
+            _broadcast(self.group, blocks, self.timeout)
+        except RuntimeError as error:
+            self._failed(error)
+            raise GroupFailedError(self.failed) from error
+        write_heads(kv_cache, config, 0, self.size, ints, blocks)
+
     def _send(self, header: list[int], ints: torch.Tensor, masks: torch.Tensor | None) -> None:
         if self.failed is not None:
             raise GroupFailedError(self.failed)
@@ -511,6 +585,7 @@ class RankActor:
             self.loaded.model.config, num_blocks, config.block_size, self.loaded.kv_dtype, device
         )
         self.block_size = config.block_size
+        self.rank, self.size = rank, size
         self.buffers = StepBuffers.on(device)
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name=f"rank-{rank}", daemon=True)
@@ -542,6 +617,13 @@ class RankActor:
                 if header[OP] == COPY:
                     copy_blocks(self.kv_cache, ints.tolist())
                     continue
+                if header[OP] == GATHER:
+                    local = self.kv_cache.index_select(2, ints).contiguous()
+                    _gather(self.group, local, self.size, step_timeout)
+                    continue
+                if header[OP] == WRITE:
+                    self._receive_blocks(ints, step_timeout)
+                    continue
                 masks = None
                 if header[MASK_BYTES]:
                     masks = buffers.masks_of(header[MASK_BYTES])
@@ -551,6 +633,14 @@ class RankActor:
         except Exception as error:  # rank 0 gone, or a collective failed: the group is over
             self.error = f"{type(error).__name__}: {error}"
             logger.error("tensor-parallel rank stopped: %s", self.error)
+
+    def _receive_blocks(self, ids: torch.Tensor, timeout: datetime.timedelta) -> None:
+        config = self.loaded.config
+        layers, _, _, block_size, _, dim = self.kv_cache.shape
+        shape = (layers, 2, ids.numel(), block_size, config.num_kv_heads, dim)
+        blocks = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        _broadcast(self.group, blocks, timeout)
+        write_heads(self.kv_cache, config, self.rank, self.size, ids, blocks)
 
     def alive(self) -> float:
         """Now, if its step thread still runs (else raises)."""

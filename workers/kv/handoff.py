@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +30,9 @@ from tessera.workers.kv.prefix_cache import extend_block_hashes
 class _KVCacheHolder(Protocol):
     @property
     def kv_cache(self) -> torch.Tensor: ...  # [layers, 2, num_blocks, block_size, heads, dim]
+
+    @property
+    def group(self) -> Any: ...  # a tensor-parallel group's rank 0 (``TensorParallelGroup``)
 
 
 class _PromptKeys(Protocol):
@@ -45,6 +48,9 @@ class HandoffEngine(Protocol):
 
     @property
     def runner(self) -> _KVCacheHolder: ...
+
+    @property
+    def model_config(self) -> Any: ...  # the whole model's ``ModelConfig``
 
     @property
     def hasher(self) -> _PromptKeys: ...
@@ -63,6 +69,8 @@ class Reservation:
     hashes: list[bytes]
     blocks: list[Block] = field(default_factory=list)
     written: int = 0
+    # a tensor-parallel group's blocks as they came, written to every rank at commit
+    pending: list[torch.Tensor] = field(default_factory=list)
 
 
 class BlockHandoff:
@@ -79,6 +87,12 @@ class BlockHandoff:
     @property
     def _kv(self) -> torch.Tensor:  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         return self.engine.runner.kv_cache
+
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads of a block as it travels: the whole model's (a tensor-parallel
+        group's rank 0 holds its own heads only; the group gathers and splits them)."""
+        return self.engine.model_config.num_kv_heads
 
     def prompt_hashes(self, token_ids: list[int], cache_key: str | None) -> list[bytes]:
         """The content hashes of the prompt's full blocks (as the engine computes them;
@@ -105,8 +119,13 @@ class BlockHandoff:
             blocks = [self._pool.lookup(h) for h in hashes]
             if any(block is None for block in blocks):
                 return None
-            ids = torch.tensor([block.block_id for block in blocks], device=self._kv.device)
-            rows = self._kv.index_select(2, ids)  # [layers, 2, n, bs, heads, dim]
+            group = self.engine.runner.group
+            if group is not None:  # every rank's heads
+                ids = [block.block_id for block in blocks]
+                rows = group.gather_blocks(self._kv, self.engine.model_config, ids)
+            else:
+                ids = torch.tensor([block.block_id for block in blocks], device=self._kv.device)
+                rows = self._kv.index_select(2, ids)  # [layers, 2, n, bs, heads, dim]
         return [rows[:, :, i].to("cpu").contiguous() for i in range(len(blocks))]
 
     def reserve(self, first: int, hashes: list[bytes]) -> Reservation | None:
@@ -126,7 +145,10 @@ class BlockHandoff:
         if slot != reservation.written or slot >= len(reservation.blocks):
             raise ValueError(f"block {index} out of order (expected {reservation.written})")
         block = reservation.blocks[slot]
-        self._kv[:, :, block.block_id].copy_(kv.to(self._kv.dtype), non_blocking=False)
+        if self.engine.runner.group is not None:  # to every rank, at commit (its thread)
+            reservation.pending.append(kv)
+        else:
+            self._kv[:, :, block.block_id].copy_(kv.to(self._kv.dtype), non_blocking=False)
         reservation.written += 1
 
     def commit(self, reservation: Reservation) -> None:
@@ -134,6 +156,13 @@ class BlockHandoff:
         if reservation.written != len(reservation.blocks):
             raise ValueError(f"{reservation.written}/{len(reservation.blocks)} blocks written")
         with self.engine.exclusive():
+            if reservation.pending:
+                ids = [block.block_id for block in reservation.blocks]
+                whole = torch.stack(reservation.pending, dim=2)
+                reservation.pending.clear()
+                self.engine.runner.group.write_blocks(
+                    self._kv, self.engine.model_config, ids, whole
+                )
             for block, block_hash in zip(reservation.blocks, reservation.hashes, strict=True):
                 self._pool.cache(block, block_hash)  # a block cached meanwhile wins
             self._release(reservation)

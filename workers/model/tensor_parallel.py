@@ -273,6 +273,13 @@ def _expert(
     return _columns(value, *cols, name)
 
 
+def kv_head_range(config: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """(the first of the KV heads rank ``rank`` holds, how many): a KV block of the whole
+    model is the ranks' blocks side by side, replicated heads once."""
+    count, first = _kv_heads(config, rank, size)
+    return first, count
+
+
 def _kv_heads(config: ModelConfig, rank: int, size: int) -> tuple[int, int]:
     """(KV heads this rank holds, the first one's index)."""
     kv = config.num_kv_heads

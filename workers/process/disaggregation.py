@@ -232,7 +232,16 @@ class DecodeOrchestrator:
         hashes = handoff.prompt_hashes(token_ids, key)[: usable_blocks(len(token_ids), bs)]
         if not hashes:  # a prompt shorter than a block and a token: nothing to move
             return
-        layout = BlockLayout.of_cache(engine.runner.kv_cache)  # what a block must be here
+        if source.hash_keys is not None and source.hash_keys != engine.hash_keys:
+            self._fallback(
+                request_id,
+                "hash_keys",
+                f"worker {source.worker_id} computes K/V as {source.hash_keys}, this one as "
+                f"{engine.hash_keys}",
+            )
+            return
+        # what a block must be here (a group's: every rank's heads)
+        layout = BlockLayout.of_cache(engine.runner.kv_cache, handoff.kv_heads)
         have = await self.engine.run(handoff.cached_prefix, hashes)
         if have == len(hashes):
             self.counters.local_hits += 1

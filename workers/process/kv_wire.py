@@ -80,11 +80,12 @@ class BlockLayout:
             raise ValueError(f"a block layout, got {self.num_layers} x {self.layer_shape}")
 
     @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor) -> BlockLayout:
+    def of_cache(cls, kv_cache: torch.Tensor, kv_heads: int | None = None) -> BlockLayout:
         """The layout of one block of ``kv_cache`` ``[layers, 2, num_blocks, block_size,
-        kv_heads, head_dim]``."""
+        kv_heads, head_dim]``; ``kv_heads``: the whole model's where the cache holds a
+        tensor-parallel rank's heads only."""
         layers, two, _, block_size, heads, dim = kv_cache.shape
-        return cls(kv_cache.dtype, layers, (two, block_size, heads, dim))
+        return cls(kv_cache.dtype, layers, (two, block_size, kv_heads or heads, dim))
 
     @property
     def block_size(self) -> int:
