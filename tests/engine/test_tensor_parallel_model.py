@@ -15,7 +15,7 @@ import torch.distributed as dist
 import transformers
 
 from tessera.workers.model.loader import load_model
-from tessera.workers.model.shared_collectives import SharedCollectives, supported
+from tessera.workers.model.shared_collectives import MAILBOX_BYTES, SharedCollectives, supported
 from tessera.workers.model.tensor_parallel import Shard
 from tests.helpers import prefill_logits
 
@@ -107,7 +107,7 @@ def test_two_shards_give_transformers_logits(transport, tmp_path, smollm2):
 
 
 @needs_shared
-def test_shared_collectives_sum_in_rank_order_and_notice_a_dead_rank():
+def test_shared_collectives_sum_in_rank_order_carry_messages_and_notice_a_dead_rank():
     size = 3
     first = SharedCollectives.create(size, 4096)
     views = [first] + [SharedCollectives.attach(first.path, r, size, 4096) for r in (1, 2)]
@@ -130,7 +130,27 @@ def test_shared_collectives_sum_in_rank_order_and_notice_a_dead_rank():
         assert torch.equal(gathered, torch.cat(values, dim=-1))
     assert not views[0].fits(torch.zeros(4097, dtype=torch.uint8))
     # a rank whose process is gone: the others' call fails instead of waiting forever
-    views[2]._pids[2] = 2**22 + 12345  # above Linux's highest pid: no such process
+    # rank 0's messages: each rank takes each, in order; more ints than the mailbox holds
+    # are refused (they go another way)
+    messages = [([1, 2, 3], torch.arange(5)), ([4, 5, 6], torch.arange(100, 103))]
+
+    def take(rank: int) -> list:
+        if rank == 0:
+            for header, ints in messages:
+                assert views[0].post(header, ints, 10.0)
+            too_many = torch.zeros(MAILBOX_BYTES // 8 + 1, dtype=torch.int64)
+            return [views[0].post([7], too_many, 10.0)]
+        header = torch.zeros(3, dtype=torch.int64)
+        got = []
+        for _ in messages:
+            ints = views[rank].take(header, lambda n: torch.empty(n, dtype=torch.int64))
+            got.append((header.tolist(), ints.tolist()))
+        return got
+
+    expected = [(h, ints.tolist()) for h, ints in messages]
+    assert in_threads(size, take) == [[False], expected, expected]
+    layout = views[2]._layout
+    views[2]._words[layout.pid(2)] = 2**22 + 12345  # above Linux's highest pid: none such
 
     def survivor(rank: int) -> str:
         with pytest.raises(RuntimeError) as error:
