@@ -1,13 +1,15 @@
 """Tensor parallelism on one machine: the engine with its model split over 2 ranks (1
-torch thread each, gloo between the two processes) against the same engine unsplit
-with 2 threads, in the same run, on the same file.
+torch thread each, two processes joined through shared memory) against the same engine
+unsplit with 2 threads, in the same run, on the same file.
 
 On a 2-core CPU the split buys nothing (the two ranks share the machine the unsplit
-engine uses whole); what it measures is what the group costs: the broadcast of each
-step's inputs, two all-reduces per layer and the vocab gather. Each row is one stream
-or ``--concurrency`` streams of ``--max-tokens`` greedy tokens (EOS ignored) after a
-``--prompt-tokens`` prompt, best of ``--repeats``; a step's time is split into the
-time rank 0 spent in collectives (waiting for the other rank included) and the rest.
+engine uses whole); what it measures is what the group costs: each step's message to
+the other rank, two all-reduces per layer, the embedding's and the vocab gather.
+
+Each row is one stream or ``--concurrency`` streams of ``--max-tokens`` greedy tokens
+(EOS ignored) after a ``--prompt-tokens`` prompt, best of ``--repeats``; a step's time
+is split into the time rank 0 spent in collectives (waiting for the other rank
+included) and the rest.
 Targets: the group at least 0.8x the unsplit engine at one stream and 0.9x at 16.
 
 The peer runs as the engine runs by default (``native_decode``: every layer in one
@@ -157,6 +159,7 @@ def main() -> None:
         paired_bars(ax, labels, ours, peer, ("2 ranks x 1 thread", "unsplit, 2 threads"), ratios)
         ax.set_ylabel("decode tokens/s")
 
+    torch.set_num_threads(2)  # the machine's record: the unsplit engine's threads
     report("tensor_parallel", rows, meta, plot)
 
 
