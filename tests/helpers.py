@@ -212,29 +212,39 @@ def run_multi_row(engine, requests: dict[str, SamplingParams]) -> tuple:
     return {rid: tokens_of(out[rid]) for rid in requests}, sets, forks
 
 
+#: The tests' tiny random models: vocab 512, 2 layers, 4 heads over 2 KV heads.
+TINY_FIELDS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def save_random_model(path: Path, tokenizer, config_class: str = "LlamaConfig", **config):
+    """A random model of transformers' ``config_class`` (``TINY_FIELDS``, overridden by
+    ``config``), seeded, saved with ``tokenizer`` as a Hugging Face directory at ``path``;
+    returns the transformers model that wrote it, in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    made = getattr(transformers, config_class)(**{**TINY_FIELDS, **config})
+    model = transformers.AutoModelForCausalLM.from_config(made, dtype=torch.float32)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model.eval()
+
+
 def save_random_llama(path: Path, tokenizer, **config):
     """A random Llama (GQA, vocab 512, 2 layers; ``config`` overrides LlamaConfig fields)
     saved with ``tokenizer`` as a Hugging Face directory at ``path``; returns the
     transformers model that wrote it."""
-    import transformers
-
-    torch.manual_seed(0)
-    fields = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config = transformers.LlamaConfig(**{**fields, **config})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model
+    return save_random_model(path, tokenizer, "LlamaConfig", **config)
 
 
 def weights_digest(model: torch.nn.Module) -> int:

@@ -275,6 +275,8 @@ class EngineConfig:
             )
         self._check_speculative()
         self._check_sources()
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     def check_tensor_parallel(self) -> None:
         """Raise ``ValueError`` naming a setting a tensor-parallel group cannot serve
@@ -291,8 +293,6 @@ class EngineConfig:
                     f"draft_model: {self.draft_model!r} drafts with the split model itself; "
                     f"with tensor_parallel_size > 1 give a separate draft model"
                 )
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     def _check_sources(self) -> None:
         if not isinstance(self.revision, str) or not self.revision:

@@ -23,6 +23,7 @@ from tests.helpers import (
     TransformersReference,
     assert_greedy_matches,
     read_through_a_fault,
+    save_random_model,
     text_of,
     tokens_of,
 )
@@ -38,23 +39,8 @@ MAX_TOKENS = 12
 def qwen2(tmp_path_factory, smollm2):
     """A tiny random Qwen2 (q/k/v biases, 4 heads, 2 KV heads) saved with the built-in
     tokenizer: (path, transformers' model)."""
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tp-qwen2")
-    config = transformers.Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = transformers.Qwen2ForCausalLM(config)
-    model.save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
-    return path, model.eval()
+    return path, save_random_model(path, smollm2.tokenizer, "Qwen2Config")
 
 
 def _placement_groups() -> int:

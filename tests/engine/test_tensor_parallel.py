@@ -30,6 +30,7 @@ from tests.helpers import (
     TransformersReference,
     assert_greedy_matches,
     run_engine,
+    save_random_model,
     tokens_of,
 )
 
@@ -57,48 +58,28 @@ def greedy_tokens(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [tokens_of(out[f"r{i}"]) for i in range(len(prompts))]
 
 
-def _save(model: transformers.PreTrainedModel, path, tokenizer) -> transformers.PreTrainedModel:
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return model.eval()
-
-
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+#: (transformers' config class, fields over ``TINY_FIELDS``) of each family split here.
 FAMILIES = {
-    "llama-gqa": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+    "llama-gqa": ("LlamaConfig", {}),
     # fewer KV heads than ranks: the one KV head replicated on both
-    "llama-mqa": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(**{**COMMON, "num_key_value_heads": 1})
-    ),
-    "qwen2-bias": lambda: transformers.Qwen2ForCausalLM(
-        transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
-    ),
-    "qwen2-moe": lambda: transformers.Qwen2MoeForCausalLM(
-        transformers.Qwen2MoeConfig(
-            **COMMON,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            num_experts=4,
-            num_experts_per_tok=2,
-        )
+    "llama-mqa": ("LlamaConfig", {"num_key_value_heads": 1}),
+    "qwen2-bias": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        {
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
     ),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_families_over_two_ranks_match_transformers(family, tmp_path, smollm2):
-    torch.manual_seed(0)
-    hf = _save(FAMILIES[family](), tmp_path, smollm2.tokenizer)
+    config_class, fields = FAMILIES[family]
+    hf = save_random_model(tmp_path, smollm2.tokenizer, config_class, **fields)
     reference = TransformersReference(hf)
     # chunked prefill: the 37-token prompt runs in chunks next to the others' decodes
     engine = group_engine(tmp_path, 2, max_num_batched_tokens=24)

@@ -12,12 +12,11 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
 
 from tessera.workers.model.loader import load_model
 from tessera.workers.model.shared_collectives import MAILBOX_BYTES, SharedCollectives, supported
 from tessera.workers.model.tensor_parallel import Shard
-from tests.helpers import prefill_logits
+from tests.helpers import prefill_logits, save_random_model
 
 needs_shared = pytest.mark.skipif(not supported(), reason="shared-memory collectives: x86-64")
 
@@ -68,20 +67,10 @@ def in_threads(size: int, work) -> list:
 
 @pytest.mark.parametrize("transport", ["gloo", pytest.param("shared", marks=needs_shared)])
 def test_two_shards_give_transformers_logits(transport, tmp_path, smollm2):
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=500,  # not a multiple of 2 ranks' rows: the last rank's are padded
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
+    # a vocabulary of 500 over 2 ranks: the last rank's rows padded
+    model = save_random_model(
+        tmp_path, smollm2.tokenizer, "Qwen2Config", vocab_size=500, tie_word_embeddings=True
     )
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(tmp_path)
-    smollm2.tokenizer.save_pretrained(tmp_path)
     prompt = list(range(3, 40))
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1]

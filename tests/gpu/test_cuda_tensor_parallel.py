@@ -9,7 +9,8 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-import transformers
+
+from tests.helpers import save_random_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,19 +41,7 @@ def _store(port: int, rank: int):
 
 
 def test_two_gpus_give_transformers_logits(tmp_path, smollm2):
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(tmp_path)
-    smollm2.tokenizer.save_pretrained(tmp_path)
+    model = save_random_model(tmp_path, smollm2.tokenizer, "Qwen2Config")
     prompt = list(range(3, 40))
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0, -1]

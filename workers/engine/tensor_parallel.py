@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -668,9 +667,3 @@ class RankActor:
         blocks = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
         _broadcast(self.group, blocks, timeout)
         write_heads(self.kv_cache, config, self.rank, self.size, ids, blocks)
-
-    def alive(self) -> float:
-        """Now, if its step thread still runs (else raises)."""
-        if not self._thread.is_alive():
-            raise GroupFailedError(self.error or "the rank's step thread ended")
-        return time.time()
