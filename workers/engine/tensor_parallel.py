@@ -405,6 +405,11 @@ class TensorParallelGroup:
             group = join_group(host, port, 0, size, device, STARTUP_TIMEOUT_S, store)
             shard.group = group
             answers = ray.get([r.ready.remote() for r in ranks], timeout=STARTUP_TIMEOUT_S)
+            for rank, (found, _, _) in enumerate(answers, start=1):
+                if found != precision:  # (a node without rank 0's kernels)
+                    raise GroupFailedError(
+                        f"{SETTING}: rank {rank} computes in {found}, rank 0 in {precision}"
+                    )
             # shared memory only where every rank opened the file: all on this node
             if shared is not None and not all(attached for _, _, attached in answers):
                 shared = None
@@ -419,11 +424,6 @@ class TensorParallelGroup:
         finally:
             if shared is not None:
                 shared.unlink()  # every rank has it mapped (or is gone)
-        for rank, (found, _, _) in enumerate(answers, start=1):
-            if found != precision:
-                raise GroupFailedError(
-                    f"{SETTING}: rank {rank} computes in {found}, rank 0 in {precision}"
-                )
         made = cls(group, size, ranks, placement, own, device)
         made.store = store  # the group's meeting point lives as long as the group
         made.shared = shared
