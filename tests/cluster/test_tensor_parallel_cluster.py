@@ -132,6 +132,30 @@ async def test_a_killed_rank_fails_its_group_over_without_changing_the_text(ray_
     assert _placement_groups() == before
 
 
+def pd_cluster(path, **sizes) -> dict:
+    """One prefill and one decode worker (``sizes``: their groups'), half a CPU a rank."""
+    fields = dict(worker_num_cpus=0.5, prefill_workers=1, decode_workers=1, block_size=16)
+    return dict(model=str(path), **fields, **sizes)
+
+
+async def greedy(cluster, request_id: str, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    stream = await cluster.submit(request_id, prompt, params)
+    return tokens_of([delta async for delta in stream])
+
+
+async def decode_report(cluster, done) -> tuple:
+    """(the cluster's stats, the decode worker) once its transfer counters satisfy
+    ``done`` (its reports come every 0.1 s), or after 10 s."""
+    for _ in range(100):
+        stats = await cluster.stats()
+        (decode,) = [w for w in stats.workers if w.role == "decode"]
+        if done(decode.load.transfers):
+            break
+        await asyncio.sleep(0.1)
+    return stats, decode
+
+
 async def test_prefill_and_decode_groups_ship_whole_blocks(ray_session, qwen2):
     """One prefill and one decode group of 2 ranks each: the prefill group gathers its
     ranks' heads into whole blocks, the decode group splits them over its ranks; the
@@ -140,26 +164,12 @@ async def test_prefill_and_decode_groups_ship_whole_blocks(ray_session, qwen2):
     reference = TransformersReference(model)
     # 2-3 blocks of 16 each, no two alike
     prompts = [list(range(start, start + n)) for start, n in ((3, 40), (100, 57), (300, 33))]
-    async with running_cluster(
-        model=str(path),
-        tensor_parallel_size=2,
-        worker_num_cpus=0.5,
-        prefill_workers=1,
-        decode_workers=1,
-        block_size=16,
-    ) as cluster:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    async with running_cluster(**pd_cluster(path, tensor_parallel_size=2)) as cluster:
         for i, prompt in enumerate(prompts):
-            stream = await cluster.submit(f"pd-{i}", prompt, params)
-            tokens = tokens_of([delta async for delta in stream])
+            tokens = await greedy(cluster, f"pd-{i}", prompt)
             assert_greedy_matches(tokens, reference.greedy(tuple(prompt), MAX_TOKENS))
-        for _ in range(100):  # the decode worker's next report
-            stats = await cluster.stats()
-            (decode,) = [w for w in stats.workers if w.role == "decode"]
-            transfers = decode.load.transfers
-            if transfers.pulls == len(prompts):
-                break
-            await asyncio.sleep(0.1)
+        stats, decode = await decode_report(cluster, lambda t: t.pulls == len(prompts))
+        transfers = decode.load.transfers
         assert transfers.pulls == len(prompts) and transfers.fallbacks == {}
         assert transfers.blocks_received == sum((n - 1) // 16 for n in map(len, prompts))
         assert all(len(w.ranks) == 2 for w in stats.workers)
@@ -172,24 +182,10 @@ async def test_groups_of_other_sizes_recompute_instead_of_pulling(ray_session, q
     path, model = qwen2
     reference = TransformersReference(model)
     prompt = list(range(40, 90))
-    async with running_cluster(
-        model=str(path),
-        prefill_tensor_parallel_size=2,
-        worker_num_cpus=0.5,
-        prefill_workers=1,
-        decode_workers=1,
-        block_size=16,
-    ) as cluster:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        stream = await cluster.submit("mixed-sizes", prompt, params)
-        tokens = tokens_of([delta async for delta in stream])
+    async with running_cluster(**pd_cluster(path, prefill_tensor_parallel_size=2)) as cluster:
+        tokens = await greedy(cluster, "mixed-sizes", prompt)
         assert_greedy_matches(tokens, reference.greedy(tuple(prompt), MAX_TOKENS))
-        for _ in range(100):  # the decode worker's next report
-            stats = await cluster.stats()
-            (decode,) = [w for w in stats.workers if w.role == "decode"]
-            if decode.load.transfers.fallbacks:
-                break
-            await asyncio.sleep(0.1)
+        stats, decode = await decode_report(cluster, lambda t: bool(t.fallbacks))
         (prefill,) = [w for w in stats.workers if w.role == "prefill"]
         assert len(prefill.ranks) == 2 and decode.ranks == ()
         assert decode.load.transfers.pulls == 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from tessera.workers.attention.paged import plan_decode
 from tessera.workers.config import EngineConfig
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.llama import LlamaModel
-from tessera.workers.model.shared_collectives import SharedCollectives
+from tessera.workers.model.shared_collectives import HEADER_WORDS, SharedCollectives
 from tessera.workers.model.tensor_parallel import SETTING, Shard, kv_head_range
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ STARTUP_TIMEOUT_S = 600.0
 IDLE_WAIT = datetime.timedelta(days=365)
 
 # The header's fields (int64 [HEADER]).
-HEADER = 16
+HEADER = HEADER_WORDS  # a step message's header: the shared mailbox's
 (
     OP,
     ROWS,
@@ -537,8 +538,6 @@ class TensorParallelGroup:
         self.failed = f"the tensor-parallel group failed: {error}"
         logger.error("%s", self.failed)
         if self.exit_on_failure:  # a worker: Ray restarts it, and its streams fail over
-            import os
-
             logging.shutdown()
             os._exit(1)
 
@@ -608,7 +607,6 @@ class RankActor:
         self.block_size = config.block_size
         self.rank, self.size = rank, size
         self.buffers = StepBuffers.on(device)
-        self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name=f"rank-{rank}", daemon=True)
 
     def ready(self) -> tuple[str, str, bool]:
@@ -656,9 +654,12 @@ class RankActor:
                     _broadcast(self.group, masks, step_timeout)
                 with torch.inference_mode():
                     run_step(self.loaded.model, self.kv_cache, self.block_size, header, ints, masks)
-        except Exception as error:  # rank 0 gone, or a collective failed: the group is over
-            self.error = f"{type(error).__name__}: {error}"
-            logger.error("tensor-parallel rank stopped: %s", self.error)
+        except Exception as error:  # rank 0 gone, a collective failed, or a step raised
+            # the group is over: exit, so that rank 0 waiting in a collective sees this
+            # rank's connections close (or its pid go) at once, not after the timeout
+            logger.error("tensor-parallel rank stopped: %s: %s", type(error).__name__, error)
+            logging.shutdown()
+            os._exit(1)
 
     def _receive_blocks(self, ids: torch.Tensor, timeout: datetime.timedelta) -> None:
         config = self.loaded.config
