@@ -157,7 +157,8 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     assert config.qkv_bias and not config.o_bias
     model = LlamaModel(config, torch.float32, torch.device("cpu"))
     assert [layer.moe is not None for layer in model.layers] == [False, True, False, False]
-    assert model.layers[1].gate_up_proj is None and model.native_layers() is None
+    assert model.layers[1].gate_up_proj is None
+    assert model.native_layers().num_layers == 4  # sparse and dense layers in one stack
     everything_dense = {**QWEN2_MOE, "mlp_only_layers": [0, 1, 2, 3]}
     assert ModelConfig.from_hf(everything_dense).moe is None
 

@@ -30,7 +30,7 @@ from tessera.workers.engine.engine import Engine
 from tessera.workers.model.config import ModelConfig
 from tessera.workers.model.gguf_file import GGUFFile
 from tessera.workers.model.llama import Linear
-from tessera.workers.model.loader import load_model
+from tessera.workers.model.loader import int8_mode_available, load_model
 from tessera.workers.model.moe import SparseMoE
 from tessera.workers.quant import PackedWeight
 from tests.engine.test_gguf_types import (  # noqa: F401
@@ -39,6 +39,7 @@ from tests.engine.test_gguf_types import (  # noqa: F401
     _permute_rotary,
     tokenizer_fields,
 )
+from tests.engine.test_int8_mode import MAX_MEAN_KL
 from tests.helpers import (
     TransformersReference,
     assert_greedy_matches,
@@ -395,7 +396,32 @@ def test_the_experts_hold_the_files_bytes_and_no_dense_copy(packed_moe):
     assert {t.dtype for t in dense} == {torch.float32}
     f32 = [t for t in tensors if len(t.shape) == 2 and t.tensor_type == F32]
     assert sum(t.numel() for t in dense) == sum(t.data.size for t in f32)
-    assert not model.native_layers()  # a mixture runs op by op
+    assert model.native_layers() is not None  # the native stack takes them as they are
+
+
+K_PACKED = [p for p in PACKED if p[1] == "Q4_K_M"]
+
+
+@pytest.mark.parametrize("packed_moe", K_PACKED, ids=["-".join(p) for p in K_PACKED], indirect=True)
+def test_the_int8_mode_multiplies_k_quant_experts_with_int8_inputs(packed_moe):
+    """``dtype="int8"``: the packed K-quant experts multiply inputs quantised to int8 per
+    256, as the mode's projections do (``quant_matmul(..., int8=True)``). Teacher-forced
+    over the prompt, the next-token distributions keep the int8 mode's contract
+    (``test_int8_mode.py``: mean KL <= 2e-2 nats) against transformers running the file's
+    experts, and differ from the exact mode's."""
+    if not int8_mode_available():
+        pytest.skip("the int8 K-quant kernel needs AVX512-VNNI; int8 is the exact mode here")
+    path, exact, reference = packed_moe
+    ours = load_model(path, "int8")
+    assert ours.precision == "int8" and all(moe.int8 for moe in _moes(ours))
+    kl = []
+    for n in range(4, len(PROMPT) + 1):
+        with torch.no_grad():
+            expected = reference(torch.tensor([PROMPT[:n]])).logits[0, -1].log_softmax(-1)
+        got = prefill_logits(ours, PROMPT[:n]).log_softmax(-1)
+        kl.append((expected.exp() * (expected - got)).sum().item())
+    assert sum(kl) / len(kl) <= MAX_MEAN_KL
+    assert not torch.equal(prefill_logits(ours, PROMPT), prefill_logits(exact, PROMPT))
 
 
 def test_unpacked_loads_keep_dense_experts(packed_moe):

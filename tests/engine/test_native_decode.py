@@ -194,14 +194,42 @@ def phi3(tmp_path_factory, smollm2):
     return loaded
 
 
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory, smollm2):
+    """A tiny random Qwen2-MoE: sparse layers (6 experts, top 2, a gated shared expert)
+    around a dense one, q/k/v biases."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        norm_topk_prob=False, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # clear routing: no near-ties between the experts' scores
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 1.0)
+    path = tmp_path_factory.mktemp("qwen2-moe")
+    model.save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    loaded = load_model(path, "float32")
+    assert [layer.moe is not None for layer in loaded.model.layers] == [True, False, True]
+    return loaded
+
+
 @pytest.mark.parametrize(
-    "which", ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama", "qwen3", "phi3"]
+    "which",
+    ["smollm2", "tiny_llama", "odd_head_llama", "wide_group_llama", "qwen3", "phi3", "qwen2_moe"],
 )
 def test_native_float32_step_equals_the_op_by_op_step(request, which):
     """Packed GGUF (SmolLM2, head_dim 64, 3 query heads a KV head) and dense (tiny random
     Llamas, head_dim 16 with 2 or 6 query heads a KV head, and 24; a Qwen3 with its
-    per-head q/k norms; a Phi-3 with partial rotary) float32 weights: the two paths
-    differ only in the order of float sums."""
+    per-head q/k norms; a Phi-3 with partial rotary; a Qwen2-MoE's experts, shared
+    expert and dense layer) float32 weights: the two paths differ only in the order of
+    float sums."""
     loaded = request.getfixturevalue(which)
     if which == "tiny_llama":
         loaded = load_model(loaded[0], "float32")

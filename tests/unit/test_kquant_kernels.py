@@ -158,9 +158,10 @@ def test_many_rows_take_the_dense_chunks_gemm_on_ggufs_values(native, qtype, mon
 
 
 @pytest.mark.parametrize("qtype", K_TYPES)
-@pytest.mark.parametrize("rows", (1, 3, 5, 8))
+@pytest.mark.parametrize("rows", (1, 3, 5, 8, 9, 12, 16))
 def test_native_buffered_loop_at_register_row_counts(native, qtype, rows):
-    """Both loops at the row counts where either may run: the same products."""
+    """Both loops at the row counts where either may run (above 8 rows, the register
+    loop's groups of 8 over each output row): the same products."""
     packed, dense = random_k(qtype, SHAPES[0], seed=rows)
     x = torch.randn(rows, packed.in_features)
     for register_rows in (0, rows):

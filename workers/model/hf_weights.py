@@ -175,7 +175,8 @@ def _load_moe(
         gate, up, down = (
             [take(f"{experts}{e}.{n}.weight") for e in range(moe.num_experts)] for n in names
         )
-    moe.load_experts(gate, up, down, experts[:-1])
+    int8 = rounding == INT8 and kquant_int8_available()
+    moe.load_experts(gate, up, down, experts[:-1], int8)
     if moe.shared_gate_up is not None:
         shared = mlp + "shared_expert."
         gate_up = [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")]

@@ -543,6 +543,8 @@ class LlamaModel(nn.Module):
         ``head_int8``); empty for the exact mode."""
         linears = (module for module in self.modules() if isinstance(module, Linear))
         found = {x.rounded_inputs for x in linears} - {None}
+        if any(layer.moe is not None and layer.moe.int8 for layer in self.layers):
+            found.add("int8")
         if self.head_q8 is not None and not self.head_q8.exact:
             found.add("bf16")
         if self.head_int8:

@@ -21,9 +21,13 @@ its own (``x @ W``: the faster layout for skinny batches); or, in a float32 mode
 GGUF-quantised experts, each expert's matrices packed as the file stores them
 (``PackedWeight``: its gate rows then up rows fused into one, and its down), multiplied
 by ``quant_matmul`` (exact float32: only the order of the sums differs from the
-dequantised weights' matmul) and never expanded. The router and the shared expert are
-``Linear`` layers, whose class the decoder passes in (it lives in ``llama.py``, which
-imports this file).
+dequantised weights' matmul; in the int8 mode, ``int8``, K-quant experts multiply inputs
+quantised to int8 per 256 as the mode's projections do) and never expanded. The router
+and the shared expert are ``Linear`` layers, whose class the decoder passes in (it lives
+in ``llama.py``, which imports this file).
+
+The native decode stack (``native_stack.py``, ``csrc/decode_experts.h``) runs the same
+layers in one call for steps without masked chunks, through the same kernels.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class SparseMoE(nn.Module):
         # Hugging Face's [out, in] as the file stores them
         self.packed_gate_up: tuple[tuple[PackedWeight, ...], ...] = ()
         self.packed_down: tuple[PackedWeight, ...] = ()
+        self.int8 = False  # packed K-quant experts times int8 inputs (the int8 mode)
         shared = moe.shared_expert_intermediate_size
         self.shared_size = shared
         self.shared_gate_up = linear(hidden, 2 * shared, False) if shared else None
@@ -107,7 +112,8 @@ class SparseMoE(nn.Module):
                 end = start + count
                 h = self._act(self._gate_up(rows[start:end], expert), self.expert_size)
                 if self.packed_down:
-                    outputs[start:end] = quant_matmul(h, self.packed_down[expert])
+                    down = self.packed_down[expert]
+                    outputs[start:end] = quant_matmul(h, down, int8=self.int8)
                 else:
                     torch.mm(h, self.down[expert], out=outputs[start:end])
                 start = end
@@ -120,20 +126,25 @@ class SparseMoE(nn.Module):
             return rows @ self.gate_up[expert]
         parts = self.packed_gate_up[expert]
         if len(parts) == 1:
-            return quant_matmul(rows, parts[0])
-        return torch.cat([quant_matmul(rows, part) for part in parts], dim=-1)
+            return quant_matmul(rows, parts[0], int8=self.int8)
+        return torch.cat([quant_matmul(rows, part, int8=self.int8) for part in parts], dim=-1)
 
     def _act(self, gate_up: torch.Tensor, size: int) -> torch.Tensor:
         gate, up = gate_up.split(size, dim=-1)
         return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
-    def load_experts(self, gate: Experts, up: Experts, down: Experts, name: str) -> None:
+    def load_experts(
+        self, gate: Experts, up: Experts, down: Experts, name: str, int8: bool = False
+    ) -> None:
         """Set the experts from their ``[out, in]`` matrices (gate and up ``[size, hidden]``,
         down ``[hidden, size]``), stacked or one per expert. A float32 model keeps a
         projection whose every expert is packed (``PackedWeight``) as it is, gate and up
-        together; anything else is expanded into the dense stacks."""
+        together; anything else is expanded into the dense stacks. ``int8``: the packed
+        K-quant experts multiply int8-quantised inputs (the int8 mode; the loader asks
+        only where the kernel is built)."""
         hidden, size = self.hidden_size, self.expert_size
         packs = self.gate_up.dtype == torch.float32
+        self.int8 = int8 and packs
         if packs and _packed(gate, self.num_experts) and _packed(up, self.num_experts):
             for part in (*gate, *up):
                 _check_shape(part, (size, hidden), name + ".gate_up")

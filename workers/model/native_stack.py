@@ -61,11 +61,36 @@ def _packed(
     )
 
 
+def _dense(weight: torch.Tensor, kernels: ModuleType) -> Any:
+    """A dense ``[in, out]`` matrix as the native extension's ``Linear``."""
+    return kernels.make_linear(NATIVE_DENSE, weight, None, None, None, 0, None, None, 0, None)
+
+
+def native_experts(moe: nn.Module, kernels: ModuleType) -> tuple[list[Any], list[Any]]:
+    """A ``moe.SparseMoE``'s experts' gate/up and down projections as the native
+    extension's ``Linear`` s, one each per expert (packed as the file stores them, with
+    int8 inputs where ``moe.int8``, or views of the dense stacks), multiplied by the
+    kernels ``moe.py`` multiplies them by."""
+    if moe.packed_gate_up:
+        gate_up = []
+        for parts in moe.packed_gate_up:
+            linears = [_packed(part, None, moe.int8, kernels) for part in parts]
+            gate_up.append(linears[0] if len(linears) == 1 else kernels.make_parts(linears, None))
+    else:
+        gate_up = [_dense(weight, kernels) for weight in moe.gate_up]
+    if moe.packed_down:
+        down = [_packed(weight, None, moe.int8, kernels) for weight in moe.packed_down]
+    else:
+        down = [_dense(weight, kernels) for weight in moe.down]
+    return gate_up, down
+
+
 def build_native_layers(model: nn.Module) -> Any | None:
     """Every layer of ``model``, a ``LlamaModel`` with its weights loaded, as one
     ``DecodeLayers``; None where that cannot run: not on the CPU, no native extension, a
     dtype it has no kernels for, or a family whose layers it does not have (Gemma's norms,
-    GELU gates and soft-caps, windows that differ between layers, mixtures of experts)."""
+    GELU gates and soft-caps, windows that differ between layers, LoRA slots on a
+    mixture of experts' layers)."""
     weight = model.norm.weight
     kernels = native_kernels() if weight.device.type == "cpu" else None
     config = model.config
@@ -74,7 +99,10 @@ def build_native_layers(model: nn.Module) -> Any | None:
         or config.hidden_activation != "silu"
         or config.attn_softcap is not None
         or len(set(config.layer_windows)) > 1
-        or config.moe is not None
+        or any(
+            layer.moe is not None and getattr(layer.qkv_proj, "lora_a", None) is not None
+            for layer in model.layers
+        )
     )
     if kernels is None or weight.dtype not in NATIVE_DTYPES or unsupported:
         return None
@@ -89,15 +117,36 @@ def build_native_layers(model: nn.Module) -> Any | None:
         config.rotary_dims,
     )
     for layer in model.layers:
-        stack.add_layer(
+        attention = (
             layer.input_layernorm.weight,
             native_linear(layer.qkv_proj, kernels),
             native_linear(layer.o_proj, kernels),
             layer.post_attention_layernorm.weight,
-            native_linear(layer.gate_up_proj, kernels),
-            native_linear(layer.down_proj, kernels),
-            layer.q_norm.weight if layer.qk_norm else None,
-            layer.k_norm.weight if layer.qk_norm else None,
+        )
+        qk_norms = (layer.q_norm.weight, layer.k_norm.weight) if layer.qk_norm else (None, None)
+        moe = layer.moe
+        if moe is None:
+            gate_up, down = (
+                native_linear(x, kernels) for x in (layer.gate_up_proj, layer.down_proj)
+            )
+            stack.add_layer(*attention, gate_up, down, *qk_norms)
+            continue
+        shared = []
+        if moe.shared_gate_up is not None:
+            shared = [
+                native_linear(linear, kernels)
+                for linear in (moe.shared_gate_up, moe.shared_down, moe.shared_expert_gate)
+            ]
+        stack.add_moe_layer(
+            *attention,
+            native_linear(moe.gate, kernels),
+            *native_experts(moe, kernels),
+            moe.top_k,
+            moe.norm_topk_prob,
+            moe.expert_size,
+            shared,
+            moe.shared_size,
+            *qk_norms,
         )
     for index, layer in enumerate(model.layers):  # LoRA slots (``lora.LoraSlots``)
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)

@@ -74,6 +74,7 @@ HEADERS = tuple(
         "amx_tiles.h",
         "bf16_blocks.h",
         "decode_attention.h",
+        "decode_experts.h",
         "decode_layer_loop.h",
         "decode_norm_rope.h",
         "decode_shares.h",

@@ -138,6 +138,10 @@ inline torch::Tensor DecodeLayers::run(
     }
     add_residual<T>(h, layer.o_lora.add<T>(attn, layer.o(attn), lora), R * H);
     rms_norm<T>(h, layer.post_norm.data_ptr<T>(), normed.data_ptr<T>(), R, H, eps_);
+    if (layer.moe) {  // a sparse layer: its experts in place of the MLP
+      add_residual<T>(h, layer.moe->template mix<T>(normed.narrow(0, 0, R)), R * H);
+      continue;
+    }
     const torch::Tensor gate_up =
         layer.gate_up_lora.add<T>(normed, layer.gate_up(normed), lora).contiguous();  // [B, 2 I]
     TORCH_CHECK(gate_up.size(1) == 2 * intermediate_, "DecodeLayers: layer ", l,

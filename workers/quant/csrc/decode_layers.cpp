@@ -39,6 +39,7 @@
 //   decode_norm_rope.h   RMSNorm, RoPE
 //   decode_swiglu.h      SwiGLU
 //   decode_stack.h       the projections (Linear), the layers, the DecodeLayers class
+//   decode_experts.h     a sparse layer's mixture of experts
 //   decode_attention.h   the K/V cache writes and attention
 //   decode_shares.h      a step's decodes in shares of rows, one per thread
 //   decode_layer_loop.h  the layer loop
@@ -55,6 +56,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -95,6 +97,7 @@ namespace {
 #include "decode_norm_rope.h"
 #include "decode_swiglu.h"
 #include "decode_stack.h"
+#include "decode_experts.h"
 
 // The step's arguments (described where forward is declared, decode_stack.h), every index
 // checked once; then the layers, in the model's dtype and the cache's.
@@ -352,6 +355,11 @@ void register_decode_layers(pybind11::module& m) {
            py::arg("rotary_dim") = 0)
       .def("add_layer", &DecodeLayers::add_layer, py::arg("input_norm"), py::arg("qkv"),
            py::arg("o"), py::arg("post_norm"), py::arg("gate_up"), py::arg("down"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+      .def("add_moe_layer", &DecodeLayers::add_moe_layer, py::arg("input_norm"),
+           py::arg("qkv"), py::arg("o"), py::arg("post_norm"), py::arg("router"),
+           py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("norm_topk_prob"),
+           py::arg("size"), py::arg("shared"), py::arg("shared_size"),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def_property_readonly("num_layers", &DecodeLayers::num_layers)
       .def("forward", &DecodeLayers::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),

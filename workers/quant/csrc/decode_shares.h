@@ -73,10 +73,12 @@ inline int64_t DecodeLayers::row_shares(int64_t D, int64_t B, const int64_t* slo
   const int64_t least = share_rows().load();
   if (threads != 2 || least <= 0 || D < 2 * least) return kOneRun;
   const int64_t shares = 2;
-  for (const Layer& layer : layers_)
+  for (const Layer& layer : layers_) {
+    if (layer.moe) return kOneRun;  // its experts' products take other kernels
     for (const Linear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
       if ((linear->kind != kQ4 && linear->kind != kQ4Exact) || linear->int4_rows < D)
         return kOneRun;
+  }
   if (rows != nullptr) {
     const int64_t* r = rows->data_ptr<int64_t>();
     if (!std::is_sorted(r, r + rows->numel())) return kOneRun;

@@ -194,11 +194,27 @@ struct LoraSlots {
   }
 };
 
+// A sparse layer's mixture of experts (workers/model/moe.py's SparseMoE), run by mix()
+// (decode_experts.h).
+struct Experts {
+  Linear router;                      // hidden -> one logit per expert
+  std::vector<Linear> gate_up, down;  // each expert's hidden -> 2 size (gate, up), size -> hidden
+  int64_t top_k = 1, size = 0;
+  bool norm_topk_prob = false;
+  std::vector<Linear> shared;  // none, or the shared expert's gate/up, down and gate (-> 1)
+  int64_t shared_size = 0;
+
+  // x [R, hidden] in T, contiguous -> the experts' weighted sum [R, hidden] in T
+  template <typename T>
+  torch::Tensor mix(const torch::Tensor& x) const;
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm;  // [hidden] in T
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o, gate_up, down;  // gate_up and down unused where `moe`
   torch::Tensor q_norm, k_norm;  // [head_dim] in T (Qwen3's per-head norms), or undefined
   LoraSlots qkv_lora, o_lora, gate_up_lora, down_lora;
+  std::shared_ptr<const Experts> moe;  // a sparse layer's experts in place of its MLP
 };
 
 // A causal chunk of a sequence's tokens (a prompt, or a piece of one): rows first ..
@@ -251,6 +267,26 @@ class DecodeLayers {
     layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), qkv, o, gate_up,
                             down, q_norm ? q_norm->contiguous() : torch::Tensor(),
                             k_norm ? k_norm->contiguous() : torch::Tensor()});
+  }
+
+  // The next layer, sparse: its MLP is `moe`'s experts (the router, each expert's gate/up
+  // and down, and a shared expert's gate/up, down and gate, or none).
+  void add_moe_layer(const torch::Tensor& input_norm, const Linear& qkv, const Linear& o,
+                     const torch::Tensor& post_norm, const Linear& router,
+                     const std::vector<Linear>& gate_up, const std::vector<Linear>& down,
+                     int64_t top_k, bool norm_topk_prob, int64_t size,
+                     const std::vector<Linear>& shared, int64_t shared_size,
+                     const c10::optional<torch::Tensor>& q_norm,
+                     const c10::optional<torch::Tensor>& k_norm) {
+    const int64_t E = static_cast<int64_t>(gate_up.size());
+    TORCH_CHECK(E > 0 && down.size() == gate_up.size() && top_k >= 1 && top_k <= E && size > 0,
+                "DecodeLayers: a sparse layer needs gate/up and down for each of its experts, "
+                "1 <= top_k <= experts and their size");
+    TORCH_CHECK(shared.empty() || (shared.size() == 3 && shared_size > 0),
+                "DecodeLayers: a shared expert is its gate/up, down and gate, and its size");
+    add_layer(input_norm, qkv, o, post_norm, Linear(), Linear(), q_norm, k_norm);
+    layers_.back().moe = std::make_shared<const Experts>(
+        Experts{router, gate_up, down, top_k, size, norm_topk_prob, shared, shared_size});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

@@ -55,6 +55,10 @@ constexpr int kQ5_K = 13;
 constexpr int kQ6_K = 14;
 constexpr int64_t kGroup = 8;  // rows of x sharing one unpacked super-block
 constexpr int64_t kTile = 16;  // output rows each group of rows sweeps (their weights in L2)
+// Bytes ahead of the super-block at hand that a row's sweep asks the cache for: a
+// thread's weights are one stream (its output rows' blocks, row after row), and the
+// CPU's own prefetcher stops at each 4 KiB page.
+constexpr int64_t kAhead = 2048;
 
 constexpr int64_t block_bytes(int qt) { return qt == kQ4_K ? 144 : qt == kQ5_K ? 176 : 210; }
 
@@ -303,7 +307,10 @@ inline void rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w, in
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   Unpacked u;
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
-    unpack<QT>(w.block(o, sb, QT), u);
+    const uint8_t* b = w.block(o, sb, QT);
+    for (int64_t line = 0; line < block_bytes(QT); line += 64)  // the stream, ahead
+      _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line), _MM_HINT_T0);
+    unpack<QT>(b, u);
     for (int r = 0; r < R; ++r) {
       const int8_t* q = qx.qrow(t0 + r, sb);
       __m512i p = _mm512_setzero_si512();
