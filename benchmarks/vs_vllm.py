@@ -34,7 +34,8 @@ quantized by llama.cpp's tools: vLLM reads the bf16 original; results go to
 The safetensors copy is bf16; with ``--dtype float32`` vLLM upcasts it, so its weights are
 the bf16-rounded ones (same speed, slightly different numbers from the engine's float32).
 ``--dtype auto`` runs the engine's fast mode (what ``tessera serve`` picks on a CPU with
-AVX512_BF16) against vLLM in bf16, its own reduced-precision mode.
+AVX512_BF16; the exact mode for a K-quant file) against vLLM in bf16, its own
+reduced-precision mode; so does ``--dtype int8`` (a K-quant file's int8 mode).
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ def workload_for(tokenizer, batch: int, run: int = 0) -> list[tuple[list[int], i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32", "int8"]
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--vllm-python", default="/work/vllm/VV/bin/python")
     parser.add_argument(
@@ -215,7 +218,7 @@ def main() -> None:
 
     model = args.model or builtin_model_path()
     loaded = load_model(model, args.dtype)
-    peer_dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+    peer_dtype = "bfloat16" if args.dtype in ("auto", "int8") else args.dtype
     label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
     # Both sides run a batch of the largest size once, untimed, before timing anything: a
