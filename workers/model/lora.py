@@ -293,6 +293,9 @@ class LoraSlots:
                 linear.lora_b = torch.zeros(width, linear.out_features, dtype=dtype, device=device)
                 # each slot's parts' ranks (0: untouched), which the native stack skips by
                 linear.lora_ranks = torch.zeros(max_loras, parts, dtype=torch.int64)
+                # and the output columns each part's B writes, [start, end) (its zeros
+                # elsewhere are never read there)
+                linear.lora_cols = torch.zeros(max_loras, parts, 2, dtype=torch.int64)
                 found[name] = linear
             self.linears.append(found)
         model.forget_native_layers()  # its stack takes the slots when it is built
@@ -313,6 +316,7 @@ class LoraSlots:
             linear.lora_a[col : col + rank].copy_(a)
             linear.lora_b[col : col + rank, start:end].copy_(b.t())
             linear.lora_ranks[slot, part] = rank
+            linear.lora_cols[slot, part] = torch.tensor([start, end])
         self.scaling[slot] = adapter.scaling
 
     def clear(self, slot: int) -> None:
@@ -322,6 +326,7 @@ class LoraSlots:
                 linear.lora_a[slot * width : (slot + 1) * width].zero_()
                 linear.lora_b[slot * width : (slot + 1) * width].zero_()
                 linear.lora_ranks[slot].zero_()
+                linear.lora_cols[slot].zero_()
         self.scaling[slot] = 0.0
 
     def batch(self, row_slots: list[int], device: torch.device) -> LoraBatch | None:

@@ -151,6 +151,10 @@ def build_native_layers(model: nn.Module) -> Any | None:
     for index, layer in enumerate(model.layers):  # LoRA slots (``lora.LoraSlots``)
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         if getattr(layer.qkv_proj, "lora_a", None) is not None:
-            slots = [t for lin in linears for t in (lin.lora_a, lin.lora_b, lin.lora_ranks)]
+            slots = [
+                t
+                for lin in linears
+                for t in (lin.lora_a, lin.lora_b, lin.lora_ranks, lin.lora_cols)
+            ]
             stack.set_lora(index, slots)
     return stack

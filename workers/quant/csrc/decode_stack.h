@@ -94,6 +94,12 @@ struct LoraRows {
   }
 };
 
+// Asks the cache for the `bytes` from p, a line at a time (a hint: never faults).
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(c + line, 0, 3);
+}
+
 // A step of at least this many rows (a prompt's) multiplies each adapter's rows by its
 // slot's A and B as GEMMs; fewer rows (decodes) go one by one through their own slot's
 // (LoraSlots::add_rows): each present adapter's weights are read once, no other slot's.
@@ -103,9 +109,10 @@ constexpr int64_t kLoraGemmRows = 64;
 // its P parts' lora_A, as PEFT stores them, W / P rows each), b [S * W, out] in T (or
 // bfloat16: the fast mode's), or
 // undefined (no adapter takes it); ranks [S, P] int64: the rows of each part in use (its
-// adapter's rank, 0 where it leaves the part alone). Unused rows are zeros.
+// adapter's rank, 0 where it leaves the part alone); cols [S, P, 2] int64: the output
+// columns [start, end) each part's B rows write (zeros elsewhere). Unused rows are zeros.
 struct LoraSlots {
-  torch::Tensor a, b, ranks;
+  torch::Tensor a, b, ranks, cols;
 
   // whether slot's adapter leaves this projection alone
   bool idle(int64_t slot) const {
@@ -148,8 +155,9 @@ struct LoraSlots {
   }
 
   // add's rows one by one: xa = scale * A_slot x over the rows in use (dot products over
-  // `in`, 16 lanes of partial sums), then y += B_slot^T xa over the same rows; T: x's and
-  // y's dtype, U: the slots' (T, or bf16 in the fast mode), summed in float32
+  // `in`, 16 lanes of partial sums), then y += B_slot^T xa over the same rows, each B row
+  // over its part's columns only; T: x's and y's dtype, U: the slots' (T, or bf16 in the
+  // fast mode), summed in float32
   template <typename T, typename U>
   torch::Tensor add_rows(const torch::Tensor& x, torch::Tensor y, const LoraRows& lora,
                          int64_t W) const {
@@ -158,6 +166,7 @@ struct LoraSlots {
     const U* ap = a.data_ptr<U>();
     const U* bp = b.data_ptr<U>();
     const int64_t* rank_p = ranks.data_ptr<int64_t>();
+    const int64_t* col_p = cols.data_ptr<int64_t>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> xa(W), sum(N);
@@ -169,8 +178,13 @@ struct LoraSlots {
         for (int64_t p = 0; p < P; ++p)
           for (int64_t i = 0; i < rank_p[slot * P + p]; ++i) used.push_back(p * (W / P) + i);
         const T* xr = xp + r * K;
-        for (const int64_t w : used) {
+        for (size_t i = 0; i < used.size(); ++i) {
+          const int64_t w = used[i];
           const U* ar = ap + (slot * W + w) * K;
+          // the next A row in use, asked for while this one is read: rows of a few KiB
+          // each, short streams that the CPU's prefetcher barely starts on
+          if (i + 1 < used.size())
+            prefetch_lines(ap + (slot * W + used[i + 1]) * K, K * sizeof(U));
           float lanes[16] = {};
           int64_t k = 0;
           for (; k + 16 <= K; k += 16)
@@ -181,10 +195,17 @@ struct LoraSlots {
           xa[w] = dot * lora.scale[r];
         }
         std::fill(sum.begin(), sum.end(), 0.0f);
-        for (const int64_t w : used) {
+        for (size_t i = 0; i < used.size(); ++i) {
+          const int64_t w = used[i];
+          const int64_t* range = col_p + (slot * P + w / (W / P)) * 2;  // its part's columns
           const float c = xa[w];
           const U* br = bp + (slot * W + w) * N;
-          for (int64_t n = 0; n < N; ++n) sum[n] += c * f32(br[n]);
+          if (i + 1 < used.size()) {  // the next B row's columns, asked for meanwhile
+            const int64_t* next = col_p + (slot * P + used[i + 1] / (W / P)) * 2;
+            prefetch_lines(bp + (slot * W + used[i + 1]) * N + next[0],
+                           (next[1] - next[0]) * sizeof(U));
+          }
+          for (int64_t n = range[0]; n < range[1]; ++n) sum[n] += c * f32(br[n]);
         }
         T* out = yp + r * N;
         for (int64_t n = 0; n < N; ++n) out[n] = round_to<T>(f32(out[n]) + sum[n]);
@@ -291,17 +312,18 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // layer l's LoRA slots (workers/model/lora.py's LoraSlots: each projection's a, b and
-  // ranks, sharing their storage), in the order qkv, o, gate_up, down
+  // layer l's LoRA slots (workers/model/lora.py's LoraSlots: each projection's a, b,
+  // ranks and cols, sharing their storage), in the order qkv, o, gate_up, down
   void set_lora(int64_t l, const std::vector<torch::Tensor>& slots) {
-    TORCH_CHECK(l >= 0 && l < num_layers() && slots.size() == 12,
-                "DecodeLayers: set_lora takes a layer and 4 (a, b, ranks) triples");
+    TORCH_CHECK(l >= 0 && l < num_layers() && slots.size() == 16,
+                "DecodeLayers: set_lora takes a layer and 4 (a, b, ranks, cols) sets");
     Layer& layer = layers_[l];
     LoraSlots* all[] = {&layer.qkv_lora, &layer.o_lora, &layer.gate_up_lora, &layer.down_lora};
     for (int i = 0; i < 4; ++i) {
-      const auto& a = slots[3 * i];
-      const auto& b = slots[3 * i + 1];
-      const auto& ranks = slots[3 * i + 2];
+      const auto& a = slots[4 * i];
+      const auto& b = slots[4 * i + 1];
+      const auto& ranks = slots[4 * i + 2];
+      const auto& cols = slots[4 * i + 3];
       TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(0) == b.size(0) && a.is_contiguous() &&
                       b.is_contiguous() && b.scalar_type() == a.scalar_type() &&
                       (a.scalar_type() == layer.input_norm.scalar_type() ||
@@ -311,7 +333,11 @@ class DecodeLayers {
       TORCH_CHECK(ranks.dim() == 2 && ranks.is_contiguous() &&
                       ranks.scalar_type() == torch::kInt64 && a.size(0) % ranks.numel() == 0,
                   "DecodeLayers: LoRA ranks must be contiguous int64 [slots, parts]");
-      *all[i] = LoraSlots{a, b, ranks};
+      TORCH_CHECK(cols.dim() == 3 && cols.is_contiguous() && cols.scalar_type() == torch::kInt64 &&
+                      cols.size(0) == ranks.size(0) && cols.size(1) == ranks.size(1) &&
+                      cols.size(2) == 2,
+                  "DecodeLayers: LoRA cols must be contiguous int64 [slots, parts, 2]");
+      *all[i] = LoraSlots{a, b, ranks, cols};
     }
   }
 
