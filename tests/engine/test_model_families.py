@@ -18,23 +18,18 @@ from tessera.workers.config import EngineConfig
 from tessera.workers.engine.cuda_graphs import DecodeGraphs
 from tessera.workers.engine.engine import Engine
 from tests.engine.test_beam_search import assert_same_beams, engine_beam_search, hf_beam_search
-from tests.helpers import TransformersReference, assert_greedy_matches, run_engine, tokens_of
+from tests.helpers import (
+    TINY_FIELDS,
+    TransformersReference,
+    assert_greedy_matches,
+    run_engine,
+    tokens_of,
+)
 
 VOCAB = 512
 MAX_TOKENS = 24
 WINDOW = 8
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+COMMON = {**TINY_FIELDS, "vocab_size": VOCAB, "pad_token_id": 0}
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),
     "mistral-window": (transformers.MistralConfig, dict(sliding_window=WINDOW)),

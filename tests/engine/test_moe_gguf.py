@@ -424,6 +424,18 @@ def test_the_int8_mode_multiplies_k_quant_experts_with_int8_inputs(packed_moe):
     assert not torch.equal(prefill_logits(ours, PROMPT), prefill_logits(exact, PROMPT))
 
 
+def test_only_k_quant_experts_take_int8_inputs(packed_moe):
+    """The int8 mode asked for a file whose experts are Q4_0 or Q8_0: they multiply as in
+    the exact mode, and the model says which mode it runs."""
+    if not int8_mode_available():
+        pytest.skip("the int8 K-quant kernel needs AVX512-VNNI; int8 is the exact mode here")
+    path, _, _ = packed_moe
+    loaded = load_model(path, "int8")
+    k_quant = path.stem.endswith("Q4_K_M")
+    assert [moe.int8 for moe in _moes(loaded)] == [k_quant] * len(_moes(loaded))
+    assert loaded.precision == ("int8" if k_quant else "float32")
+
+
 def test_unpacked_loads_keep_dense_experts(packed_moe):
     """``packed_weights=False`` and a bfloat16 model expand the experts (today's dense
     stacks); float32 computes what the packed experts compute."""

@@ -18,7 +18,12 @@ from tessera.workers.model.llama import _UNBUILT
 from tessera.workers.model.loader import fast_mode_available, load_model
 from tessera.workers.quant.int4 import Q4Weight
 from tessera.workers.quant.kernels import native_kernels
-from tests.helpers import multi_row_requests, run_multi_row, save_random_llama
+from tests.helpers import (
+    multi_row_requests,
+    run_multi_row,
+    save_random_llama,
+    save_random_model,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -198,23 +203,17 @@ def phi3(tmp_path_factory, smollm2):
 def qwen2_moe(tmp_path_factory, smollm2):
     """A tiny random Qwen2-MoE: sparse layers (6 experts, top 2, a gated shared expert)
     around a dense one, q/k/v biases."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Qwen2MoeConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
-        norm_topk_prob=False, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    path = tmp_path_factory.mktemp("qwen2-moe")
+    model = save_random_model(
+        path, smollm2.tokenizer, "Qwen2MoeConfig", num_hidden_layers=3, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], norm_topk_prob=False,
     )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # clear routing: no near-ties between the experts' scores
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 1.0)
-    path = tmp_path_factory.mktemp("qwen2-moe")
     model.save_pretrained(path)
-    smollm2.tokenizer.save_pretrained(path)
     loaded = load_model(path, "float32")
     assert [layer.moe is not None for layer in loaded.model.layers] == [True, False, True]
     return loaded

@@ -141,10 +141,9 @@ class SparseMoE(nn.Module):
         projection whose every expert is packed (``PackedWeight``) as it is, gate and up
         together; anything else is expanded into the dense stacks. ``int8``: the packed
         K-quant experts multiply int8-quantised inputs (the int8 mode; the loader asks
-        only where the kernel is built)."""
+        only where the kernel is built), where there are any."""
         hidden, size = self.hidden_size, self.expert_size
         packs = self.gate_up.dtype == torch.float32
-        self.int8 = int8 and packs
         if packs and _packed(gate, self.num_experts) and _packed(up, self.num_experts):
             for part in (*gate, *up):
                 _check_shape(part, (size, hidden), name + ".gate_up")
@@ -160,6 +159,8 @@ class SparseMoE(nn.Module):
             self.down = nn.Parameter(torch.empty(0), requires_grad=False)
         else:
             copy_checked(self.down, _stacked(down).transpose(1, 2), name + ".down")
+        packed = [*(p for parts in self.packed_gate_up for p in parts), *self.packed_down]
+        self.int8 = int8 and any(weight.qtype.is_k for weight in packed)
 
 
 def _packed(experts: Experts, count: int) -> bool:
