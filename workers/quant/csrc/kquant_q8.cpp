@@ -10,22 +10,35 @@
 // CPU's default rounding), q_i in -127..127, and the int sums of q over each 16
 // elements (bsum). A block of zeros has d_x = 0 and q = 0.
 //
-// A weight super-block is unpacked in registers to its unsigned 4/5/6-bit values u and
-// multiplied with q in int32, then scaled once per super-block in float32:
+// A weight super-block is unpacked to its unsigned 4/5/6-bit values u and multiplied
+// with q in int32; each row's sums over the super-block are exact integers (s, and m for
+// the mins), scaled once per super-block in float32, each step one rounding:
 //
 //   Q4_K/Q5_K  w = d sc_j u - dmin m_j   (8 sub-blocks j of 32)
-//              y += d_x d (sum_j sc_j sum_i u q) - d_x dmin (sum_j m_j sum_i q)
+//              s = sum_j sc_j sum_i u q,  m = sum_j m_j sum_i q
+//              y = fma(-m, d_x dmin, fma(s, d_x d, y))
 //   Q6_K       w = d sc_s (u - 32)        (16 sub-blocks s of 16, sc_s int8)
-//              y += d_x d (sum_s sc_s sum_i u q - 32 sum_s sc_s sum_i q)
+//              s = sum_s sc_s sum_i u q - 32 sum_s sc_s sum_i q
+//              y = fma(s, d_x d, y)
 //
-// The integer sums are exact, so y differs from x_q @ gguf.dequantize(W)^T (x_q = d_x q)
-// only by float32 rounding. The AVX512-VNNI loop multiplies 64 weights by 64 of q with
-// VPMADDUBSW (u8 x s8 pairs -> int16, at most 2 * 63 * 127: no saturation) and scales
-// the pairs by their sub-block's scale while summing them with VPDPWSSD; a super-block
-// is unpacked once and used by up to kGroup rows of x. Parallel over output rows
-// (at::parallel_for); for more rows a tile of kTile outputs is swept by each group of
-// rows, so the weights come from memory once and from L2 after. Elsewhere a portable
-// loop computes the same integers.
+// so y differs from x_q @ gguf.dequantize(W)^T (x_q = d_x q) only by float32 rounding,
+// and every loop below computes the same bits for a row, whatever the row count and
+// whichever loop took it (batch invariance; the tests compare a batch with its rows
+// one by one). The AVX512-VNNI loops:
+//
+// * rows (up to kGroup = 8 rows of x per unpacked super-block; what decoding takes):
+//   VPMADDUBSW multiplies 64 weights by 64 of q (u8 x s8 pairs -> int16, at most
+//   2 * 63 * 127: no saturation) and VPDPWSSD scales the pairs by their sub-block's scale
+//   while summing them, in 16 int32 lanes reduced per super-block. Parallel over tiles of
+//   kTile output rows, each swept by each group of rows, so the weights come from memory
+//   once and from L2 after.
+// * lanes (every full group of 16 rows; prompts and large batches): a vector's lanes are
+//   16 rows of x, VPDPBUSD multiplies a broadcast quadruple of weights with each row's 4
+//   of q, and a sub-block's sums take its scale with VPMULLD: 10 multiply instructions
+//   per 16 rows x 32 weights where the rows loop takes 16. Parallel over groups of kOuts
+//   output rows.
+//
+// Elsewhere a portable loop computes the same integers and float steps.
 
 #include <torch/extension.h>
 
@@ -36,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
@@ -69,15 +83,25 @@ inline float half_at(const uint8_t* p) {
 }
 
 // x quantised: per row and super-block, d (float), q (int8 [256]) and the sums of q over
-// each 16 (int16 [16]).
+// each 16 (int16 [16]); and, for the AVX512-VNNI loops, d and the bsums again with the
+// rows side by side (rows padded to a multiple of 16 with zeros): dT [nsb, Tp] and
+// pairsT [nsb, pairs, Tp, 2], int16 pairs of the sums that each pair of sub-block
+// weights multiplies (Q4_K/Q5_K: the 4 pairs of sums over 32; Q6_K: the 8 pairs of sums
+// over 16).
 struct QuantX {
   std::vector<int8_t> q;    // [T, in]
   std::vector<float> d;     // [T, nsb]
   std::vector<int16_t> bs;  // [T, nsb, 16]
-  int64_t in, nsb;
+  std::vector<float> dT;        // [nsb, Tp]
+  std::vector<int16_t> pairsT;  // [nsb, pairs, Tp, 2]
+  int64_t in, nsb, Tp, pairs;
   const int8_t* qrow(int64_t t, int64_t sb) const { return q.data() + t * in + sb * kSuper; }
   float dx(int64_t t, int64_t sb) const { return d[t * nsb + sb]; }
   const int16_t* sums(int64_t t, int64_t sb) const { return bs.data() + (t * nsb + sb) * kSums; }
+  const float* dx_rows(int64_t t, int64_t sb) const { return dT.data() + sb * Tp + t; }
+  const int16_t* pair_rows(int64_t t, int64_t sb, int64_t i) const {
+    return pairsT.data() + ((sb * pairs + i) * Tp + t) * 2;
+  }
 };
 
 void quantize_block(const float* x, int8_t* q, float* d, int16_t* bs) {
@@ -118,17 +142,31 @@ void quantize_block(const float* x, int8_t* q, float* d, int16_t* bs) {
 #endif
 }
 
-QuantX quantize(const float* x, int64_t T, int64_t in) {
+QuantX quantize(const float* x, int64_t T, int64_t in, int qt) {
   QuantX qx;
   qx.in = in;
   qx.nsb = in / kSuper;
+  qx.Tp = (T + 15) / 16 * 16;
+  qx.pairs = qt == kQ6_K ? 8 : 4;
   qx.q.resize(T * in);
   qx.d.resize(T * qx.nsb);
   qx.bs.resize(T * qx.nsb * kSums);
+  qx.dT.assign(qx.nsb * qx.Tp, 0.f);
+  qx.pairsT.assign(qx.nsb * qx.pairs * qx.Tp * 2, 0);
   at::parallel_for(0, T * qx.nsb, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
+    for (int64_t i = begin; i < end; ++i) {
       quantize_block(x + i * kSuper, qx.q.data() + i * kSuper, qx.d.data() + i,
                      qx.bs.data() + i * kSums);
+      const int64_t t = i / qx.nsb, sb = i % qx.nsb;
+      qx.dT[sb * qx.Tp + t] = qx.d[i];
+      const int16_t* bs = qx.bs.data() + i * kSums;
+      for (int64_t p = 0; p < qx.pairs; ++p)
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t s = 2 * p + h;  // Q4_K/Q5_K: sub-block s of 32 = bsums 2s, 2s + 1
+          qx.pairsT[((sb * qx.pairs + p) * qx.Tp + t) * 2 + h] =
+              qt == kQ6_K ? bs[s] : static_cast<int16_t>(bs[2 * s] + bs[2 * s + 1]);
+        }
+    }
   });
   return qx;
 }
@@ -151,6 +189,16 @@ inline void scale_min(const uint8_t* s, uint64_t& sc, uint64_t& m) {
        static_cast<uint64_t>((e & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)) << 32;
   m = (c & 0x3F3F3F3Fu) |
       static_cast<uint64_t>(((e >> 4) & 0x0F0F0F0Fu) | ((c >> 2) & 0x30303030u)) << 32;
+}
+
+// A super-block's float steps, the same in every loop (so a row's result never depends
+// on which loop, or how many rows, took it): its integer sum s (and, Q4_K/Q5_K, the
+// mins' sum m) times d_x d (d_x dmin), each added with one rounding.
+inline float scaled(float acc, int32_t s, float ds) {
+  return std::fma(static_cast<float>(s), ds, acc);
+}
+inline float scaled(float acc, int32_t s, float ds, int32_t m, float dm) {
+  return std::fma(-static_cast<float>(m), dm, std::fma(static_cast<float>(s), ds, acc));
 }
 
 // ---------------------------------------------------------------- portable (any CPU)
@@ -195,7 +243,7 @@ float row_dot_scalar(const QuantX& qx, int64_t t, const KPacked& w, int64_t o) {
         for (int i = 16 * s; i < 16 * s + 16; ++i) dot += u[i] * q[i];
         p += sc[s] * (dot - 32 * bs[s]);
       }
-      acc += static_cast<float>(p) * (dx * half_at(b + 208));
+      acc = scaled(acc, p, dx * half_at(b + 208));
     } else {
       uint64_t sc, m;
       scale_min(b + 4, sc, m);
@@ -206,8 +254,7 @@ float row_dot_scalar(const QuantX& qx, int64_t t, const KPacked& w, int64_t o) {
         p += static_cast<int32_t>((sc >> (8 * j)) & 0xFF) * dot;
         pm += static_cast<int32_t>((m >> (8 * j)) & 0xFF) * (bs[2 * j] + bs[2 * j + 1]);
       }
-      acc += static_cast<float>(p) * (dx * half_at(b));
-      acc -= static_cast<float>(pm) * (dx * half_at(b + 2));
+      acc = scaled(acc, p, dx * half_at(b), pm, dx * half_at(b + 2));
     }
   }
   return acc;
@@ -226,11 +273,13 @@ void mm_portable(const QuantX& qx, int64_t T, const KPacked& w, float* y, int64_
 #if TESSERA_KQ8_VNNI
 
 // A super-block unpacked: w[k] the u8 values of elements 64k .. 64k + 63, s[k] the int16
-// scale of each of their pairs (VPMADDUBSW's outputs), aux the 16 int16 that multiply the
-// row's bsums (Q4_K/Q5_K: m_j twice; Q6_K: sc_s), d and dmin.
-struct Unpacked {
+// scale of each of their pairs (VPMADDUBSW's outputs), each and aux the int16 that
+// multiply the row's bsums (each: one per bsum) and its bsum pairs (aux: two to a pair;
+// Q4_K/Q5_K: m_j, 8; Q6_K: sc_s, 16), d and dmin.
+struct alignas(64) Unpacked {
   __m512i w[4], s[4];
-  __m256i aux;
+  __m256i each;  // the multiplier of each of the 16 bsums (Q4_K/Q5_K: m_j twice)
+  int16_t aux[16];
   float d, dmin;
 };
 
@@ -250,8 +299,10 @@ inline void unpack(const uint8_t* b, Unpacked& u) {
                                    scale_index(3, 16)};
     const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
     const __m512i sc512 = _mm512_castsi256_si512(sc);
-    u.aux = sc;
+    u.each = sc;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u.aux), sc);
     u.d = half_at(b + 208);
+    u.dmin = 0.f;
     const __m512i bits45 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i shr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
@@ -275,7 +326,8 @@ inline void unpack(const uint8_t* b, Unpacked& u) {
     u.dmin = half_at(b + 2);
     const __m512i sc512 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
     const __m128i mb = _mm_cvtsi64_si128(static_cast<int64_t>(m));
-    u.aux = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb));  // m_j for bsums 2j, 2j + 1
+    u.each = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb));
+    _mm_store_si128(reinterpret_cast<__m128i*>(u.aux), _mm_cvtepu8_epi16(mb));
     const uint8_t* qs = b + (QT == kQ5_K ? 48 : 16);
     for (int h = 0; h < 2; ++h) {
       // groups 2h, 2h + 1: low nibbles = sub-blocks 4h, 4h + 2; high = 4h + 1, 4h + 3
@@ -299,12 +351,37 @@ inline void unpack(const uint8_t* b, Unpacked& u) {
   }
 }
 
-// R rows of x (from t0) times output row o, into y.
+inline int32_t quad_at(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline int32_t pair_at(const int16_t* aux, int64_t i) { return quad_at(aux + 2 * i); }
+
+// The sums of 8 vectors of 16 int32, in row order (a tree of adds: 24 instructions for
+// the 8 rather than 8 reductions of 8).
+inline __m256i sums8(const __m512i p[8]) {
+  __m512i a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // [p2i: halves added (8 lanes) | p2i+1: the same]
+    a[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0x44),
+                            _mm512_shuffle_i64x2(p[2 * i], p[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // 128-bit block k: 4 lanes of row 4i + k
+    b[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x88),
+                            _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  // block k: [row k, row k + 4, row k, row k + 4], each summed over its 4 lanes
+  const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi32(b[0], b[1]), _mm512_unpackhi_epi32(b[0], b[1]));
+  const __m512i d = _mm512_add_epi32(c, _mm512_shuffle_epi32(c, _MM_PERM_BADC));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, d));
+}
+
+// One or two rows of x from t0 times output row o, into y: as rows_times_output below,
+// but each row's sums reduced on their own (its 16 lanes of products and its 8 of mins
+// in one vector, four adds), its float steps scalar.
 template <int QT, int R>
-inline void rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w, int64_t o,
-                              float* y, int64_t out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+inline void few_rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w, int64_t o,
+                                  float* y, int64_t out) {
+  float acc[R] = {};
   Unpacked u;
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* b = w.block(o, sb, QT);
@@ -317,19 +394,68 @@ inline void rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w, in
       for (int k = 0; k < 4; ++k)
         p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(u.w[k], _mm512_loadu_si512(q + 64 * k)), u.s[k]);
       const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums(t0 + r, sb)));
-      const __m256i pm = _mm256_madd_epi16(bs, u.aux);  // 8 int32
+      const __m256i pm = _mm256_madd_epi16(bs, u.each);
+      __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1))), pm, 1);
+      v = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+      v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+      v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
+      const int32_t sum = _mm_cvtsi128_si32(_mm512_castsi512_si128(v));
+      const int32_t mins = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(v, 2));
       const float dx = qx.dx(t0 + r, sb);
-      if constexpr (QT == kQ6_K) {  // sc_s (u - 32): the -32 through the bsums
-        p = _mm512_sub_epi32(p, _mm512_zextsi256_si512(_mm256_slli_epi32(pm, 5)));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * u.d), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(dx * u.d), acc[r]);
-        const __m512 mins = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(pm));
-        acc[r] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(dx * u.dmin), acc[r]);
-      }
+      if constexpr (QT == kQ6_K)
+        acc[r] = scaled(acc[r], sum - 32 * mins, dx * u.d);
+      else
+        acc[r] = scaled(acc[r], sum, dx * u.d, mins, dx * u.dmin);
     }
   }
-  for (int r = 0; r < R; ++r) y[(t0 + r) * out + o] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < R; ++r) y[(t0 + r) * out + o] = acc[r];
+}
+
+// R (<= 8) rows of x from t0 times output row o, into y. Per super-block each row's 64
+// products per instruction pair (VPMADDUBSW, then VPDPWSSD with the sub-block scales)
+// in 16 int32 lanes, reduced to the rows' integer sums; the mins' sums (or Q6_K's -32)
+// from the bsum pairs of the 8 rows at once; then the float steps for the 8 rows side
+// by side, as the lanes loop takes them.
+template <int QT, int R>
+inline void rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w, int64_t o,
+                              float* y, int64_t out) {
+  if constexpr (R <= 2) {
+    few_rows_times_output<QT, R>(qx, t0, w, o, y, out);
+    return;
+  }
+  __m256 acc = _mm256_setzero_ps();
+  Unpacked u;
+  for (int64_t sb = 0; sb < w.nsb; ++sb) {
+    const uint8_t* b = w.block(o, sb, QT);
+    for (int64_t line = 0; line < block_bytes(QT); line += 64)  // the stream, ahead
+      _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line), _MM_HINT_T0);
+    unpack<QT>(b, u);
+    __m512i p[8];
+    for (int r = 0; r < 8; ++r) {
+      p[r] = _mm512_setzero_si512();
+      if (r >= R) continue;
+      const int8_t* q = qx.qrow(t0 + r, sb);
+      for (int k = 0; k < 4; ++k)
+        p[r] = _mm512_dpwssd_epi32(p[r], _mm512_maddubs_epi16(u.w[k], _mm512_loadu_si512(q + 64 * k)), u.s[k]);
+    }
+    const __m256i s = sums8(p);
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t i = 0; i < qx.pairs; ++i)
+      m = _mm256_dpwssd_epi32(m, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.pair_rows(t0, sb, i))),
+                              _mm256_set1_epi32(pair_at(u.aux, i)));
+    const __m256 dx = _mm256_loadu_ps(qx.dx_rows(t0, sb));
+    if constexpr (QT == kQ6_K) {  // sc_s (u - 32): the -32 through the bsums
+      const __m256i total = _mm256_sub_epi32(s, _mm256_slli_epi32(m, 5));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dx, _mm256_set1_ps(u.d)), acc);
+    } else {
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dx, _mm256_set1_ps(u.d)), acc);
+      acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dx, _mm256_set1_ps(u.dmin)), acc);
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (int r = 0; r < R; ++r) y[(t0 + r) * out + o] = lanes[r];
 }
 
 template <int QT>
@@ -347,13 +473,159 @@ void rows_times_output(const QuantX& qx, int64_t t0, int64_t rows, const KPacked
   }
 }
 
+// ------------------------------------------------ 16 rows of x in the lanes (VPDPBUSD)
+//
+// For each full group of 16 rows, lane t of a vector is row t: VPDPBUSD multiplies 4
+// weights (one u8 quadruple broadcast to all lanes) by each row's 4 int8 of x and adds
+// the 4 products, so 8 of them give a sub-block's 32 products for 16 rows, scaled once
+// by its sub-block scale (VPMULLD): 10 multiply uops for 16 x 32 products of one output
+// where the rows loop takes 16. The integer sums and their float steps are the rows
+// loop's, so a row's result is the same bits whichever loop takes it.
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kOuts = 8;  // output rows sharing each vector of x
+
+// x of the full groups of 16 rows in lane order: per group and super-block, 64 vectors of
+// 16 rows x 4 int8. [G, nsb, 64, 16, 4]
+std::vector<int8_t> lanes_of(const QuantX& qx, int64_t groups) {
+  std::vector<int8_t> lanes(groups * qx.nsb * kSuper * kLanes);
+  at::parallel_for(0, groups * qx.nsb, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / qx.nsb, sb = i % qx.nsb;
+      int8_t* dst = lanes.data() + i * kSuper * kLanes;
+      for (int64_t t = 0; t < kLanes; ++t) {
+        const int8_t* src = qx.qrow(g * kLanes + t, sb);
+        for (int64_t k4 = 0; k4 < kSuper / 4; ++k4) std::memcpy(dst + (k4 * kLanes + t) * 4, src + 4 * k4, 4);
+      }
+    }
+  });
+  return lanes;
+}
+
+// One output row's super-block for the lanes loop: u in element order, the sub-block
+// scales as int32, and the bsum pairs' multipliers (Unpacked::aux).
+struct alignas(64) LaneW {
+  uint8_t u[kSuper];
+  int32_t sc[16];
+  int16_t aux[16];
+  float d, dmin;
+};
+
+template <int QT>
+inline void unpack_lanes(const uint8_t* b, LaneW& lw) {
+  Unpacked u;
+  unpack<QT>(b, u);
+  for (int k = 0; k < 4; ++k) _mm512_store_si512(lw.u + 64 * k, u.w[k]);
+  std::memcpy(lw.aux, u.aux, sizeof lw.aux);
+  lw.d = u.d;
+  lw.dmin = u.dmin;
+  if constexpr (QT == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int s = 0; s < 16; ++s) lw.sc[s] = sc[s];
+  } else {
+    uint64_t sc, m;
+    scale_min(b + 4, sc, m);
+    for (int j = 0; j < 8; ++j) lw.sc[j] = static_cast<int32_t>((sc >> (8 * j)) & 0xFF);
+  }
+}
+
+// R output rows (their super-block sb unpacked in lw) times the 16 rows of group g: the
+// rows' float accumulators acc[R] (16 lanes each) take the super-block.
+template <int QT, int R>
+inline void lanes_block(const QuantX& qx, const int8_t* xq, int64_t g, int64_t sb,
+                        const LaneW* lw, __m512* acc) {
+  constexpr int kSub = QT == kQ6_K ? 16 : 32;  // elements per sub-block
+  __m512i s[R];
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+  for (int j = 0; j < kSuper / kSub; ++j) {
+    __m512i p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm512_setzero_si512();
+    for (int i = 0; i < kSub / 4; ++i) {
+      const int64_t k4 = j * (kSub / 4) + i;
+      const __m512i x = _mm512_loadu_si512(xq + k4 * kLanes * 4);
+      for (int r = 0; r < R; ++r)
+        p[r] = _mm512_dpbusd_epi32(p[r], _mm512_set1_epi32(quad_at(lw[r].u + 4 * k4)), x);
+    }
+    for (int r = 0; r < R; ++r)
+      s[r] = _mm512_add_epi32(s[r], _mm512_mullo_epi32(p[r], _mm512_set1_epi32(lw[r].sc[j])));
+  }
+  const int64_t t0 = g * kLanes;
+  const __m512 dx = _mm512_loadu_ps(qx.dx_rows(t0, sb));
+  for (int r = 0; r < R; ++r) {
+    __m512i m = _mm512_setzero_si512();
+    for (int64_t i = 0; i < qx.pairs; ++i)
+      m = _mm512_dpwssd_epi32(m, _mm512_loadu_si512(qx.pair_rows(t0, sb, i)),
+                              _mm512_set1_epi32(pair_at(lw[r].aux, i)));
+    if constexpr (QT == kQ6_K) {
+      const __m512i total = _mm512_sub_epi32(s[r], _mm512_slli_epi32(m, 5));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(dx, _mm512_set1_ps(lw[r].d)), acc[r]);
+    } else {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(dx, _mm512_set1_ps(lw[r].d)), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dx, _mm512_set1_ps(lw[r].dmin)), acc[r]);
+    }
+  }
+}
+
+constexpr int64_t kPass = 16;  // groups of rows per pass: their accumulators (32 KB) in L1
+
+// Output rows o0 .. o0 + R times every full group of rows, a pass of groups at a time,
+// each super-block of the R outputs unpacked once per pass.
+template <int QT, int R>
+void lanes_outputs(const QuantX& qx, const int8_t* lanes, int64_t groups, const KPacked& w,
+                   int64_t o0, float* y, int64_t out, LaneW* lw, __m512* acc) {
+  for (int64_t g0 = 0; g0 < groups; g0 += kPass) {
+    const int64_t g1 = std::min(groups, g0 + kPass);
+    for (int64_t i = 0; i < (g1 - g0) * R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < w.nsb; ++sb) {
+      for (int r = 0; r < R; ++r) unpack_lanes<QT>(w.block(o0 + r, sb, QT), lw[r]);
+      for (int64_t g = g0; g < g1; ++g)
+        lanes_block<QT, R>(qx, lanes + (g * qx.nsb + sb) * kSuper * kLanes, g, sb, lw,
+                           acc + (g - g0) * R);
+    }
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < R; ++r) {
+        alignas(64) float rows[kLanes];
+        _mm512_store_ps(rows, acc[(g - g0) * R + r]);
+        for (int64_t t = 0; t < kLanes; ++t) y[(g * kLanes + t) * out + o0 + r] = rows[t];
+      }
+  }
+}
+
+template <int QT>
+void mm_lanes(const QuantX& qx, int64_t groups, const KPacked& w, float* y, int64_t out) {
+  const std::vector<int8_t> lanes = lanes_of(qx, groups);
+  const int64_t chunks = (out + kOuts - 1) / kOuts;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<LaneW[]> lw(new LaneW[kOuts]);
+    std::unique_ptr<__m512[]> acc(new __m512[kPass * kOuts]);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t o0 = c * kOuts;
+      const int8_t* x = lanes.data();
+      switch (std::min(kOuts, out - o0)) {
+        case 1: lanes_outputs<QT, 1>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        case 2: lanes_outputs<QT, 2>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        case 3: lanes_outputs<QT, 3>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        case 4: lanes_outputs<QT, 4>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        case 5: lanes_outputs<QT, 5>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        case 6: lanes_outputs<QT, 6>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        case 7: lanes_outputs<QT, 7>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+        default: lanes_outputs<QT, 8>(qx, x, groups, w, o0, y, out, lw.get(), acc.get()); break;
+      }
+    }
+  });
+}
+
 template <int QT>
 void mm_vnni(const QuantX& qx, int64_t T, const KPacked& w, float* y, int64_t out) {
+  const int64_t groups = T / kLanes;  // full groups of 16 rows take the lanes loop
+  if (groups > 0) mm_lanes<QT>(qx, groups, w, y, out);
+  const int64_t first = groups * kLanes;
+  if (first == T) return;
   const int64_t tiles = (out + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t o_end = std::min(out, (tile + 1) * kTile);
-      for (int64_t t0 = 0; t0 < T; t0 += kGroup)
+      for (int64_t t0 = first; t0 < T; t0 += kGroup)
         for (int64_t o = tile * kTile; o < o_end; ++o)
           rows_times_output<QT>(qx, t0, std::min(kGroup, T - t0), w, o, y, out);
     }
@@ -391,7 +663,7 @@ torch::Tensor kquant_q8_mm(const torch::Tensor& x, const torch::Tensor& raw, int
   TORCH_CHECK(x.size(1) == w.in, "kquant_q8_mm: x has ", x.size(1), " features, W takes ", w.in);
   auto y = torch::empty({T, out}, x.options());
   if (T == 0 || out == 0) return y;
-  const QuantX qx = quantize(x.data_ptr<float>(), T, w.in);
+  const QuantX qx = quantize(x.data_ptr<float>(), T, w.in, static_cast<int>(qtype));
   float* yp = y.data_ptr<float>();
   switch (qtype) {
     case kQ4_K: mm_dispatch<kQ4_K>(qx, T, w, yp, out); break;
