@@ -37,6 +37,9 @@ the bf16-rounded ones (same speed, slightly different numbers from the engine's 
 ``--dtype auto`` runs the engine's fast mode (what ``tessera serve`` picks on a CPU with
 AVX512_BF16; the exact mode for a K-quant file) against vLLM in bf16, its own
 reduced-precision mode; so does ``--dtype int8`` (a K-quant file's int8 mode).
+``--vllm-dtype float32`` runs vLLM in float32 instead: on a CPU without AVX512_BF16 its
+bf16 is emulated (a 1B model's start-up profiling run took 264 s in bf16, 56 s in
+float32 on such a machine), and float32 is its fastest mode there.
 """
 
 from __future__ import annotations
@@ -215,11 +218,18 @@ def main() -> None:
         type=Path,
         help="the engine's GGUF (default: the built-in model; --vllm-model is its weights)",
     )
+    parser.add_argument(
+        "--vllm-dtype",
+        choices=["bfloat16", "float32"],
+        help="vLLM's dtype (default: bfloat16 for --dtype auto, int8 and bfloat16, else "
+        "float32): on a CPU without AVX512_BF16 vLLM's bfloat16 is emulated, many times "
+        "slower than its float32 there",
+    )
     args = parser.parse_args()
 
     model = args.model or builtin_model_path()
     loaded = load_model(model, args.dtype)
-    peer_dtype = "bfloat16" if args.dtype in ("auto", "int8") else args.dtype
+    peer_dtype = args.vllm_dtype or ("bfloat16" if args.dtype in ("auto", "int8") else args.dtype)
     label = loaded.precision  # what auto resolved to ("fast" where it runs)
     tok = loaded.tokenizer
     # Both sides run a batch of the largest size once, untimed, before timing anything: a
