@@ -578,7 +578,7 @@ def write_report(args, schedules: dict[float, list[Request]], result: dict) -> N
 
     peer = next((t for t in targets if t.role == "peer"), None)
     report(
-        "serve_load",
+        args.result_name,
         rows,
         {
             "peer": None
@@ -785,6 +785,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up requests per server")
     parser.add_argument("--cooldown-s", type=float, default=2.0, help="pause between runs")
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--result-name",
+        default="serve_load",
+        help="results/NAME.json and .png (default: %(default)s; another for another model)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the schedule, send none")
     parser.add_argument("--start", action="store_true", help="start `tessera serve` first")
     parser.add_argument("--start-timeout-s", type=float, default=600.0)
