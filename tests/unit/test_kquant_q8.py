@@ -95,3 +95,22 @@ def test_int8_is_only_for_k_quants_and_batches_are_row_independent(native):
         native.kquant_q8_mm(x, packed.qs, 2)
     with pytest.raises(RuntimeError, match="x has 768 features, W takes 256"):
         native.kquant_q8_mm(x, packed.qs[:, :144].contiguous(), int(QuantType.Q4_K))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_every_row_count_gives_a_row_the_same_bits(native, qtype):
+    """Full groups of 16 rows take the kernel's lanes loop, the others its rows loop (8, then
+    1 or 2 at a time): both sum a super-block as exact integers and scale it in the same
+    float steps, so a row's result never depends on its batch or its place in it."""
+    packed, dense = random_k(qtype, (97, 256 * 5), seed=3)
+    torch.manual_seed(3)
+    x = torch.randn(40, 256 * 5) * torch.rand(40, 1) * 4
+    together = quant_matmul(x, packed, int8=True)  # two groups of 16, then 8 rows
+    for t in range(40):
+        assert torch.equal(quant_matmul(x[t : t + 1], packed, int8=True)[0], together[t]), t
+    for first, rows in ((3, 17), (5, 2), (9, 33)):
+        part = quant_matmul(x[first : first + rows], packed, int8=True)
+        assert torch.equal(part, together[first : first + rows]), (first, rows)
+    reference = quantized_x(x) @ dense.double().numpy().T
+    scale = math.sqrt(x.shape[1]) * np.abs(dense.numpy()).max() * x.abs().max().item()
+    np.testing.assert_allclose(together.numpy(), reference, rtol=1e-5, atol=2e-7 * scale)

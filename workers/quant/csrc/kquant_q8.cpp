@@ -375,6 +375,23 @@ inline __m256i sums8(const __m512i p[8]) {
   return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, d));
 }
 
+// Output row o's super-block sb unpacked into u, the bytes kAhead on asked for meanwhile.
+template <int QT>
+inline void unpack_streamed(const KPacked& w, int64_t o, int64_t sb, Unpacked& u) {
+  const uint8_t* b = w.block(o, sb, QT);
+  for (int64_t line = 0; line < block_bytes(QT); line += 64)  // the stream, ahead
+    _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line), _MM_HINT_T0);
+  unpack<QT>(b, u);
+}
+
+// One row's products with an unpacked super-block (its 256 int8 at q), in 16 int32 lanes.
+inline __m512i row_products(const Unpacked& u, const int8_t* q) {
+  __m512i p = _mm512_setzero_si512();
+  for (int k = 0; k < 4; ++k)
+    p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(u.w[k], _mm512_loadu_si512(q + 64 * k)), u.s[k]);
+  return p;
+}
+
 // One or two rows of x from t0 times output row o, into y: as rows_times_output below,
 // but each row's sums reduced on their own (its 16 lanes of products and its 8 of mins
 // in one vector, four adds), its float steps scalar.
@@ -384,15 +401,9 @@ inline void few_rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w
   float acc[R] = {};
   Unpacked u;
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
-    const uint8_t* b = w.block(o, sb, QT);
-    for (int64_t line = 0; line < block_bytes(QT); line += 64)  // the stream, ahead
-      _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line), _MM_HINT_T0);
-    unpack<QT>(b, u);
+    unpack_streamed<QT>(w, o, sb, u);
     for (int r = 0; r < R; ++r) {
-      const int8_t* q = qx.qrow(t0 + r, sb);
-      __m512i p = _mm512_setzero_si512();
-      for (int k = 0; k < 4; ++k)
-        p = _mm512_dpwssd_epi32(p, _mm512_maddubs_epi16(u.w[k], _mm512_loadu_si512(q + 64 * k)), u.s[k]);
+      const __m512i p = row_products(u, qx.qrow(t0 + r, sb));
       const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.sums(t0 + r, sb)));
       const __m256i pm = _mm256_madd_epi16(bs, u.each);
       __m512i v = _mm512_inserti64x4(
@@ -427,18 +438,9 @@ inline void rows_times_output(const QuantX& qx, int64_t t0, const KPacked& w, in
   __m256 acc = _mm256_setzero_ps();
   Unpacked u;
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
-    const uint8_t* b = w.block(o, sb, QT);
-    for (int64_t line = 0; line < block_bytes(QT); line += 64)  // the stream, ahead
-      _mm_prefetch(reinterpret_cast<const char*>(b + kAhead + line), _MM_HINT_T0);
-    unpack<QT>(b, u);
+    unpack_streamed<QT>(w, o, sb, u);
     __m512i p[8];
-    for (int r = 0; r < 8; ++r) {
-      p[r] = _mm512_setzero_si512();
-      if (r >= R) continue;
-      const int8_t* q = qx.qrow(t0 + r, sb);
-      for (int k = 0; k < 4; ++k)
-        p[r] = _mm512_dpwssd_epi32(p[r], _mm512_maddubs_epi16(u.w[k], _mm512_loadu_si512(q + 64 * k)), u.s[k]);
-    }
+    for (int r = 0; r < 8; ++r) p[r] = r < R ? row_products(u, qx.qrow(t0 + r, sb)) : _mm512_setzero_si512();
     const __m256i s = sums8(p);
     __m256i m = _mm256_setzero_si256();
     for (int64_t i = 0; i < qx.pairs; ++i)
