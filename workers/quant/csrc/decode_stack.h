@@ -92,6 +92,9 @@ struct LoraRows {
   LoraRows gathered(const torch::Tensor& rows) const {
     return LoraRows(coef.index_select(0, rows));
   }
+
+  // The same adapters for rows [first, first + n) of these.
+  LoraRows narrowed(int64_t first, int64_t n) const { return LoraRows(coef.narrow(0, first, n)); }
 };
 
 // Asks the cache for the `bytes` from p, a line at a time (a hint: never faults).
@@ -104,6 +107,13 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 // slot's A and B as GEMMs; fewer rows (decodes) go one by one through their own slot's
 // (LoraSlots::add_rows): each present adapter's weights are read once, no other slot's.
 constexpr int64_t kLoraGemmRows = 64;
+
+#if TESSERA_DECODE_VEC
+// Whether LoraSlots::add_rows takes x and y in T, its slots in U, 16 at a time.
+template <typename T, typename U>
+constexpr bool kVecLora = kVecRound<T> && (std::is_same_v<U, float> ||
+                                           std::is_same_v<U, c10::BFloat16>);
+#endif
 
 // A projection's LoRA slots (workers/model/lora.py): a [S * W, in] (each slot's W rows:
 // its P parts' lora_A, as PEFT stores them, W / P rows each), b [S * W, out] in T (or
@@ -121,6 +131,36 @@ struct LoraSlots {
     for (int64_t p = 0; p < P; ++p)
       if (rank[p]) return false;
     return true;
+  }
+
+  // Queues (side_prefetch.h) the lines add_rows reads for `lora`'s rows: each present
+  // slot's A rows in use, then their B rows' columns; returns how many lines.
+  int64_t queue_lines(const LoraRows& lora, side::Queue& queue) const {
+    if (!a.defined()) return 0;
+    const int64_t P = ranks.size(1), W = a.size(0) / lora.coef.size(1), K = a.size(1),
+                  N = b.size(1), size = a.element_size();
+    const char* ap = static_cast<const char*>(a.data_ptr());
+    const char* bp = static_cast<const char*>(b.data_ptr());
+    const int64_t* rank_p = ranks.data_ptr<int64_t>();
+    const int64_t* col_p = cols.data_ptr<int64_t>();
+    int64_t bytes = 0;
+    for (const int64_t slot : lora.present)
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t first = slot * W + p * (W / P), rank = rank_p[slot * P + p];
+        if (rank == 0) continue;
+        queue.add(ap + first * K * size, rank * K * size);
+        bytes += rank * K * size;
+      }
+    for (const int64_t slot : lora.present)
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t first = slot * W + p * (W / P), rank = rank_p[slot * P + p];
+        const int64_t* range = col_p + (slot * P + p) * 2;
+        for (int64_t w = first; w < first + rank; ++w) {
+          queue.add(bp + (w * N + range[0]) * size, (range[1] - range[0]) * size);
+          bytes += (range[1] - range[0]) * size;
+        }
+      }
+    return bytes / 64;
   }
 
   // y (the projection of x [R, in]) plus each row's adapter's share, scaling * B (A x)
@@ -155,9 +195,10 @@ struct LoraSlots {
   }
 
   // add's rows one by one: xa = scale * A_slot x over the rows in use (dot products over
-  // `in`, 16 lanes of partial sums), then y += B_slot^T xa over the same rows, each B row
-  // over its part's columns only; T: x's and y's dtype, U: the slots' (T, or bf16 in the
-  // fast mode), summed in float32
+  // `in` in four chains of 16 lanes), then each part's output columns
+  // y[n] += sum_w xa[w] B_slot[w, n] over its B rows in use, 16 columns at a time summed
+  // in registers; T: x's and y's dtype, U: the slots' (T, or bf16 in the fast mode),
+  // summed in float32. A row's numbers never depend on the rows beside it.
   template <typename T, typename U>
   torch::Tensor add_rows(const torch::Tensor& x, torch::Tensor y, const LoraRows& lora,
                          int64_t W) const {
@@ -169,49 +210,80 @@ struct LoraSlots {
     const int64_t* col_p = cols.data_ptr<int64_t>();
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> xa(W), sum(N);
-      std::vector<int64_t> used;  // the slot's rows in use
+      std::vector<float> xa(W);
+      // a share of a step's rows had these lines queued ahead (queue_lines); otherwise
+      // each A row asks for the next while it is read: rows of a few KiB each, short
+      // streams that the CPU's prefetcher barely starts on
+      const bool ahead = side::queue().empty();
       for (int64_t r = begin; r < end; ++r) {
         const int64_t slot = lora.slots[r];
         if (slot < 0 || idle(slot)) continue;
-        used.clear();
-        for (int64_t p = 0; p < P; ++p)
-          for (int64_t i = 0; i < rank_p[slot * P + p]; ++i) used.push_back(p * (W / P) + i);
         const T* xr = xp + r * K;
-        for (size_t i = 0; i < used.size(); ++i) {
-          const int64_t w = used[i];
-          const U* ar = ap + (slot * W + w) * K;
-          // the next A row in use, asked for while this one is read: rows of a few KiB
-          // each, short streams that the CPU's prefetcher barely starts on
-          if (i + 1 < used.size())
-            prefetch_lines(ap + (slot * W + used[i + 1]) * K, K * sizeof(U));
-          float lanes[16] = {};
-          int64_t k = 0;
-          for (; k + 16 <= K; k += 16)
-            for (int j = 0; j < 16; ++j) lanes[j] += f32(xr[k + j]) * f32(ar[k + j]);
-          float dot = 0.0f;
-          for (int j = 0; j < 16; ++j) dot += lanes[j];
-          for (; k < K; ++k) dot += f32(xr[k]) * f32(ar[k]);
-          xa[w] = dot * lora.scale[r];
-        }
-        std::fill(sum.begin(), sum.end(), 0.0f);
-        for (size_t i = 0; i < used.size(); ++i) {
-          const int64_t w = used[i];
-          const int64_t* range = col_p + (slot * P + w / (W / P)) * 2;  // its part's columns
-          const float c = xa[w];
-          const U* br = bp + (slot * W + w) * N;
-          if (i + 1 < used.size()) {  // the next B row's columns, asked for meanwhile
-            const int64_t* next = col_p + (slot * P + used[i + 1] / (W / P)) * 2;
-            prefetch_lines(bp + (slot * W + used[i + 1]) * N + next[0],
-                           (next[1] - next[0]) * sizeof(U));
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t w = p * (W / P); w < p * (W / P) + rank_p[slot * P + p]; ++w) {
+            if (ahead) prefetch_lines(ap + (slot * W + w + 1) * K, K * sizeof(U));
+            xa[w] = dot(xr, ap + (slot * W + w) * K, K) * lora.scale[r];
           }
-          for (int64_t n = range[0]; n < range[1]; ++n) sum[n] += c * f32(br[n]);
-        }
         T* out = yp + r * N;
-        for (int64_t n = 0; n < N; ++n) out[n] = round_to<T>(f32(out[n]) + sum[n]);
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t first = p * (W / P), last = first + rank_p[slot * P + p];
+          const int64_t* range = col_p + (slot * P + p) * 2;  // the part's columns
+          int64_t n = range[0];
+#if TESSERA_DECODE_VEC
+          if constexpr (kVecLora<T, U>) {
+            for (; n + 16 <= range[1]; n += 16) {
+              F sum = vec16::zero();
+              for (int64_t w = first; w < last; ++w)
+                sum = vec16::add(sum, vec16::mul(vec16::set1(xa[w]),
+                                                 load16<U>(bp + (slot * W + w) * N + n)));
+              store16<T>(out + n, vec16::add(load16<T>(out + n), sum));
+            }
+          }
+#endif
+          for (; n + 16 <= range[1]; n += 16) {
+            float sum[16] = {};
+            for (int64_t w = first; w < last; ++w) {
+              const U* br = bp + (slot * W + w) * N + n;
+              const float c = xa[w];
+              for (int j = 0; j < 16; ++j) sum[j] += c * f32(br[j]);
+            }
+            for (int j = 0; j < 16; ++j) out[n + j] = round_to<T>(f32(out[n + j]) + sum[j]);
+          }
+          for (; n < range[1]; ++n) {
+            float sum = 0.0f;
+            for (int64_t w = first; w < last; ++w) sum += xa[w] * f32(bp[(slot * W + w) * N + n]);
+            out[n] = round_to<T>(f32(out[n]) + sum);
+          }
+        }
       }
     });
     return y;
+  }
+
+  // sum_k x[k] a[k] in float32: four chains of 16 lanes, added in a fixed order
+  template <typename T, typename U>
+  static float dot(const T* x, const U* a, int64_t K) {
+    float lanes[4][16] = {};
+    int64_t k = 0;
+#if TESSERA_DECODE_VEC
+    if constexpr (kVecLora<T, U>) {
+      F chains[4] = {vec16::zero(), vec16::zero(), vec16::zero(), vec16::zero()};
+      for (; k + 64 <= K; k += 64)
+        for (int c = 0; c < 4; ++c)
+          chains[c] = vec16::add(chains[c], vec16::mul(load16<T>(x + k + 16 * c),
+                                                       load16<U>(a + k + 16 * c)));
+      for (int c = 0; c < 4; ++c) vec16::store(lanes[c], chains[c]);
+    }
+#endif
+    for (; k + 64 <= K; k += 64)
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 16; ++j) lanes[c][j] += f32(x[k + 16 * c + j]) * f32(a[k + 16 * c + j]);
+    for (; k + 16 <= K; k += 16)
+      for (int j = 0; j < 16; ++j) lanes[0][j] += f32(x[k + j]) * f32(a[k + j]);
+    float sum = 0.0f;
+    for (int j = 0; j < 16; ++j) sum += (lanes[0][j] + lanes[1][j]) + (lanes[2][j] + lanes[3][j]);
+    for (; k < K; ++k) sum += f32(x[k]) * f32(a[k]);
+    return sum;
   }
 };
 
@@ -387,17 +459,19 @@ class DecodeLayers {
                               const torch::Tensor& sin, const int64_t* slots,
                               const int64_t* seq_lens, const int64_t* tables, int64_t width,
                               const torch::Tensor& kv_cache, const torch::Tensor* rows,
-                              bool handover) const;
+                              bool handover, const LoraRows* lora) const;
   template <typename T, typename C>
   torch::Tensor run_split(int64_t shares, torch::Tensor& hidden, const torch::Tensor& cos,
                           const torch::Tensor& sin, const int64_t* slots, int64_t D,
                           const int64_t* seq_lens, const int64_t* tables, int64_t width,
                           const std::vector<Prompt>& prompts, const torch::Tensor& kv_cache,
-                          const torch::Tensor* rows, bool handover) const;
+                          const torch::Tensor* rows, bool handover,
+                          const LoraRows* lora) const;
   template <typename C>
   void queue_next_kv(int64_t l, int64_t B, const C* k_cache, const C* v_cache,
                      int64_t layer_stride, const int64_t* seq_lens, const int64_t* tables,
-                     int64_t width, int64_t block_size, int64_t decodes) const;
+                     int64_t width, int64_t block_size, int64_t decodes,
+                     const LoraRows* lora) const;
 
   // ---- the paged cache and attention (decode_attention.h)
   template <typename T, typename C>
