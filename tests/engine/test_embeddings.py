@@ -4,6 +4,8 @@ mean pooling, normalised or not; no KV block held afterwards; the 400s' fields."
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -146,3 +148,87 @@ def test_an_input_over_the_kv_pool_is_refused_and_the_others_freed(tiny_llama):
     expected = reference(hf_model, inputs, "last", True)
     torch.testing.assert_close(engine.embed(inputs), expected, atol=1e-5, rtol=1e-5)
     assert not engine.kv.tables
+
+
+def interleaving_engine(tiny_llama):
+    """The tiny Llama with a budget of 8 tokens a forward: ``random_inputs`` take 7
+    forwards, and their 30-token input holds blocks across 4 of them."""
+    from tessera.workers.config import EngineConfig
+    from tessera.workers.engine.engine import Engine
+
+    path, _ = tiny_llama
+    fields = dict(model=str(path), num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    return Engine(EngineConfig(**fields, embedding_pooling="mean"))
+
+
+GENERATION = (11, 40, 7, 300, 5)
+
+
+def test_embedding_forwards_go_between_generation_steps(tiny_llama):
+    """A job's forwards alternate with a request's steps: between them its inputs hold
+    their blocks and the engine's invariants hold (the job's sequences counted); the
+    embeddings are transformers' and the request's tokens are those it gets alone."""
+    from tessera.workers.api import SamplingParams
+    from tessera.workers.engine.embedding import SEQ_PREFIX
+    from tests.helpers import run_engine
+
+    _, hf_model = tiny_llama
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = interleaving_engine(tiny_llama)
+    alone.add_request("gen", list(GENERATION), greedy)
+    expected_tokens = [t for out in run_engine(alone)["gen"] for t in out.token_ids]
+
+    engine = interleaving_engine(tiny_llama)
+    engine.add_request("gen", list(GENERATION), greedy)
+    inputs = random_inputs(2)
+    job = engine.start_embedding(inputs)
+    outputs, held_between = [], 0
+    while not job.finished:
+        engine.embedding_forward(job)
+        held = [seq for seq in engine.kv.tables if seq.startswith(SEQ_PREFIX)]
+        held_between += bool(held)
+        engine.check_integrity()
+        outputs.extend(engine.step())
+    engine.end_embedding(job)
+    while engine.has_work():
+        outputs.extend(engine.step())
+    assert held_between >= 3
+    torch.testing.assert_close(job.result(), reference(hf_model, inputs, "mean", True))
+    assert [t for out in outputs for t in out.token_ids] == expected_tokens
+    engine.check_integrity()
+    assert not engine.kv.tables
+
+
+async def test_an_embedding_cancelled_between_forwards_frees_its_blocks(tiny_llama):
+    """``AsyncEngine.embed`` runs a forward per ``run`` call while a request steps; its
+    caller cancelled while the inputs hold blocks, every block is freed, the request
+    goes on to its own tokens, and the next embedding is transformers'."""
+    from tessera.workers.api import SamplingParams
+    from tessera.workers.engine.async_engine import AsyncEngine
+    from tessera.workers.engine.embedding import SEQ_PREFIX
+
+    _, hf_model = tiny_llama
+    inner = interleaving_engine(tiny_llama)
+    engine = AsyncEngine(inner)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    stream = await engine.add_request("gen", list(GENERATION), greedy)
+    first = await anext(stream)
+    steps = inner.num_steps
+    task = asyncio.create_task(engine.embed(random_inputs(3)))
+    while not any(seq.startswith(SEQ_PREFIX) for seq in inner.kv.tables):
+        assert not task.done()
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not [seq for seq in inner.kv.tables if seq.startswith(SEQ_PREFIX)]
+    await engine.run(inner.check_integrity)
+    inputs = random_inputs(4)
+    vectors = await engine.embed(inputs)
+    torch.testing.assert_close(vectors, reference(hf_model, inputs, "mean", True))
+    rest = [delta async for delta in stream]
+    assert len([t for out in (first, *rest) for t in out.token_ids]) == 30
+    assert inner.num_steps > steps
+    await engine.run(inner.check_integrity)
+    assert not inner.kv.tables
+    await engine.close()

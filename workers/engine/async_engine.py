@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+
 from tessera.workers.api import LoraRef, Request, RequestOutput, Resume, SamplingParams
 from tessera.workers.engine.engine import Engine, EngineStats
 
@@ -233,6 +235,21 @@ class AsyncEngine:
         await self.prepare_lora(request.lora)
         self._check_open(request.request_id)
         return self._open_stream(self.engine.submit(request, grammar))
+
+    async def embed(self, inputs: list[list[int]]) -> torch.Tensor:
+        """``Engine.embed`` a forward at a time, each a ``run`` call between two steps:
+        requests in flight go on generating while a long list of inputs is embedded.
+        The job's blocks are freed however it ends, the caller's cancellation
+        included."""
+        engine = self.engine
+        job = engine.start_embedding(inputs)
+        try:
+            while not job.finished:
+                await self.run(engine.embedding_forward, job)
+        finally:
+            # shielded: a cancelled caller still waits for its blocks to be freed
+            await asyncio.shield(self.run(engine.end_embedding, job))
+        return job.result()
 
     async def prepare_lora(self, lora: LoraRef | None) -> None:
         """Read a request's adapter off the loop (its files: megabytes), once."""

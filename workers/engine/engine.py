@@ -207,6 +207,8 @@ class Engine:
         self._ready: list[RequestOutput] = []  # produced outside step(), returned by the next
         # admitted requests whose LoRA adapter found every slot pinned, in arrival order
         self._lora_waiting: collections.deque[tuple[Request, object | None]] = collections.deque()
+        # embedding jobs begun and not ended: their sequences hold blocks between steps
+        self._embeddings: set[embedding.EmbeddingJob] = set()
         self._order = 0
         logger.info(
             "engine ready: %d KV blocks of %d tokens, max_model_len %d, prefix caching %s",
@@ -301,21 +303,43 @@ class Engine:
         )
 
     def embed(self, inputs: list[list[int]]) -> torch.Tensor:
-        """Each input's pooled final hidden state (``embedding.embed``: the config's
-        ``embedding_pooling`` and ``embedding_normalize``), float32 ``[len(inputs),
-        hidden]``, between steps; ``InvalidRequestError`` naming the input at fault."""
-        vocab = self.model_config.vocab_size
-        check_embedding_inputs(inputs, vocab, self.max_model_len)
+        """Each input's pooled final hidden state (``embedding.EmbeddingJob``: the
+        config's ``embedding_pooling`` and ``embedding_normalize``), float32
+        ``[len(inputs), hidden]``, a forward at a time between steps;
+        ``InvalidRequestError`` naming the input at fault."""
+        job = self.start_embedding(inputs)
+        try:
+            while not job.finished:
+                self.embedding_forward(job)
+        finally:
+            self.end_embedding(job)
+        return job.result()
+
+    def start_embedding(self, inputs: list[list[int]]) -> embedding.EmbeddingJob:
+        """A job for ``embed``'s inputs, checked (``InvalidRequestError`` naming the input
+        at fault); it holds no block yet. Run it with ``embedding_forward`` until
+        ``finished``, then ``end_embedding`` it, whatever happened."""
+        check_embedding_inputs(inputs, self.model_config.vocab_size, self.max_model_len)
         config = self.config
+        return embedding.EmbeddingJob(
+            self.kv,
+            inputs,
+            config.max_num_batched_tokens,
+            config.embedding_pooling,
+            config.embedding_normalize,
+        )
+
+    def embedding_forward(self, job: embedding.EmbeddingJob) -> None:
+        """One forward of ``job`` (at most the token budget), between two steps."""
         with self._step_lock:
-            return embedding.embed(
-                self.runner,
-                self.kv,
-                inputs,
-                config.max_num_batched_tokens,
-                config.embedding_pooling,
-                config.embedding_normalize,
-            )
+            self._embeddings.add(job)
+            job.forward(self.runner)
+
+    def end_embedding(self, job: embedding.EmbeddingJob) -> None:
+        """Frees every block ``job`` holds."""
+        with self._step_lock:
+            job.close()
+            self._embeddings.discard(job)
 
     def grammar_matcher(self, sampling: SamplingParams, resume: Resume | None) -> object | None:
         """The structured output's matcher for a request with ``sampling`` and
@@ -480,6 +504,7 @@ class Engine:
         self.kv.pool.check_integrity([*self.kv.held_tables(), *reserved])
         self.kv.check_block_ids()
         held = set(self.kv.tables)
+        held -= {seq_id for job in self._embeddings for seq_id in job.held_seq_ids()}
         running = {seq.seq_id for group in self.batcher.running for seq in group.seqs}
         waiting = {seq.seq_id for group in self.batcher.waiting for seq in group.seqs}
         assert not running & waiting, "a sequence is both running and waiting"

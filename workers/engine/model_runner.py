@@ -117,7 +117,7 @@ class ModelRunner:
         with ``argmax_only`` each of those rows' argmax (int64, ``argmax_rows``' answer).
 
         With ``hidden_only``, those rows' final-normed hidden states instead (float32
-        ``[sum of rows, hidden]``, no LM head: ``embedding.embed``).
+        ``[sum of rows, hidden]``, no LM head: ``embedding.EmbeddingJob``).
 
         Pending copy-on-write block copies are applied first, in the order recorded.
         """

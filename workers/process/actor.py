@@ -343,10 +343,10 @@ class WorkerActor(DeltaChannels):
 
     async def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """Each input's embedding (``Engine.embed``), float32 numpy ``[len(inputs),
-        hidden]``, run on the engine thread between two steps; ``InvalidRequestError``
-        naming the input at fault."""
+        hidden]``: a forward at a time on the engine thread, each between two steps
+        (``AsyncEngine.embed``); ``InvalidRequestError`` naming the input at fault."""
         self._last_active = time.monotonic()
-        vectors = await self.engine.run(self.engine.engine.embed, inputs)
+        vectors = await self.engine.embed(inputs)
         return vectors.numpy()
 
     async def check_integrity(self) -> None:
