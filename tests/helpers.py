@@ -270,11 +270,19 @@ def weights_digest(model: torch.nn.Module) -> int:
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def save_random_lora(path: Path, hf_model, seed: int, rank: int = 4, alpha: int = 8, **config):
+def save_random_lora(
+    path: Path,
+    hf_model,
+    seed: int,
+    rank: int = 4,
+    alpha: int = 8,
+    b_scale: float = 20.0,
+    **config,
+):
     """A PEFT LoRA adapter of ``hf_model`` with random A and B (``init_lora_weights=False``,
-    B scaled up so the adapter changes the greedy tokens), saved at ``path`` by
-    ``save_pretrained``; returns the PEFT model (over a copy of ``hf_model``): the
-    reference for that adapter."""
+    B scaled up by ``b_scale`` so the adapter changes the greedy tokens), saved at
+    ``path`` by ``save_pretrained``; returns the PEFT model (over a copy of
+    ``hf_model``): the reference for that adapter."""
     import copy
 
     import peft
@@ -288,18 +296,18 @@ def save_random_lora(path: Path, hf_model, seed: int, rank: int = 4, alpha: int 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.mul_(20.0)
+                param.mul_(b_scale)
     model.save_pretrained(path)
     return model.eval()
 
 
-def random_adapters(hf_model, root: Path) -> dict[str, tuple[str, object]]:
+def random_adapters(hf_model, root: Path, b_scale: float = 20.0) -> dict[str, tuple[str, object]]:
     """Two PEFT adapters of ``hf_model`` under ``root``: "first" (rank 4, every
-    projection) and "second" (rank 8, rsLoRA, q/v/o only): name -> (folder, the PEFT
-    model that is its reference)."""
+    projection, B scaled by ``b_scale``) and "second" (rank 8, rsLoRA, q/v/o only): name
+    -> (folder, the PEFT model that is its reference)."""
     made = {}
     for name, seed, extra in (
-        ("first", 1, dict(rank=4, alpha=8)),
+        ("first", 1, dict(rank=4, alpha=8, b_scale=b_scale)),
         (
             "second",
             2,

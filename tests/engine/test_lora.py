@@ -228,8 +228,13 @@ def test_an_adapter_gone_before_its_request_starts_aborts_only_that_request(
 
 @pytest.fixture(scope="module")
 def smollm2_adapters(hf_reference, tmp_path_factory):
-    """``random_adapters`` of the built-in model (its GGUF as transformers dequantises it)."""
-    made = random_adapters(hf_reference.model, tmp_path_factory.mktemp("smollm2-loras"))
+    """``random_adapters`` of the built-in model (its GGUF as transformers dequantises it),
+    "first" with B scaled by 4, not 20: through SmolLM2's 30 layers an adapter that strong
+    turns float32 rounding (the order of a sum) into logprobs 0.01-0.05 apart, enough to
+    flip a greedy token where transformers' top two are far from a tie."""
+    made = random_adapters(
+        hf_reference.model, tmp_path_factory.mktemp("smollm2-loras"), b_scale=4.0
+    )
     return {
         name: (LoraRef(name, path, adapter_digest(path)), model)
         for name, (path, model) in made.items()
@@ -294,6 +299,8 @@ def test_decodes_with_adapters_in_shares_of_rows_give_the_numbers_of_one_run(
         native.hold_second_share(False)
         native.use_row_shares(4)
         torch.set_num_threads(threads)
+    assert expected[0][0] != expected[9][0]  # prompt 0: "first", the base model
+    assert expected[2][0] != expected[5][0]  # prompt 2: "second", the base model
     for k, name in enumerate(which):
         reference = TransformersReference(smollm2_adapters[name][1]) if name else hf_reference
         assert_greedy_matches(expected[k][0], reference.greedy(PROMPTS[k % len(PROMPTS)], 6))

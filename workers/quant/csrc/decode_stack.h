@@ -211,17 +211,19 @@ struct LoraSlots {
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> xa(W);
-      // a share of a step's rows had these lines queued ahead (queue_lines); otherwise
-      // each A row asks for the next while it is read: rows of a few KiB each, short
-      // streams that the CPU's prefetcher barely starts on
-      const bool ahead = side::queue().empty();
+      // a share of a step's rows has these lines asked for ahead (queue_lines) where the
+      // kernels drain its queue; otherwise each A row asks for the next while it is
+      // read: rows of a few KiB each, short streams that the CPU's prefetcher barely
+      // starts on
+      const side::Queue& queue = side::queue();
+      const bool by_row = queue.empty() || !queue.draining();
       for (int64_t r = begin; r < end; ++r) {
         const int64_t slot = lora.slots[r];
         if (slot < 0 || idle(slot)) continue;
         const T* xr = xp + r * K;
         for (int64_t p = 0; p < P; ++p)
           for (int64_t w = p * (W / P); w < p * (W / P) + rank_p[slot * P + p]; ++w) {
-            if (ahead) prefetch_lines(ap + (slot * W + w + 1) * K, K * sizeof(U));
+            if (by_row) prefetch_lines(ap + (slot * W + w + 1) * K, K * sizeof(U));
             xa[w] = dot(xr, ap + (slot * W + w) * K, K) * lora.scale[r];
           }
         T* out = yp + r * N;

@@ -57,6 +57,9 @@ class Queue {
     else ranges_.emplace_back(c, c + bytes);
   }
   bool empty() const { return ranges_.empty(); }
+  // Whether some() has asked for a line since the queue was filled: the kernels running
+  // meanwhile drain it (the bf16 AMX path never does).
+  bool draining() const { return asked_ > 0; }
   // Paces some() to ask for `lines` evenly over the next `calls` calls (in 1/256ths of a
   // line a call, at most 32 lines), so that the queue drains just as they end.
   void pace(int64_t lines, int64_t calls) {
