@@ -426,7 +426,7 @@ class DecodeLayers {
   // row, rows, seq_len: a causal chunk, its rows consecutive, the last at cache index
   // seq_len - 1) with `prompt_tables` [P, W'] cover the rest, in order. `lora_coef`
   // [B, S] in T: each row's LoRA adapter's scaling in its slot's column (set_lora's
-  // slots), 0 elsewhere; such a step runs as one, not in shares.
+  // slots), 0 elsewhere; a share of the rows (run_in_shares) takes its rows' adapters.
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& seq_lens,
                         const torch::Tensor& block_tables, const torch::Tensor& kv_cache,
