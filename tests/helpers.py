@@ -76,6 +76,11 @@ class TransformersReference:
         return Reference(tuple(tokens), tuple(gaps))
 
 
+#: Rows a share of a decode step takes at least by default (``use_row_shares``;
+#: csrc/decode_shares.h's ``share_rows``), restored after each test that changes it.
+DEFAULT_SHARE_ROWS = 4
+
+
 def assert_greedy_matches(ours: list[int] | tuple[int, ...], ref: Reference) -> None:
     """Token-identical, or diverging only where the reference had a near-tie (the
     exactness contract, docs/architecture.md)."""

@@ -11,6 +11,7 @@ import pytest
 from tessera.workers.api import InvalidRequestError, LoraRef, SamplingParams
 from tessera.workers.model.lora import adapter_digest
 from tests.helpers import (
+    DEFAULT_SHARE_ROWS,
     TransformersReference,
     assert_greedy_matches,
     random_adapters,
@@ -283,7 +284,7 @@ def test_decodes_with_adapters_in_shares_of_rows_give_the_numbers_of_one_run(
         torch.set_num_threads(2)
         assert native.use_row_shares(0) == 0
         expected = generate()
-        native.use_row_shares(4)
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
         before = native.kv_prefetched_lines()
         assert generate() == expected
         assert native.kv_prefetched_lines() > before
@@ -297,7 +298,7 @@ def test_decodes_with_adapters_in_shares_of_rows_give_the_numbers_of_one_run(
             pytest.fail("no share was handed over in 5 runs")
     finally:
         native.hold_second_share(False)
-        native.use_row_shares(4)
+        native.use_row_shares(DEFAULT_SHARE_ROWS)
         torch.set_num_threads(threads)
     assert expected[0][0] != expected[9][0]  # prompt 0: "first", the base model
     assert expected[2][0] != expected[5][0]  # prompt 2: "second", the base model

@@ -19,6 +19,7 @@ from tessera.workers.model.loader import fast_mode_available, load_model
 from tessera.workers.quant.int4 import Q4Weight
 from tessera.workers.quant.kernels import native_kernels
 from tests.helpers import (
+    DEFAULT_SHARE_ROWS,
     multi_row_requests,
     run_multi_row,
     save_random_llama,
@@ -257,11 +258,6 @@ def test_native_step_does_not_depend_on_how_the_threads_split_the_rows(smollm2):
     (logits1, cache1), (logits2, cache2) = results
     assert torch.equal(logits1, logits2)
     assert torch.equal(cache1.nan_to_num(), cache2.nan_to_num())
-
-
-#: Rows a share takes at least by default (``use_row_shares``; csrc/decode_layers.cpp's
-#: ``share_rows``), restored after each test that changes it.
-DEFAULT_SHARE_ROWS = 4
 
 
 def loaded_in_shares(request, which: str):
